@@ -1,0 +1,62 @@
+# mgpu-lab: set up a virtual environment, start JupyterLab, run the tests.
+#
+#   make lab     create .venv if needed, install, start JupyterLab on notebooks/
+#   make test    create .venv if needed, install, run tests/ (+ solutions/*.ipynb under nbval)
+#   make bench   create .venv if needed, install, run bench/launch.py
+#   make clean   remove build and test junk (keeps .venv)
+#
+# The install step runs only when pyproject.toml or constraints.txt changed
+# since the last install (stamp file inside .venv); delete .venv to start over.
+
+PYTHON3 ?= python3
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+PINS    := constraints.txt
+STAMP   := $(VENV)/.mgpu-lab-installed
+
+# JupyterLab: `make lab LAB_IP=0.0.0.0 LAB_ARGS="--no-browser --port 8899"`.
+LAB_IP   ?= 127.0.0.1
+LAB_ARGS ?=
+LAB_DIR  ?= notebooks
+# Jupyter refuses to start as root (containers, cloud VMs) without this flag.
+LAB_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
+
+# Tests: extra pytest flags via PYTEST_ARGS, e.g. `make test PYTEST_ARGS="-x -k launch"`.
+# Solution notebooks run under nbval only when there are any; NBVAL=--nbval
+# compares every output instead of only cells marked `# NBVAL_CHECK_OUTPUT`.
+PYTEST_ARGS ?=
+NBVAL       ?= --nbval-lax
+SOLUTION_NOTEBOOKS := $(sort $(wildcard solutions/*.ipynb))
+
+.DEFAULT_GOAL := help
+.PHONY: help install lab test bench clean
+
+help:
+	@echo "make lab     set up .venv and start JupyterLab on $(LAB_DIR)/ (LAB_IP=$(LAB_IP), LAB_ARGS=...)"
+	@echo "make test    set up .venv and run the test suite (PYTEST_ARGS=...)"
+	@echo "make bench   set up .venv and run bench/launch.py"
+	@echo "make clean   remove build and test junk (keeps .venv)"
+
+$(PY):
+	$(PYTHON3) -m venv $(VENV)
+
+$(STAMP): pyproject.toml $(PINS) | $(PY)
+	$(PY) -m pip install -c $(PINS) -e '.[dev]'
+	@touch $@
+
+install: $(STAMP)
+
+lab: $(STAMP)
+	@test -d $(LAB_DIR) || echo "make lab: $(LAB_DIR)/ does not exist; starting in the repository root"
+	$(PY) -m jupyterlab --ip=$(LAB_IP) $(LAB_ROOT) $(LAB_ARGS) $(if $(wildcard $(LAB_DIR)),$(LAB_DIR))
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS) tests $(if $(SOLUTION_NOTEBOOKS),$(NBVAL) $(SOLUTION_NOTEBOOKS))
+
+bench: $(STAMP)
+	$(PY) bench/launch.py
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache artifacts
+	find . \( -path ./$(VENV) -o -path ./.git \) -prune -o \
+	    \( -name __pycache__ -o -name .ipynb_checkpoints \) -type d -prune -exec rm -rf {} +

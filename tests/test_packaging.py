@@ -1,0 +1,271 @@
+"""Packaging consistency: pyproject.toml, environment.yml and constraints.txt.
+
+The pip path (`make lab`, `make test`, CI) reads pyproject.toml and
+constraints.txt; the conda path reads environment.yml. These tests keep the
+three from drifting apart: same dependency names, same torch/torchvision pins,
+and the `mgpu-lab` command declared.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: tomllib arrived in 3.11.
+    try:
+        import tomli as tomllib
+    except ModuleNotFoundError:
+        from pip._vendor import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+PINS = {"torch": "2.14.1", "torchvision": "0.29.1"}
+
+# Names that are tooling rather than dependencies of the project.
+IGNORED_NAMES = {"python", "pip"}
+
+
+def dependency_name(spec: str) -> str | None:
+    """Return the normalised project name of a requirement, or None.
+
+    Lowercases, maps `_` and `.` to `-` (PEP 503), and drops extras, version
+    specifiers (pip's `==`, `>=` and conda's `=`) and markers. Pip options
+    such as `-e .` have no name and give None.
+
+    Example:
+        >>> dependency_name("Jupyter_Client>=8; python_version>'3.9'")
+        'jupyter-client'
+    """
+    spec = spec.strip()
+    if not spec or spec.startswith("-"):
+        return None
+    match = re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", spec)
+    if match is None:
+        raise ValueError(f"cannot read a package name from requirement {spec!r}")
+    return re.sub(r"[-_.]+", "-", match.group(0)).lower()
+
+
+def dependency_names(specs: list[str]) -> set[str]:
+    """Normalised names of `specs`, without pip options and IGNORED_NAMES."""
+    names = {dependency_name(spec) for spec in specs}
+    return {name for name in names if name and name not in IGNORED_NAMES}
+
+
+def parse_environment_dependencies(text: str) -> tuple[list[str], list[str]]:
+    """Read the `dependencies:` list of a conda environment file.
+
+    A small reader for the one shape environment.yml uses (PyYAML is not a
+    dependency): a top-level `dependencies:` key holding `- item` lines and at
+    most one `- pip:` entry with its own indented `- item` lines.
+
+    Args:
+        text: the contents of environment.yml.
+
+    Returns:
+        (conda_specs, pip_specs), each a list of requirement strings as written.
+
+    Raises:
+        ValueError: no `dependencies:` key, or a line in it that is neither a
+            list item nor the `pip:` sublist.
+
+    Example:
+        >>> parse_environment_dependencies("dependencies:\\n  - numpy\\n  - pip:\\n    - torch==2.4\\n")
+        (['numpy'], ['torch==2.4'])
+    """
+    conda: list[str] = []
+    pip: list[str] = []
+    in_dependencies = False
+    found = False
+    item_indent: int | None = None
+    in_pip = False
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = re.sub(r"(^|\s)#.*$", "", raw).rstrip()
+        if not line.strip():
+            continue
+        indent = len(line) - len(line.lstrip())
+        stripped = line.strip()
+        if indent == 0:
+            in_dependencies = stripped == "dependencies:"
+            found = found or in_dependencies
+            item_indent, in_pip = None, False
+            continue
+        if not in_dependencies:
+            continue
+        if not stripped.startswith("- "):
+            raise ValueError(f"environment.yml line {number}: expected a '- item' under dependencies:, got {raw!r}")
+        item = stripped[2:].strip()
+        if item_indent is None:
+            item_indent = indent
+        if indent == item_indent:
+            in_pip = item == "pip:"
+            if not in_pip:
+                if item.endswith(":"):
+                    raise ValueError(f"environment.yml line {number}: only a 'pip:' sublist is understood, got {raw!r}")
+                conda.append(item)
+        elif indent > item_indent and in_pip:
+            pip.append(item)
+        else:
+            raise ValueError(f"environment.yml line {number}: unexpected indentation in {raw!r}")
+    if not found:
+        raise ValueError("environment.yml has no top-level 'dependencies:' key")
+    return conda, pip
+
+
+def compare_dependency_names(pyproject_specs: list[str], environment_specs: list[str]) -> list[str]:
+    """Describe how two dependency lists differ by name; [] when they agree.
+
+    Example:
+        >>> compare_dependency_names(["torch>=2.4"], ["torch==2.14.1", "scipy"])
+        ['in environment.yml but not in pyproject.toml: scipy']
+    """
+    ours = dependency_names(pyproject_specs)
+    theirs = dependency_names(environment_specs)
+    problems = []
+    if ours - theirs:
+        problems.append(f"in pyproject.toml but not in environment.yml: {', '.join(sorted(ours - theirs))}")
+    if theirs - ours:
+        problems.append(f"in environment.yml but not in pyproject.toml: {', '.join(sorted(theirs - ours))}")
+    return problems
+
+
+def read_pins(text: str) -> dict[str, str]:
+    """Map name -> version for the `name==version` lines of a constraints file."""
+    pins = {}
+    for raw in text.splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        name, sep, version = line.partition("==")
+        if not sep:
+            raise ValueError(f"constraints.txt: {raw!r} is not an exact 'name==version' pin")
+        pins[dependency_name(name)] = version.strip()
+    return pins
+
+
+@pytest.fixture(scope="module")
+def pyproject() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+@pytest.fixture(scope="module")
+def environment() -> tuple[list[str], list[str]]:
+    return parse_environment_dependencies((ROOT / "environment.yml").read_text())
+
+
+def all_pyproject_specs(pyproject: dict) -> list[str]:
+    specs = list(pyproject["project"]["dependencies"])
+    for extra in pyproject["project"].get("optional-dependencies", {}).values():
+        specs.extend(extra)
+    return specs
+
+
+def test_environment_yml_names_the_same_dependencies_as_pyproject(pyproject, environment):
+    conda, pip = environment
+    problems = compare_dependency_names(all_pyproject_specs(pyproject), conda + pip)
+    assert not problems, "; ".join(problems)
+
+
+def test_compare_reports_a_mismatch_in_both_directions():
+    problems = compare_dependency_names(
+        ["torch>=2.4", "numpy", "tqdm"],
+        ["torch==2.14.1", "numpy", "scipy"],
+    )
+    assert problems == [
+        "in pyproject.toml but not in environment.yml: tqdm",
+        "in environment.yml but not in pyproject.toml: scipy",
+    ]
+
+
+def test_compare_ignores_spelling_versions_python_pip_and_editable_install():
+    assert compare_dependency_names(
+        ["jupyter_client>=8", "Torch>=2.4", "pytest[testing]; python_version>'3.9'"],
+        ["python=3.11", "pip", "jupyter-client", "torch==2.14.1", "pytest=8", "-e ."],
+    ) == []
+
+
+@pytest.mark.parametrize(
+    "spec, name",
+    [
+        ("torch>=2.4", "torch"),
+        ("torch==2.14.1", "torch"),
+        ("python=3.11", "python"),
+        ("jupyter_client", "jupyter-client"),
+        ("Zope.Interface ~= 5.0", "zope-interface"),
+        ("nbval[extra]>=0.10", "nbval"),
+        ("-e .", None),
+        ("--extra-index-url https://example.org/simple", None),
+    ],
+)
+def test_dependency_name(spec, name):
+    assert dependency_name(spec) == name
+
+
+def test_parser_reads_conda_and_pip_lists_and_skips_comments():
+    text = """\
+name: demo  # a comment
+channels:
+  - conda-forge
+dependencies:
+  # tooling
+  - python=3.11
+  - numpy  # inline comment
+  - pip:
+      - torch==2.14.1
+      - -e .
+variables:
+  FOO: bar
+"""
+    assert parse_environment_dependencies(text) == (["python=3.11", "numpy"], ["torch==2.14.1", "-e ."])
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("name: demo\nchannels:\n  - conda-forge\n", "no top-level 'dependencies:'"),
+        ("dependencies:\n  numpy: 1\n", "expected a '- item'"),
+        ("dependencies:\n  - conda:\n    - numpy\n", "only a 'pip:' sublist"),
+        ("dependencies:\n  - numpy\n    - scipy\n", "unexpected indentation"),
+    ],
+)
+def test_parser_rejects_shapes_it_does_not_understand(text, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_environment_dependencies(text)
+
+
+def test_console_script_points_to_cli_main(pyproject):
+    scripts = pyproject["project"].get("scripts", {})
+    assert scripts.get("mgpu-lab") == "mgpu_lab.cli:main", f"[project.scripts] is {scripts}"
+
+
+def test_package_discovery_includes_subpackages(pyproject):
+    find = pyproject["tool"]["setuptools"]["packages"]["find"]
+    assert find["include"] == ["mgpu_lab*"]
+
+
+def test_pins_file_pins_the_tested_torch_pair():
+    assert read_pins((ROOT / "constraints.txt").read_text()) == PINS
+
+
+def test_read_pins_rejects_a_loose_pin():
+    with pytest.raises(ValueError, match="not an exact"):
+        read_pins("torch>=2.4\n")
+
+
+def test_environment_yml_uses_the_same_pins(environment):
+    _, pip = environment
+    pinned = {dependency_name(spec): spec.partition("==")[2] for spec in pip if "==" in spec}
+    assert pinned == PINS
+
+
+def test_pyproject_keeps_torch_loose(pyproject):
+    # GPU machines often bring their own torch build; only the Makefile/CI pin it.
+    specs = {dependency_name(spec): spec for spec in pyproject["project"]["dependencies"]}
+    assert "==" not in specs["torch"] and "==" not in specs["torchvision"], specs
+
+
+def test_pytest_markers_are_declared(pyproject):
+    markers = pyproject["tool"]["pytest"]["ini_options"]["markers"]
+    assert {marker.split(":", 1)[0] for marker in markers} >= {"gpu", "slow"}
