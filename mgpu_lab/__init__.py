@@ -1,0 +1,42 @@
+"""mgpu-lab: learn multi-GPU training in PyTorch with real distributed processes.
+
+The names below are imported lazily, so ``import mgpu_lab`` is cheap and the
+command line tools start fast; ``from mgpu_lab import launch`` loads the launcher.
+
+Example:
+    >>> from mgpu_lab import launch, dist
+    >>> launch(lambda: dist.rank(), 2)
+    [0, 1]
+"""
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "launch": ("mgpu_lab.launch", "launch"),
+    "LaunchError": ("mgpu_lab.launch", "LaunchError"),
+    "LaunchTimeout": ("mgpu_lab.launch", "LaunchTimeout"),
+    "rank": ("mgpu_lab.dist", "rank"),
+    "local_rank": ("mgpu_lab.dist", "local_rank"),
+    "world_size": ("mgpu_lab.dist", "world_size"),
+    "is_main_process": ("mgpu_lab.dist", "is_main_process"),
+    "check": ("mgpu_lab.checks", "check"),
+}
+_SUBMODULES = {"dist", "devices", "checks"}
+
+__all__ = sorted(_LAZY) + sorted(_SUBMODULES)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        value = getattr(importlib.import_module(module), attr)
+        # Importing mgpu_lab.launch binds the *module* to this name; the
+        # function is what `from mgpu_lab import launch` should give.
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f"mgpu_lab.{name}")
+    raise AttributeError(f"module 'mgpu_lab' has no attribute {name!r}")
