@@ -26,6 +26,7 @@ from ._result import Case, CheckResult, record
 
 _ID = re.compile(r"^\d\d\.[A-Za-z_][A-Za-z0-9_]*$")
 _REGISTRY: dict[str, "Exercise"] = {}
+# Seconds one call of learner code may take; read at call time, so tests can lower it.
 CALL_TIMEOUT = 60.0
 
 
@@ -116,6 +117,9 @@ class Tester:
     def __init__(self, ex: Exercise):
         self.exercise = ex
         self.cases: list[Case] = []
+        # After one call hangs, later calls fail at once: a hanging answer must
+        # not cost the learner CALL_TIMEOUT seconds per remaining case.
+        self._hung = False
 
     @contextmanager
     def case(self, name: str, hidden: bool = False, hint: str = ""):
@@ -134,6 +138,7 @@ class Tester:
         except CaseFailed as exc:
             self._add(name, False, hidden, exc.expected, exc.got, exc.hint or hint)
         except LaunchTimeout as exc:
+            self._hung = True
             self._add(name, False, hidden, got=f"no answer within {exc.args[0].split(' after ')[1].split(':')[0]}",
                       hint="your code hangs or is far too slow: look for a collective that not every "
                            "rank calls, or an endless loop" + (f"; {hint}" if hint else ""))
@@ -175,7 +180,7 @@ class Tester:
         raise CaseFailed(hint, str(expected), str(got))
 
     # -- running the learner's code ----------------------------------------
-    def call(self, fn, *args, prepare=None, catch: bool = False, timeout: float = CALL_TIMEOUT, **kwargs):
+    def call(self, fn, *args, prepare=None, catch: bool = False, timeout: float | None = None, **kwargs):
         """Run ``fn(*args, **kwargs)`` in a fresh process and return its result.
 
         Args:
@@ -183,17 +188,28 @@ class Tester:
                 simulate GPUs; must be importable (module level).
             catch: return ``("ok", value)`` or ``("raised", type name, message)``
                 instead of failing the case when ``fn`` raises.
+            timeout: seconds before the call counts as hung (default ``CALL_TIMEOUT``).
         """
         from ..launch import run
 
+        self._skip_if_hung()
+        timeout = CALL_TIMEOUT if timeout is None else timeout
         return run(_harness, 1, (fn, args, kwargs, prepare, catch), timeout=timeout,
                    init=False, quiet=True)[0]
 
-    def ranks(self, fn, nprocs: int, *args, timeout: float = CALL_TIMEOUT, backend=None, **kwargs) -> list:
+    def ranks(self, fn, nprocs: int, *args, timeout: float | None = None, backend=None, **kwargs) -> list:
         """Run ``fn`` in ``nprocs`` real ranks (process group initialised); results in rank order."""
         from ..launch import run
 
+        self._skip_if_hung()
+        timeout = CALL_TIMEOUT if timeout is None else timeout
         return run(fn, nprocs, args, kwargs, backend=backend, timeout=timeout, quiet=True)
+
+
+    def _skip_if_hung(self) -> None:
+        if self._hung:
+            raise CaseFailed("not run: an earlier case of this check hung; fix that first",
+                             got="skipped")
 
 
 def _harness(fn, args, kwargs, prepare, catch):
@@ -210,11 +226,12 @@ def _harness(fn, args, kwargs, prepare, catch):
 
 
 def _error_text(exc) -> str:
-    text = f"{exc.exc_type}: {exc.exception}" if exc.exc_type else str(exc).splitlines()[0]
+    if not exc.exc_type:  # the process died without an exception, e.g. os._exit or a segfault
+        return "the process running your code died: " + str(exc).splitlines()[0]
     tb = [ln for ln in (exc.traceback or "").splitlines() if ln.strip()]
     where = next((ln.strip() for ln in reversed(tb) if ln.strip().startswith("File ")
                   and "mgpu_lab" not in ln), "")
-    return f"your code raised {text}" + (f" ({where})" if where else "")
+    return f"your code raised {exc.exc_type}: {exc.exception}" + (f" ({where})" if where else "")
 
 
 def check(exercise_id: str, *answers, **named) -> CheckResult:
