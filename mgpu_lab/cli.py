@@ -12,7 +12,9 @@ Example:
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 __all__ = ["build_parser", "main"]
 
@@ -53,6 +55,81 @@ def _doctor(args: argparse.Namespace) -> int:
     return run_doctor(backends=args.backends, nprocs=args.nprocs, timeout=args.timeout)
 
 
+def _add_assign(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "assign", help="write the student notebooks from the solution notebooks",
+        description="Replace every ### BEGIN SOLUTION ... ### END SOLUTION block with "
+                    "raise NotImplementedError and clear the outputs.")
+    parser.add_argument("sources", nargs="*", type=Path, help="solution notebooks (default: solutions/*.ipynb)")
+    parser.add_argument("--out", type=Path, default=Path("notebooks"), help="output folder (default: notebooks)")
+    parser.add_argument("--check", action="store_true",
+                        help="write nothing; exit 1 if a student copy is missing or out of date")
+    parser.set_defaults(handler=_assign)
+
+
+def _assign(args) -> int:
+    from mgpu_lab.assign import MarkerError, assign
+
+    try:
+        changed = assign(args.sources or None, args.out, check_only=args.check)
+    except (MarkerError, FileNotFoundError) as err:
+        print(f"mgpu-lab assign: {err}", file=sys.stderr)
+        return 1
+    verb = "out of date" if args.check else "written"
+    for path in changed:
+        print(f"{verb}: {path}")
+    if not changed:
+        print("student notebooks are up to date")
+    return 1 if args.check and changed else 0
+
+
+def _add_refresh(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "refresh", help="run solution notebooks; keep only the outputs nbval checks",
+        description="Execute each notebook in a fresh kernel and keep the outputs of "
+                    "'# NBVAL_CHECK_OUTPUT' cells only (the ones nbval compares).")
+    parser.add_argument("notebooks", nargs="+", type=Path)
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per cell (default: 600)")
+    parser.set_defaults(handler=_refresh)
+
+
+def _refresh(args) -> int:
+    from mgpu_lab.assign import refresh
+
+    for path in args.notebooks:
+        kept = refresh(path, timeout=args.timeout)
+        print(f"{path}: kept the outputs of {kept} checked cell(s)")
+    return 0
+
+
+def _add_grade(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "grade", help="run submitted notebooks in fresh kernels and score their checks",
+        description="Each notebook runs in a fresh kernel under a timeout; every check cell's "
+                    "result counts. Prints points per exercise and a total per notebook.")
+    parser.add_argument("paths", nargs="+", type=Path, help="notebooks to grade")
+    parser.add_argument("--json", type=Path, help="also write the grades as JSON")
+    parser.add_argument("--csv", type=Path, help="also write the grades as CSV")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per notebook (default: 600)")
+    parser.set_defaults(handler=_grade)
+
+
+def _grade(args) -> int:
+    from mgpu_lab.grade import grade, report, write_csv, write_json
+
+    missing = [str(p) for p in args.paths if not p.is_file()]
+    if missing:
+        print(f"mgpu-lab grade: no such notebook: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    grades = grade(args.paths, timeout=args.timeout)
+    print(report(grades))
+    if args.json:
+        write_json(grades, args.json)
+    if args.csv:
+        write_csv(grades, args.csv)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``mgpu-lab`` argument parser, one subparser per subcommand.
 
@@ -70,7 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_doctor(subparsers)
-    # Further subcommands (assign, grade) register here the same way.
+    _add_assign(subparsers)
+    _add_refresh(subparsers)
+    _add_grade(subparsers)
     return parser
 
 
