@@ -23,6 +23,7 @@ _LAZY = {
     "world_size": ("mgpu_lab.dist", "world_size"),
     "is_main_process": ("mgpu_lab.dist", "is_main_process"),
     "check": ("mgpu_lab.checks", "check"),
+    "progress": ("mgpu_lab.progressbars", "progress"),
 }
 _SUBMODULES = {"dist", "devices", "checks"}
 

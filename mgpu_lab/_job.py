@@ -17,6 +17,7 @@ from multiprocessing.connection import Connection
 import cloudpickle
 
 from . import _procs
+from .progressbars import ProgressBoard
 from ._relay import LineRelay, format_stack_dump, format_traceback, prefix, stderr, stdout
 
 GRACE_AFTER_FAILURE = 1.0  # seconds to collect the other ranks' own errors
@@ -89,6 +90,7 @@ class Job:
         self.world_size, self.timeout = world_size, timeout
         self.ranks: list[_Rank] = []
         self.sel = selectors.DefaultSelector()
+        self.board = None  # per-rank progress bars, made on the first update
 
     def start_rank(self, r: int, target, payload: bytes, spec: dict) -> None:
         info = _Rank(r, self.world_size)
@@ -141,9 +143,16 @@ class Job:
 
     def _read_chan(self, info: _Rank) -> None:
         try:
-            info.message = info.chan.recv()
+            msg = info.chan.recv()
         except (EOFError, OSError):
             self._close_chan(info)
+            return
+        if msg[0] == "progress":
+            if self.board is None:
+                self.board = ProgressBoard(self.world_size)
+            self.board.update(info.rank, msg[1])
+        else:
+            info.message = msg
 
     def _close_chan(self, info: _Rank) -> None:
         if info.chan_open:

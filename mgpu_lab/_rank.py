@@ -13,6 +13,7 @@ import faulthandler
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 
@@ -24,6 +25,7 @@ import torch._dynamo  # noqa: F401  (the first optimizer of a process imports it
 import torch.nn.parallel  # noqa: F401  (preloaded: most lessons wrap with DDP)
 
 _PR_SET_PDEATHSIG = 1
+report = None  # in a launched rank: report(kind, data) sends a message to the launcher
 
 
 def _die_with_parent() -> None:
@@ -103,6 +105,13 @@ def rank_main(payload: bytes, spec: dict, out, err, stacks, chan) -> None:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher stops ranks on Ctrl-C
     _wire_output(out, err, stacks)
+    global report
+    lock = threading.Lock()
+
+    def report(kind, data):  # noqa: F811 - set once per rank process
+        with lock:
+            chan.send((kind, data))
+
     os.environ.clear()
     os.environ.update(spec["env"])
     code, phase = 0, "start"
@@ -138,7 +147,8 @@ def rank_main(payload: bytes, spec: dict, out, err, stacks, chan) -> None:
         code = 1
     sys.stdout.flush()
     sys.stderr.flush()
-    chan.send(msg)
+    with lock:
+        chan.send(msg)
     chan.close()
     _kill_descendants()
     os._exit(code)

@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import datetime
+import inspect
 import os
 import sys
 import types
@@ -197,3 +198,6 @@ class _CallableModule(types.ModuleType):
 
 
 sys.modules[__name__].__class__ = _CallableModule
+# `from mgpu_lab import launch` may give this module (if it was imported first):
+# let help(), `launch?` and tab completion show the function's signature then.
+sys.modules[__name__].__signature__ = inspect.signature(launch)
