@@ -29,7 +29,7 @@ NBVAL       ?= --nbval-lax
 SOLUTION_NOTEBOOKS := $(sort $(wildcard solutions/*.ipynb))
 
 .DEFAULT_GOAL := help
-.PHONY: help install lab test bench clean
+.PHONY: help install lab test bench clean chromium
 
 help:
 	@echo "make lab     set up .venv and start JupyterLab on $(LAB_DIR)/ (LAB_IP=$(LAB_IP), LAB_ARGS=...)"
@@ -50,7 +50,15 @@ lab: $(STAMP)
 	@test -d $(LAB_DIR) || echo "make lab: $(LAB_DIR)/ does not exist; starting in the repository root"
 	$(PY) -m jupyterlab --ip=$(LAB_IP) $(LAB_ROOT) $(LAB_ARGS) $(if $(wildcard $(LAB_DIR)),$(LAB_DIR))
 
-test: $(STAMP)
+# The browser tests (tests/browser) drive Debian's Chromium; install it when
+# missing and we are root, otherwise they skip and say why.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium </dev/null; \
+	  else echo "make: no chromium and not root: the browser tests will skip (apt-get install chromium)"; fi; }
+
+test: $(STAMP) chromium
 	$(PY) -m pytest $(PYTEST_ARGS) tests $(if $(SOLUTION_NOTEBOOKS),$(NBVAL) $(SOLUTION_NOTEBOOKS))
 
 bench: $(STAMP)

@@ -19,6 +19,7 @@ import nbformat
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 CHECK_OUTPUT = "# NBVAL_CHECK_OUTPUT"
+KERNELSPEC = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
 STUB = 'raise NotImplementedError("write your solution here")'
 
 
@@ -129,6 +130,7 @@ def refresh(path: Path | str, timeout: float = 600) -> int:
 
     path = Path(path)
     nb = nbformat.read(path, as_version=4)
+    nb.metadata.setdefault("kernelspec", KERNELSPEC)  # JupyterLab opens it without asking
     NotebookClient(nb, timeout=timeout, kernel_name="python3",
                    resources={"metadata": {"path": str(path.parent.resolve())}}).execute()  # as nbval: cwd = its folder
     kept = 0
