@@ -205,7 +205,6 @@ class Tester:
         timeout = CALL_TIMEOUT if timeout is None else timeout
         return run(fn, nprocs, args, kwargs, backend=backend, timeout=timeout, quiet=True)
 
-
     def _skip_if_hung(self) -> None:
         if self._hung:
             raise CaseFailed("not run: an earlier case of this check hung; fix that first",
@@ -231,7 +230,9 @@ def _error_text(exc) -> str:
     tb = [ln for ln in (exc.traceback or "").splitlines() if ln.strip()]
     where = next((ln.strip() for ln in reversed(tb) if ln.strip().startswith("File ")
                   and "mgpu_lab" not in ln), "")
-    return f"your code raised {exc.exc_type}: {exc.exception}" + (f" ({where})" if where else "")
+    # The first line of the launcher's message is "rank r/w raised Type: message".
+    said = str(exc).splitlines()[0].split(" raised ", 1)[-1]
+    return f"your code raised {said}" + (f" ({where})" if where else "")
 
 
 def check(exercise_id: str, *answers, **named) -> CheckResult:
