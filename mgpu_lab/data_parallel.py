@@ -1,0 +1,296 @@
+"""nn.DataParallel step by step, on whatever devices exist, with a per-device timeline.
+
+``nn.DataParallel`` runs one training step in one process like this:
+
+1. **scatter**: split the batch along dim 0 into one chunk per device (``torch.chunk``);
+2. **replicate**: copy the model onto every device, *every step* (the copies
+   stay linked to the original through autograd);
+3. **parallel_apply**: run each replica on its chunk, one Python thread per device;
+4. **gather**: concatenate the outputs on the first device;
+5. backward flows through the copies, so the gradients of all replicas are
+   summed into the original parameters, on the first device.
+
+PyTorch's own pieces (``torch.nn.parallel.scatter``, ``replicate``, ``gather``)
+only accept CUDA devices, and ``nn.DataParallel`` with fewer than two GPUs just
+calls the model. The functions here do the same steps on any devices: with
+CUDA devices they call PyTorch's pieces; on a CPU they make the same
+autograd-linked replicas on "devices" that are all the CPU, run in threads.
+
+Example:
+    >>> model = torch.nn.Linear(4, 2)
+    >>> dp = StepByStepDataParallel(model, devices=["cpu", "cpu"])
+    >>> x = torch.randn(6, 4)
+    >>> torch.allclose(dp(x), model(x))
+    True
+"""
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager, nullcontext
+
+import torch
+from torch import nn
+
+__all__ = ["default_devices", "scatter", "replicate", "parallel_apply", "gather", "Timeline",
+           "StepByStepDataParallel", "train_step", "time_steps"]
+
+
+def default_devices(n_cpu: int = 2) -> list[torch.device]:
+    """Every visible GPU when there are at least two; else ``n_cpu`` CPU "devices"."""
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n >= 2:
+        return [torch.device("cuda", i) for i in range(n)]
+    return [torch.device("cpu")] * n_cpu
+
+
+def _devices(devices) -> list[torch.device]:
+    devices = [torch.device(d) for d in devices]
+    if not devices:
+        raise ValueError("devices is empty: pass at least one device, e.g. ['cpu', 'cpu'] or ['cuda:0', 'cuda:1']")
+    return devices
+
+
+def _all_cuda(devices) -> bool:
+    return all(d.type == "cuda" for d in devices)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def scatter(batch: torch.Tensor, devices) -> list[torch.Tensor]:
+    """Split ``batch`` along dim 0 like ``torch.chunk`` and move chunk ``i`` to ``devices[i]``.
+
+    Fewer chunks than devices come back when the batch is smaller than the
+    device count (as with ``nn.DataParallel``).
+
+    Example:
+        >>> [c.shape[0] for c in scatter(torch.zeros(5, 3), ["cpu"] * 2)]
+        [3, 2]
+    """
+    devices = _devices(devices)
+    if batch.dim() == 0:
+        raise ValueError("scatter needs a batch with a batch dimension (dim 0); got a 0-d tensor")
+    chunks = batch.chunk(len(devices), dim=0)
+    return [c.to(d, non_blocking=True) for c, d in zip(chunks, devices)]
+
+
+def replicate(model: nn.Module, devices) -> list[nn.Module]:
+    """One replica of ``model`` per device; gradients of the replicas flow back into ``model``.
+
+    With CUDA devices this is ``torch.nn.parallel.replicate`` (a broadcast of the
+    parameters; its backward sums the replicas' gradients onto the first device).
+    Otherwise each replica is a shallow copy of every module whose parameters
+    are ``param.to(device)``: a differentiable copy, or, on the same device, the
+    parameter itself, so every replica's gradient adds into ``param.grad``.
+    Replicas are for one forward pass: make new ones every step.
+    """
+    devices = _devices(devices)
+    detach = not torch.is_grad_enabled()
+    if _all_cuda(devices):
+        return torch.nn.parallel.replicate(model, devices, detach=detach)
+    modules = list(model.modules())
+    index = {m: i for i, m in enumerate(modules)}
+    replicas = []
+    for device in devices:
+        copies = [m._replicate_for_data_parallel() for m in modules]
+        for m, c in zip(modules, copies):
+            for key, child in m._modules.items():
+                c._modules[key] = None if child is None else copies[index[child]]
+            for key, param in m._parameters.items():
+                # A copy is not a leaf: set it as a plain attribute, as torch's replicate does.
+                copy = None if param is None else (param.detach() if detach else param).to(device)
+                object.__setattr__(c, key, copy)
+            for key, buf in m._buffers.items():
+                c._buffers[key] = None if buf is None else buf.to(device)
+        replicas.append(copies[0])
+    return replicas
+
+
+class Timeline:
+    """Spans of work per lane (one lane per device), to plot what ran where and when.
+
+    Example:
+        >>> tl = Timeline()
+        >>> with tl.span("cpu 0", "forward"):
+        ...     _ = torch.ones(3).sum()
+        >>> [e[:2] for e in tl.events]
+        [('cpu 0', 'forward')]
+    """
+
+    COLOURS = {"scatter": "tab:orange", "replicate": "tab:red", "forward": "tab:blue",
+               "gather": "tab:purple", "loss+backward": "tab:green", "optimizer": "tab:gray"}
+
+    def __init__(self):
+        self.events: list[tuple[str | None, str, float, float]] = []
+        self.lanes: list[str] = []
+        self.t0 = time.perf_counter()
+        self._lock = threading.Lock()
+
+    def add_lane(self, lane: str) -> None:
+        if lane not in self.lanes:
+            self.lanes.append(lane)
+
+    @contextmanager
+    def span(self, lane: str | None, phase: str, device=None):
+        """Record the time the body takes in ``lane`` (``None``: every lane); syncs a CUDA ``device``."""
+        start = time.perf_counter()
+        yield
+        if device is not None:
+            _sync(torch.device(device))
+        end = time.perf_counter()
+        with self._lock:
+            if lane is not None:
+                self.add_lane(lane)
+            self.events.append((lane, phase, start - self.t0, end - self.t0))
+
+    def reset(self) -> None:
+        self.events.clear()
+        self.t0 = time.perf_counter()
+
+    def totals(self) -> dict[str, float]:
+        """Seconds per phase, summed over lanes."""
+        out: dict[str, float] = {}
+        for _, phase, start, end in self.events:
+            out[phase] = out.get(phase, 0.0) + end - start
+        return out
+
+    def plot(self, ax=None, title: str = ""):
+        """A Gantt chart: one row per lane, one coloured bar per span, time in ms."""
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
+
+        if ax is None:
+            _, ax = plt.subplots(figsize=(9, 0.6 + 0.55 * max(len(self.lanes), 1)))
+        rows = list(reversed(self.lanes))
+        for lane, phase, start, end in self.events:
+            colour = self.COLOURS.get(phase, "tab:olive")
+            targets = rows if lane is None else [lane]
+            for row in targets:
+                ax.broken_barh([(start * 1e3, max(end - start, 1e-6) * 1e3)], (rows.index(row) - 0.35, 0.7),
+                               facecolors=colour, edgecolor="white", linewidth=0.4)
+        ax.set_yticks(range(len(rows)))
+        ax.set_yticklabels(rows)
+        ax.set_xlabel("time (ms)")
+        seen = [p for p in self.COLOURS if any(e[1] == p for e in self.events)]
+        ax.legend(handles=[Patch(color=self.COLOURS[p], label=p) for p in seen], ncol=len(seen),
+                  loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(rows) < 3 else -0.2), fontsize=8)
+        ax.set_title(title or "one process, one thread per device")
+        return ax
+
+
+def _lane(i: int, device: torch.device) -> str:
+    return f"{device} (replica {i})" if device.type == "cpu" else str(device)
+
+
+def parallel_apply(replicas, inputs, devices=None, timeline: Timeline | None = None) -> list:
+    """Run ``replicas[i](inputs[i])`` in one thread per replica; outputs in replica order.
+
+    The threads share one Python interpreter: only one of them runs Python
+    code at a time (the GIL); they overlap only inside PyTorch's kernels.
+
+    Raises:
+        RuntimeError: a replica raised; the message names it.
+    """
+    if len(replicas) != len(inputs):
+        raise ValueError(f"{len(replicas)} replicas but {len(inputs)} inputs: give one input per replica")
+    devices = _devices(devices) if devices is not None else [next(r.parameters()).device for r in replicas]
+    grad = torch.is_grad_enabled()
+    results: list = [None] * len(replicas)
+
+    def work(i):
+        device = devices[i]
+        try:
+            with torch.set_grad_enabled(grad), (torch.cuda.device(device) if device.type == "cuda" else nullcontext()):
+                with (timeline.span(_lane(i, device), "forward", device) if timeline else nullcontext()):
+                    results[i] = replicas[i](inputs[i])
+        except Exception as exc:  # noqa: BLE001 - re-raised in the caller's thread below
+            results[i] = exc
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(replicas))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    for i, out in enumerate(results):
+        if isinstance(out, Exception):
+            raise RuntimeError(f"replica {i} on {devices[i]} raised {type(out).__name__}: {out}") from out
+    return results
+
+
+def gather(outputs, device) -> torch.Tensor:
+    """Concatenate the outputs along dim 0 on ``device`` (each moved there first)."""
+    device = torch.device(device)
+    if _all_cuda([o.device for o in outputs]) and device.type == "cuda":
+        return torch.nn.parallel.gather(outputs, device)
+    return torch.cat([o.to(device) for o in outputs], dim=0)
+
+
+class StepByStepDataParallel(nn.Module):
+    """``nn.DataParallel`` written out, on any devices, optionally recording a :class:`Timeline`.
+
+    Args:
+        module: the model; its parameters live on ``devices[0]``.
+        devices: default :func:`default_devices` (all GPUs, or two CPU "devices").
+        timeline: record scatter/replicate/forward/gather spans here.
+    """
+
+    def __init__(self, module: nn.Module, devices=None, timeline: Timeline | None = None):
+        super().__init__()
+        self.module = module
+        self.devices = _devices(devices if devices is not None else default_devices())
+        self.timeline = timeline
+        if timeline is not None:
+            for i, d in enumerate(self.devices):
+                timeline.add_lane(_lane(i, d))
+
+    def _span(self, lane_index, phase):
+        if self.timeline is None:
+            return nullcontext()
+        d = self.devices[lane_index] if lane_index is not None else self.devices[0]
+        lane = None if lane_index is None else _lane(lane_index, d)
+        return self.timeline.span(lane, phase, d)
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        if len(self.devices) == 1:  # as nn.DataParallel: one device, no copies
+            return self.module(batch.to(self.devices[0]))
+        with self._span(0, "scatter"):
+            chunks = scatter(batch, self.devices)
+        with self._span(0, "replicate"):
+            replicas = replicate(self.module, self.devices[: len(chunks)])
+        outputs = parallel_apply(replicas, chunks, self.devices[: len(chunks)], self.timeline)
+        with self._span(0, "gather"):
+            return gather(outputs, self.devices[0])
+
+
+def train_step(model, batch, target, loss_fn, optimizer, timeline: Timeline | None = None) -> float:
+    """One optimisation step; with a timeline, loss+backward and the optimizer step are recorded
+    across every lane (backward runs through all replicas)."""
+    optimizer.zero_grad(set_to_none=True)
+    out = model(batch)
+    device = out.device
+    span = (lambda phase: timeline.span(None, phase, device)) if timeline is not None else (lambda p: nullcontext())
+    with span("loss+backward"):
+        loss = loss_fn(out, target.to(device))
+        loss.backward()
+    with span("optimizer"):
+        optimizer.step()
+    return loss.item()
+
+
+def time_steps(model, batch, target, steps: int = 10, warmup: int = 2, lr: float = 0.01) -> float:
+    """Seconds per SGD training step of ``model`` (plain, DataParallel or step-by-step) on one batch."""
+    params = list(model.parameters())
+    device = params[0].device
+    optimizer = torch.optim.SGD(params, lr=lr)
+    loss_fn = nn.CrossEntropyLoss()
+    for _ in range(warmup):
+        train_step(model, batch, target, loss_fn, optimizer)
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        train_step(model, batch, target, loss_fn, optimizer)
+    _sync(device)
+    return (time.perf_counter() - start) / steps
