@@ -45,3 +45,54 @@ def test_long_launches_show_a_live_progress_bar_per_rank(lab, page):
     labels = page.locator(".mgpu-progress .widget-label").all_inner_texts()
     assert "[rank 0/2] train" in labels and "[rank 1/2] train" in labels
     assert "'done'" in book.output(1).inner_text()
+
+
+PICK_DEVICE = '''import torch
+
+def pick_device(index=None):
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if index is None:
+        return torch.device("cuda", 0) if n else torch.device("cpu")
+    if not 0 <= index < n:
+        raise ValueError(f"index {index}: {n} GPU(s) visible")
+    return torch.device("cuda", index)
+'''
+
+WRONG_VISIBLE = '''def visible_devices_env(ids):
+    if len(set(ids)) != len(ids) or any(not isinstance(i, int) or i < 0 for i in ids):
+        raise ValueError(f"bad ids {ids}")
+    return {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in sorted(ids))}
+'''
+
+
+def test_solution_01_runs_and_every_check_block_shows_passed(lab, page):
+    url, token, _ = lab
+    book = Notebook(page, url, token, "solutions/01_devices.ipynb")
+    book.run_all(timeout=300)
+    blocks = page.locator(".jp-NotebookPanel:visible .mgpu-check")
+    assert blocks.count() == 3
+    assert page.locator(".jp-NotebookPanel:visible .mgpu-check-passed").count() == 3
+    texts = blocks.all_inner_texts()
+    assert [t.splitlines()[0] for t in texts] == [
+        "01.pick_device: 6/6 passed", "01.train_step: 6/6 passed", "01.visible_devices_env: 6/6 passed"]
+
+
+def test_student_01_a_right_and_a_wrong_answer_typed_in_the_editor(lab, page):
+    url, token, _ = lab
+    book = Notebook(page, url, token, "notebooks/01_devices.ipynb")
+    first = book.cell_index("def pick_device")
+    book.cells.nth(first).locator(".cm-content").click()
+    book.menu("Run", "Run All Above Selected Cell")
+    book.wait_idle(180)
+    for source, exercise in ((PICK_DEVICE, "def pick_device"), (WRONG_VISIBLE, "def visible_devices_env")):
+        i = book.cell_index(exercise)
+        book.set_source(i, source)
+        book.run_cell(i, 60)
+        book.run_cell(book.cell_index(f'check("01.{exercise[4:]}"'), 180)
+    good = book.output(book.cell_index('check("01.pick_device"'))
+    bad = book.output(book.cell_index('check("01.visible_devices_env"'))
+    assert good.locator(".mgpu-check-passed").count() == 1
+    assert "01.pick_device: 6/6 passed" in good.inner_text()
+    assert bad.locator(".mgpu-check-failed").count() == 1
+    text = bad.inner_text()
+    assert "visible_devices_env([3, 1])" in text and "keep the order" in text  # the case and its hint
