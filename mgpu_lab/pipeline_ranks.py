@@ -1,0 +1,238 @@
+"""Pipelines across real processes: one stage per rank, activations and gradients sent between ranks.
+
+:func:`gpipe_rank` is the hand-written GPipe step (``dist.isend``/``dist.recv``
+forward, gradients back), timed per micro-batch; :func:`run_gpipe` launches it
+and returns one :class:`~mgpu_lab.timeline.Timeline` per configuration.
+:func:`torch_gpipe_rank` does the same with ``torch.distributed.pipelining``
+(``PipelineStage`` + ``ScheduleGPipe``), and :func:`ddp_replica_rank` trains
+DDP over replicas that each span two devices.
+
+On a machine without GPUs every rank is pinned to its own CPU core with one
+thread (:func:`pin_to_core`): the stages then really run at the same time, as
+they would on two GPUs.
+
+Example:
+    >>> import torch
+    >>> from mgpu_lab.model_parallel import mlp, split
+    >>> stages = split(mlp(features=32, width=64, depth=4), 2)
+    >>> x, y = torch.randn(64, 32), torch.randint(0, 10, (64,))
+    >>> runs = run_gpipe(stages, x, y, torch.nn.CrossEntropyLoss(), n_micros=(1, 4))  # doctest: +SKIP
+    >>> [round(r["formula"], 2) for r in runs]  # doctest: +SKIP
+    [0.5, 0.2]
+"""
+from __future__ import annotations
+
+import copy
+import os
+import time
+
+import torch
+import torch.distributed as tdist
+
+from . import dist
+from .model_parallel import TwoStageNet, bubble_fraction, replica_devices
+from .timeline import Timeline
+
+__all__ = ["pin_to_core", "gpipe_rank", "run_gpipe", "torch_gpipe_rank", "ddp_replica_rank"]
+
+_MAX_DIM = 8  # the shape header of a sent activation: [ndim, size0, size1, ...]
+
+
+def pin_to_core(rank: int | None = None, threads: int = 1) -> int | None:
+    """Pin this process to CPU core ``rank % cores`` and ``threads`` intra-op threads.
+
+    Returns:
+        The core, or None where affinity cannot be set (then only the thread count is set).
+
+    Example:
+        >>> core = pin_to_core(0)  # doctest: +SKIP
+    """
+    rank = dist.rank() if rank is None else rank
+    torch.set_num_threads(threads)
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    core = cores[rank % len(cores)]
+    os.sched_setaffinity(0, {core})
+    return core
+
+
+def _isend(tensor: torch.Tensor, dst: int) -> list:
+    """Send the shape, then the tensor (the receiver need not know the shape)."""
+    shape = list(tensor.shape)
+    if len(shape) > _MAX_DIM - 1:
+        raise ValueError(f"cannot send a tensor of {len(shape)} dimensions; at most {_MAX_DIM - 1}")
+    header = torch.tensor([len(shape), *shape] + [0] * (_MAX_DIM - 1 - len(shape)), device=tensor.device)
+    tensor = tensor.contiguous()
+    return [(tdist.isend(header, dst), header), (tdist.isend(tensor, dst), tensor)]
+
+
+def _recv(src: int, device, dtype=torch.float32) -> torch.Tensor:
+    header = torch.empty(_MAX_DIM, dtype=torch.int64, device=device)
+    tdist.recv(header, src)
+    ndim = int(header[0])
+    out = torch.empty([int(v) for v in header[1:1 + ndim]], dtype=dtype, device=device)
+    tdist.recv(out, src)
+    return out
+
+
+def _gpipe_step(stage, dev, x, y, loss_fn, n_micro, timeline, lane) -> torch.Tensor | None:
+    """One GPipe step of this rank's stage: every forward, then every backward."""
+    rank, world = tdist.get_rank(), tdist.get_world_size()
+    first, last = rank == 0, rank == world - 1
+    xs, ys = torch.chunk(x, n_micro), torch.chunk(y, n_micro)
+    ins, outs, pending = [], [], []
+    for i, chunk in enumerate(xs):
+        h_in = chunk.to(dev) if first else _recv(rank - 1, dev).requires_grad_()
+        with timeline.span(lane, f"F{i}", dev):
+            out = stage(h_in)
+            if last:  # weighted by the micro-batch's share: the gradient of the batch's mean loss
+                out = loss_fn(out, ys[i].to(dev)) * (len(chunk) / len(x))
+        if not last:
+            pending += _isend(out.detach(), rank + 1)  # async: the next forward starts at once
+        ins.append(h_in)
+        outs.append(out)
+    for i in range(len(xs)):
+        grad = None
+        if not last:
+            grad = torch.empty_like(outs[i])
+            tdist.recv(grad, rank + 1)
+        with timeline.span(lane, f"B{i}", dev):
+            outs[i].backward(grad)
+        if not first:
+            pending.append((tdist.isend(ins[i].grad.contiguous(), rank - 1), ins[i].grad))
+    for work, _ in pending:
+        work.wait()
+    return torch.stack([o.detach() for o in outs]).sum() if last else None
+
+
+def gpipe_rank(stages, x, y, loss_fn, n_micros=(1, 2, 4, 8), steps: int = 3, warmup: int = 1,
+               pin: bool = True, return_grads: bool = True) -> dict:
+    """Run in every rank of a launch with ``len(stages)`` ranks: rank r holds ``stages[r]``.
+
+    For each micro-batch count, ``warmup`` untimed steps then ``steps`` timed
+    ones (no optimizer: the weights stay fixed, so every step has the same
+    gradients). Every rank gets the whole batch; the first rank feeds ``x``,
+    the last one uses ``y``.
+
+    Returns:
+        ``{"rank", "lane", "results": [{"n_micro", "spans": [spans of each timed step],
+        "loss", "grads"}]}``; ``loss`` is the batch's mean loss on the last rank.
+    """
+    rank, world = tdist.get_rank(), tdist.get_world_size()
+    if len(stages) != world:
+        raise ValueError(f"{len(stages)} stages but world_size={world}; launch one rank per stage")
+    dev = dist.device()
+    core = pin_to_core(rank) if pin and dev.type == "cpu" else None
+    lane = f"stage {rank} · rank {rank} · " + (f"cpu core {core}" if core is not None else str(dev))
+    stage = stages[rank].to(dev)
+    results = []
+    for n_micro in n_micros:
+        spans, loss = [], None
+        for step in range(warmup + steps):
+            stage.zero_grad(set_to_none=True)
+            tdist.barrier()
+            timeline = Timeline()
+            loss = _gpipe_step(stage, dev, x, y, loss_fn, n_micro, timeline, lane)
+            if step >= warmup:
+                spans.append(timeline.resolve().spans)
+        grads = [p.grad.detach().cpu() for p in stage.parameters()] if return_grads else None
+        results.append({"n_micro": n_micro, "spans": spans, "grads": grads,
+                        "loss": None if loss is None else float(loss)})
+    return {"rank": rank, "lane": lane, "results": results}
+
+
+def run_gpipe(stages, x, y, loss_fn, n_micros=(1, 2, 4, 8), steps: int = 3, warmup: int = 1,
+              pin: bool = True, timeout: float = 300) -> list[dict]:
+    """Launch :func:`gpipe_rank` with one rank per stage; summarise each micro-batch count.
+
+    Returns:
+        One dict per ``n_micro``: ``timeline`` (the timed step of median length,
+        every rank's lane), ``step_time`` (its seconds), ``bubble`` (its idle
+        fraction), ``formula`` (:func:`~mgpu_lab.model_parallel.bubble_fraction`),
+        ``loss`` and ``grads`` (every stage's, in order).
+    """
+    from .launch import launch
+
+    ranks = launch(gpipe_rank, len(stages), stages, x, y, loss_fn, tuple(n_micros), steps, warmup, pin,
+                   timeout=timeout)
+    out = []
+    for j, n_micro in enumerate(n_micros):
+        per_step = [Timeline(s for r in ranks for s in r["results"][j]["spans"][k]) for k in range(steps)]
+        median = sorted(per_step, key=lambda tl: tl.makespan)[len(per_step) // 2]
+        out.append({"n_micro": n_micro, "timeline": median.shifted(), "step_time": median.makespan,
+                    "bubble": median.idle_fraction(), "formula": bubble_fraction(len(stages), n_micro),
+                    "loss": ranks[-1]["results"][j]["loss"],
+                    "grads": [g for r in ranks for g in r["results"][j]["grads"]]})
+    return out
+
+
+def torch_gpipe_rank(stages, x, y, loss_fn, n_micro: int = 4, steps: int = 3, pin: bool = True) -> dict:
+    """The GPipe step with ``torch.distributed.pipelining``: ``PipelineStage`` + ``ScheduleGPipe``.
+
+    ``ScheduleGPipe`` cuts the batch into ``n_micro`` equal micro-batches and
+    divides the gradients by ``n_micro`` (``scale_grads=True``), so they equal
+    the gradients of the batch's mean loss, as in :func:`gpipe_rank`.
+
+    Returns:
+        ``{"rank", "times": [seconds per timed step], "losses": [the micro-batch
+        losses, last rank], "grads": [this stage's gradients]}``.
+    """
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    rank, world = tdist.get_rank(), tdist.get_world_size()
+    dev = dist.device()
+    if pin and dev.type == "cpu":
+        pin_to_core(rank)
+    module = stages[rank].to(dev)
+    schedule = ScheduleGPipe(PipelineStage(module, rank, world, dev), n_microbatches=n_micro, loss_fn=loss_fn)
+    times, losses = [], []
+    for step in range(steps + 1):  # the first step is warm-up
+        module.zero_grad(set_to_none=True)
+        losses = []
+        tdist.barrier()
+        start = time.perf_counter()
+        if rank == 0:
+            schedule.step(x.to(dev))
+        elif rank == world - 1:
+            schedule.step(target=y.to(dev), losses=losses)
+        else:
+            schedule.step()
+        if step:
+            times.append(time.perf_counter() - start)
+    return {"rank": rank, "times": times, "losses": [float(v.detach()) for v in losses],
+            "grads": [p.grad.detach().cpu() for p in module.parameters()]}
+
+
+def ddp_replica_rank(stages, x, y, loss_fn, steps: int = 3, lr: float = 0.1, gpus: int | None = None) -> dict:
+    """DDP over model replicas that span two devices each; rank r is replica r.
+
+    Each replica is a :class:`~mgpu_lab.model_parallel.TwoStageNet` on
+    :func:`~mgpu_lab.model_parallel.replica_devices` ``(rank, 2, gpus)`` (CPU
+    for both stages when ``gpus=0``), wrapped in DDP with ``device_ids=None``:
+    a module on several devices must not name one. Each rank trains on its
+    ``torch.chunk(x, world_size)`` shard with SGD.
+
+    Returns:
+        ``{"rank", "devices", "losses", "params"}`` after ``steps`` steps.
+    """
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank, world = tdist.get_rank(), tdist.get_world_size()
+    devices = replica_devices(rank, 2, gpus)
+    if devices[0].type == "cuda":
+        torch.cuda.set_device(devices[0])  # NCCL talks from the replica's first GPU
+    model = TwoStageNet(copy.deepcopy(stages[0]), copy.deepcopy(stages[1]), *devices)
+    ddp = DDP(model, device_ids=None)  # the gradients of both stages are averaged across replicas
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=lr)
+    xs, ys = torch.chunk(x, world)[rank], torch.chunk(y, world)[rank]
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        out = ddp(xs)
+        loss = loss_fn(out, ys.to(out.device))
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return {"rank": rank, "devices": [str(d) for d in devices], "losses": losses,
+            "params": [p.detach().cpu() for p in model.parameters()]}

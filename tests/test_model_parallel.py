@@ -1,0 +1,194 @@
+"""mgpu_lab.model_parallel (one process) and mgpu_lab.pipeline_ranks (real ranks on the CPU)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from mgpu_lab import launch
+from mgpu_lab.model_parallel import (TwoStageNet, bubble_fraction, ideal_timeline, mlp,
+                                     pipelined_step, replica_devices, split, stage_devices, timed_step)
+from mgpu_lab.pipeline_ranks import ddp_replica_rank, run_gpipe, torch_gpipe_rank
+from mgpu_lab.timeline import Timeline
+
+pytestmark = pytest.mark.timeout(300)
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _data(batch=12, features=8, classes=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, features, generator=g), torch.randint(0, classes, (batch,), generator=g)
+
+
+def _full_batch_grads(model, x, y, loss_fn=nn.CrossEntropyLoss()):
+    model = copy.deepcopy(model)
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    return float(loss.detach()), [p.grad for p in model.parameters()]
+
+
+def _close(a, b):
+    return len(a) == len(b) and all(torch.allclose(g, r, atol=1e-6, rtol=1e-4) for g, r in zip(a, b))
+
+
+# -- bubble_fraction ------------------------------------------------------------------
+@pytest.mark.parametrize("p, m, expected", [(2, 1, 0.5), (2, 4, 0.2), (4, 8, 3 / 11), (1, 5, 0.0)])
+def test_bubble_fraction_is_gpipes_formula(p, m, expected):
+    got = bubble_fraction(p, m)
+    assert isinstance(got, float) and got == pytest.approx(expected, abs=1e-15)
+
+
+@pytest.mark.parametrize("args, match", [((0, 4), "n_stages=0 must be >= 1"), ((2, -1), "n_micro=-1 must be >= 1"),
+                                         ((True, 4), "n_stages=True"), ((2, 4.0), r"n_micro=4\.0 \(float\)")])
+def test_bubble_fraction_rejects_non_positive_and_non_integers(args, match):
+    with pytest.raises(ValueError, match=match):
+        bubble_fraction(*args)
+
+
+@pytest.mark.parametrize("p, m", [(1, 1), (2, 1), (2, 3), (3, 8), (4, 4)])
+def test_the_ideal_gpipe_schedule_idles_exactly_the_formula(p, m):
+    tl = ideal_timeline(p, m)
+    assert tl.idle_fraction() == pytest.approx(bubble_fraction(p, m))
+    assert tl.makespan == pytest.approx((m + p - 1) * 3.0)
+    assert len(tl.lanes) == p and len(tl.spans) == 2 * p * m
+
+
+# -- placing stages -------------------------------------------------------------------
+def test_two_stage_net_matches_the_unsplit_model_in_output_and_gradients():
+    model = mlp(features=8, width=16, depth=4, classes=3)
+    x, y = _data()
+    ref_loss, ref = _full_batch_grads(model, x, y)
+    net = TwoStageNet(*split(copy.deepcopy(model), 2), "cpu", torch.device("cpu"))
+    out = net(x)
+    loss = nn.CrossEntropyLoss()(out, y)
+    loss.backward()
+    assert float(loss.detach()) == pytest.approx(ref_loss) and out.device == net.dev2
+    assert _close([p.grad for p in net.parameters()], ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPUS < 2, reason=f"needs 2 CUDA GPUs, {GPUS} visible")
+def test_two_stage_net_on_two_gpus_places_stages_and_returns_on_dev2():
+    net = TwoStageNet(nn.Linear(8, 16), nn.Linear(16, 3), "cuda:0", "cuda:1")
+    assert net.stage1.weight.device == torch.device("cuda", 0) and net.stage2.weight.device == torch.device("cuda", 1)
+    assert net(torch.randn(4, 8)).device == torch.device("cuda", 1)
+
+
+@pytest.mark.parametrize("batch, n_micro", [(12, 1), (12, 4), (10, 4), (6, 4), (3, 5)])
+def test_pipelined_step_gives_the_full_batch_gradient_and_mean_loss(batch, n_micro):
+    model = mlp(features=8, width=16, depth=4, classes=3)
+    x, y = _data(batch)
+    ref_loss, ref = _full_batch_grads(model, x, y)
+    s1, s2 = split(copy.deepcopy(model), 2)
+    loss = pipelined_step(s1, s2, x, y, nn.CrossEntropyLoss(), n_micro)
+    assert isinstance(loss, float) and loss == pytest.approx(ref_loss, rel=1e-5)
+    assert _close([p.grad for p in list(s1.parameters()) + list(s2.parameters())], ref)
+
+
+def test_split_balances_parameters_shares_layers_and_rejects_too_many_stages():
+    model = mlp(features=32, width=32, depth=8)
+    s1, s2 = split(model, 2)
+    counts = [sum(p.numel() for p in s.parameters()) for s in (s1, s2)]
+    assert abs(counts[0] - counts[1]) <= 33 * 32 and s1[0] is model[0]
+    assert [len(s) for s in split(model, 4)] == [4, 4, 4, 5]
+    with pytest.raises(ValueError, match="cannot be cut into n_stages=4; use n_stages<=3"):
+        split(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2)), 4)
+
+
+def test_stage_and_replica_devices_follow_the_gpu_count():
+    assert stage_devices(2, gpus=1) == [torch.device("cpu")] * 2
+    assert stage_devices(2, gpus=4) == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert replica_devices(0, 2, gpus=4) == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert replica_devices(1, 2, gpus=4) == [torch.device("cuda", 2), torch.device("cuda", 3)]
+    assert replica_devices(3, 2, gpus=0) == [torch.device("cpu")] * 2
+    with pytest.raises(ValueError, match=r"replica 1 needs cuda:2..cuda:3 but 2 GPU\(s\).*world_size<=1"):
+        replica_devices(1, 2, gpus=2)
+
+
+# -- timelines ------------------------------------------------------------------------
+def test_timeline_busy_idle_and_plot():
+    tl = Timeline()
+    tl.add("a", "F0", 10.0, 11.0)
+    tl.add("b", "F0", 11.0, 12.0)
+    tl.add("a", "B0", 13.0, 14.0)
+    assert tl.lanes == ["a", "b"] and tl.makespan == 4.0 and tl.busy("a") == 2.0
+    assert tl.idle_fraction() == pytest.approx(1 - 3 / 8)
+    assert tl.shifted().spans[0] == ("a", "F0", 0.0, 1.0)
+    with tl.span("b", "B0"):
+        pass
+    assert tl.spans[-1][:2] == ("b", "B0") and Timeline().idle_fraction() == 0.0
+    import matplotlib
+    matplotlib.use("Agg")
+    ax = ideal_timeline(2, 4).plot(title="ideal")
+    assert ax.get_title() == "ideal" and len(ax.get_yticks()) == 2
+
+
+def test_timed_step_on_one_process_matches_the_full_batch_and_never_overlaps():
+    model = mlp(features=8, width=16, depth=4, classes=3)
+    x, y = _data(10)
+    ref_loss, ref = _full_batch_grads(model, x, y)
+    stages = split(copy.deepcopy(model), 2)
+    tl = Timeline()
+    loss = timed_step(stages, ["cpu", "cpu"], x, y, nn.CrossEntropyLoss(), 4, tl)
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    assert _close([p.grad for s in stages for p in s.parameters()], ref)
+    assert tl.lanes == ["stage 0 (cpu)", "stage 1 (cpu)"]
+    assert [label for _, label, *_ in tl.spans] == ["F0", "F0", "F1", "F1", "F2", "F2", "F3", "F3",
+                                                     "B0", "B0", "B1", "B1", "B2", "B2", "B3", "B3"]
+    ordered = sorted(tl.spans, key=lambda s: s[2])  # one process, CPU: one stage at a time
+    assert all(a[3] <= b[2] for a, b in zip(ordered, ordered[1:]))
+    with pytest.raises(ValueError, match="2 stages but 1 devices"):
+        timed_step(stages, ["cpu"], x, y, nn.CrossEntropyLoss(), 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU")
+def test_timeline_times_cuda_spans_with_events():
+    tl = Timeline()
+    a = torch.randn(512, 512, device="cuda")
+    with tl.span("cuda:0", "F0", "cuda:0"):
+        a @ a
+    assert tl.makespan > 0 and tl.lanes == ["cuda:0"]
+
+
+# -- pipelines across ranks -------------------------------------------------------------
+def test_gpipe_across_two_ranks_gives_the_full_batch_gradients_and_a_timeline():
+    model = mlp(features=8, width=16, depth=4, classes=3)
+    x, y = _data(10)
+    ref_loss, ref = _full_batch_grads(model, x, y)
+    runs = run_gpipe(split(copy.deepcopy(model), 2), x, y, nn.CrossEntropyLoss(), n_micros=(1, 4), steps=2,
+                     pin=False, timeout=120)
+    assert [r["n_micro"] for r in runs] == [1, 4] and [r["formula"] for r in runs] == [0.5, 0.2]
+    for run in runs:
+        assert run["loss"] == pytest.approx(ref_loss, rel=1e-5) and _close(run["grads"], ref)
+        tl = run["timeline"]
+        assert tl.lanes == ["stage 0 · rank 0 · cpu", "stage 1 · rank 1 · cpu"]
+        assert len(tl.spans) == 2 * 2 * run["n_micro"] and 0 < run["bubble"] < 1 and run["step_time"] > 0
+
+
+def test_torch_pipelining_gpipe_on_gloo_gives_the_full_batch_gradients():
+    model = mlp(features=8, width=16, depth=4, classes=3)
+    x, y = _data(12)
+    ref_loss, ref = _full_batch_grads(model, x, y)
+    ranks = launch(torch_gpipe_rank, 2, split(copy.deepcopy(model), 2), x, y, nn.CrossEntropyLoss(), 4, 1,
+                   False, timeout=120)
+    assert _close(ranks[0]["grads"] + ranks[1]["grads"], ref)
+    assert sum(ranks[1]["losses"]) / 4 == pytest.approx(ref_loss, rel=1e-5) and len(ranks[0]["times"]) == 1
+
+
+def test_ddp_over_two_stage_replicas_trains_like_one_process_on_the_whole_batch():
+    model = mlp(features=8, width=16, depth=4, classes=3)
+    x, y = _data(12)
+    ranks = launch(ddp_replica_rank, 2, split(copy.deepcopy(model), 2), x, y, nn.CrossEntropyLoss(), 3, 0.5, 0,
+                   timeout=120)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for _ in range(3):
+        opt.zero_grad()
+        nn.CrossEntropyLoss()(ref(x), y).backward()
+        opt.step()
+    assert ranks[0]["devices"] == ["cpu", "cpu"]
+    assert _close(ranks[0]["params"], ranks[1]["params"])
+    assert _close(ranks[0]["params"], [p.detach() for p in ref.parameters()])
