@@ -214,9 +214,9 @@ def ideal_timeline(n_stages: int, n_micro: int, t_forward: float = 1.0, t_backwa
     tl = Timeline()
     for s in range(p):
         for i in range(m):
-            tl.add(f"stage {s}", f"F{i}", (s + i) * t_forward, (s + i + 1) * t_forward)
+            tl.add(f"stage {s + 1}", f"F{i}", (s + i) * t_forward, (s + i + 1) * t_forward)
             start = (m + p - 1) * t_forward + (p - 1 - s + i) * t_backward
-            tl.add(f"stage {s}", f"B{i}", start, start + t_backward)
+            tl.add(f"stage {s + 1}", f"B{i}", start, start + t_backward)
     return tl
 
 
@@ -226,7 +226,7 @@ def timed_step(stages, devices, x, y, loss_fn, n_micro: int, timeline: Timeline 
     The activations are cut from the graph at every stage boundary (detached,
     moved, ``requires_grad_``), so each stage's backward is a separate call
     that can be timed, and the gradient of the boundary is handed back by hand,
-    as it is between processes. Lanes are named ``"stage s (device)"``.
+    as it is between processes. Lanes are named ``"stage s (device)"``, s = 1, 2, ...
 
     Returns:
         The mean loss (micro-batch losses weighted as in :func:`pipelined_step`).
@@ -237,14 +237,14 @@ def timed_step(stages, devices, x, y, loss_fn, n_micro: int, timeline: Timeline 
         >>> loss = timed_step([s1, s2], ["cpu", "cpu"], torch.randn(8, 4), torch.randint(0, 2, (8,)),
         ...                   nn.CrossEntropyLoss(), 2, tl)
         >>> sorted(tl.lanes)
-        ['stage 0 (cpu)', 'stage 1 (cpu)']
+        ['stage 1 (cpu)', 'stage 2 (cpu)']
     """
     _positive_int("n_micro", n_micro)
     if len(stages) != len(devices):
         raise ValueError(f"{len(stages)} stages but {len(devices)} devices; pass one device per stage")
     timeline = Timeline() if timeline is None else timeline
     devices = [torch.device(d) for d in devices]
-    lanes = [f"stage {s} ({d})" for s, d in enumerate(devices)]
+    lanes = [f"stage {s} ({d})" for s, d in enumerate(devices, 1)]
     saved, losses = [], []
     for i, (xs, ys) in enumerate(zip(torch.chunk(x, n_micro), torch.chunk(y, n_micro))):
         h, ins, outs = xs, [], []

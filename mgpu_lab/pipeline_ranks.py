@@ -124,7 +124,7 @@ def gpipe_rank(stages, x, y, loss_fn, n_micros=(1, 2, 4, 8), steps: int = 3, war
         raise ValueError(f"{len(stages)} stages but world_size={world}; launch one rank per stage")
     dev = dist.device()
     core = pin_to_core(rank) if pin and dev.type == "cpu" else None
-    lane = f"stage {rank} · rank {rank} · " + (f"cpu core {core}" if core is not None else str(dev))
+    lane = f"stage {rank + 1} · rank {rank} · " + (f"cpu core {core}" if core is not None else str(dev))
     stage = stages[rank].to(dev)
     results = []
     for n_micro in n_micros:

@@ -119,7 +119,8 @@ class Timeline:
                     color = "tab:blue" if label.startswith("F") else "tab:orange"
                     ax.broken_barh([(a * unit, (b - a) * unit)], (row - 0.4, 0.8), color=color, edgecolor="white")
         ax.set_yticks(range(len(lanes)), lanes)
-        ax.invert_yaxis()
+        if not ax.yaxis_inverted():  # axes that share y would flip back and forth
+            ax.invert_yaxis()
         ax.set_xlabel("time (ms)" if unit == 1e3 else "time")
         ax.set_title(title or f"idle {self.idle_fraction():.0%}", fontsize=9)
         return ax

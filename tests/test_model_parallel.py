@@ -52,7 +52,7 @@ def test_the_ideal_gpipe_schedule_idles_exactly_the_formula(p, m):
     tl = ideal_timeline(p, m)
     assert tl.idle_fraction() == pytest.approx(bubble_fraction(p, m))
     assert tl.makespan == pytest.approx((m + p - 1) * 3.0)
-    assert len(tl.lanes) == p and len(tl.spans) == 2 * p * m
+    assert tl.lanes == [f"stage {s}" for s in range(1, p + 1)] and len(tl.spans) == 2 * p * m
 
 
 # -- placing stages -------------------------------------------------------------------
@@ -134,7 +134,7 @@ def test_timed_step_on_one_process_matches_the_full_batch_and_never_overlaps():
     loss = timed_step(stages, ["cpu", "cpu"], x, y, nn.CrossEntropyLoss(), 4, tl)
     assert loss == pytest.approx(ref_loss, rel=1e-5)
     assert _close([p.grad for s in stages for p in s.parameters()], ref)
-    assert tl.lanes == ["stage 0 (cpu)", "stage 1 (cpu)"]
+    assert tl.lanes == ["stage 1 (cpu)", "stage 2 (cpu)"]
     assert [label for _, label, *_ in tl.spans] == ["F0", "F0", "F1", "F1", "F2", "F2", "F3", "F3",
                                                      "B0", "B0", "B1", "B1", "B2", "B2", "B3", "B3"]
     ordered = sorted(tl.spans, key=lambda s: s[2])  # one process, CPU: one stage at a time
@@ -164,7 +164,7 @@ def test_gpipe_across_two_ranks_gives_the_full_batch_gradients_and_a_timeline():
     for run in runs:
         assert run["loss"] == pytest.approx(ref_loss, rel=1e-5) and _close(run["grads"], ref)
         tl = run["timeline"]
-        assert tl.lanes == ["stage 0 · rank 0 · cpu", "stage 1 · rank 1 · cpu"]
+        assert tl.lanes == ["stage 1 · rank 0 · cpu", "stage 2 · rank 1 · cpu"]
         assert len(tl.spans) == 2 * 2 * run["n_micro"] and 0 < run["bubble"] < 1 and run["step_time"] > 0
 
 

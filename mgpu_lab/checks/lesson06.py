@@ -227,7 +227,7 @@ def run_pipelined(pipelined_step, batch: int, n_micro: int, regression: bool = F
     loss = pipelined_step(s1, s2, x.clone(), y.clone(), loss_fn, n_micro)
     grads = [p.grad for p in list(s1.parameters()) + list(s2.parameters())]
     number = isinstance(loss, (int, float, torch.Tensor)) and torch.as_tensor(loss).numel() == 1
-    out = {"type": type(loss).__name__, "loss": float(torch.as_tensor(loss).detach()) if number else repr(loss)[:100], "ref_loss": float(ref_loss),
+    out = {"type": type(loss).__name__, "loss": float(torch.as_tensor(loss).detach()) if number else repr(loss)[:100], "ref_loss": float(ref_loss.detach()),
            "sizes": sizes, "chunks": [len(c) for c in torch.chunk(x, n_micro)], "no_grads": any(g is None for g in grads)}
     if out["no_grads"]:
         return {**out, "same": False, "bug": "no gradients: call backward on the loss"}
