@@ -170,16 +170,24 @@ def run_gpipe(stages, x, y, loss_fn, n_micros=(1, 2, 4, 8), steps: int = 3, warm
 def torch_gpipe_rank(stages, x, y, loss_fn, n_micro: int = 4, steps: int = 3, pin: bool = True) -> dict:
     """The GPipe step with ``torch.distributed.pipelining``: ``PipelineStage`` + ``ScheduleGPipe``.
 
-    ``ScheduleGPipe`` cuts the batch into ``n_micro`` equal micro-batches and
-    divides the gradients by ``n_micro`` (``scale_grads=True``), so they equal
-    the gradients of the batch's mean loss, as in :func:`gpipe_rank`.
+    ``ScheduleGPipe`` cuts the batch into ``n_micro`` micro-batches and divides
+    the gradients by ``n_micro`` (``scale_grads=True``): with equal micro-batches
+    (``n_micro`` divides the batch) they are the gradients of the batch's mean
+    loss, as in :func:`gpipe_rank`.
 
     Returns:
         ``{"rank", "times": [seconds per timed step], "losses": [the micro-batch
         losses, last rank], "grads": [this stage's gradients]}``.
+
+    Raises:
+        ValueError: ``n_micro`` does not divide the batch.
     """
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
+    if len(x) % n_micro:
+        raise ValueError(f"n_micro={n_micro} does not divide the batch of {len(x)}: ScheduleGPipe scales every "
+                         f"micro-batch by 1/{n_micro}, the mean over the batch only for equal micro-batches; "
+                         f"pick a divisor of {len(x)}")
     rank, world = tdist.get_rank(), tdist.get_world_size()
     dev = dist.device()
     if pin and dev.type == "cpu":

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from mgpu_lab import launch
+from mgpu_lab import LaunchError, launch
 from mgpu_lab.model_parallel import (TwoStageNet, bubble_fraction, ideal_timeline, mlp,
                                      pipelined_step, replica_devices, split, stage_devices, timed_step)
 from mgpu_lab.pipeline_ranks import ddp_replica_rank, run_gpipe, torch_gpipe_rank
@@ -176,6 +176,9 @@ def test_torch_pipelining_gpipe_on_gloo_gives_the_full_batch_gradients():
                    False, timeout=120)
     assert _close(ranks[0]["grads"] + ranks[1]["grads"], ref)
     assert sum(ranks[1]["losses"]) / 4 == pytest.approx(ref_loss, rel=1e-5) and len(ranks[0]["times"]) == 1
+    with pytest.raises(LaunchError, match="n_micro=5 does not divide the batch of 12"):
+        launch(torch_gpipe_rank, 2, split(copy.deepcopy(model), 2), x, y, nn.CrossEntropyLoss(), 5, 1, False,
+               timeout=120)
 
 
 def test_ddp_over_two_stage_replicas_trains_like_one_process_on_the_whole_batch():
