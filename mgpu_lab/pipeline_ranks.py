@@ -117,7 +117,9 @@ def gpipe_rank(stages, x, y, loss_fn, n_micros=(1, 2, 4, 8), steps: int = 3, war
 
     Returns:
         ``{"rank", "lane", "results": [{"n_micro", "spans": [spans of each timed step],
-        "loss", "grads"}]}``; ``loss`` is the batch's mean loss on the last rank.
+        "loss", "grads", "cpu_share"}]}``; ``loss`` is the batch's mean loss on the
+        last rank, ``cpu_share`` the CPU time the rank got in its compute spans over
+        their wall time (None on a GPU).
     """
     rank, world = tdist.get_rank(), tdist.get_world_size()
     if len(stages) != world:
@@ -128,7 +130,7 @@ def gpipe_rank(stages, x, y, loss_fn, n_micros=(1, 2, 4, 8), steps: int = 3, war
     stage = stages[rank].to(dev)
     results = []
     for n_micro in n_micros:
-        spans, loss = [], None
+        spans, loss, cpu = [], None, [0.0, 0.0]
         for step in range(warmup + steps):
             stage.zero_grad(set_to_none=True)
             tdist.barrier()
@@ -136,9 +138,11 @@ def gpipe_rank(stages, x, y, loss_fn, n_micros=(1, 2, 4, 8), steps: int = 3, war
             loss = _gpipe_step(stage, dev, x, y, loss_fn, n_micro, timeline, lane)
             if step >= warmup:
                 spans.append(timeline.resolve().spans)
+                cpu = [cpu[0] + timeline.cpu_seconds, cpu[1] + timeline.cpu_wall_seconds]
         grads = [p.grad.detach().cpu() for p in stage.parameters()] if return_grads else None
         results.append({"n_micro": n_micro, "spans": spans, "grads": grads,
-                        "loss": None if loss is None else float(loss)})
+                        "loss": None if loss is None else float(loss),
+                        "cpu_share": cpu[0] / cpu[1] if cpu[1] else None})
     return {"rank": rank, "lane": lane, "results": results}
 
 
@@ -150,7 +154,9 @@ def run_gpipe(stages, x, y, loss_fn, n_micros=(1, 2, 4, 8), steps: int = 3, warm
         One dict per ``n_micro``: ``timeline`` (the timed step of median length,
         every rank's lane), ``step_time`` (its seconds), ``bubble`` (its idle
         fraction), ``formula`` (:func:`~mgpu_lab.model_parallel.bubble_fraction`),
-        ``loss`` and ``grads`` (every stage's, in order).
+        ``loss``, ``grads`` (every stage's, in order) and ``cpu_share`` (the
+        lowest rank's CPU time over wall time in its compute spans: well below 1
+        means other processes shared the cores and stretched the timings; None on GPUs).
     """
     from .launch import launch
 
@@ -163,7 +169,9 @@ def run_gpipe(stages, x, y, loss_fn, n_micros=(1, 2, 4, 8), steps: int = 3, warm
         out.append({"n_micro": n_micro, "timeline": median.shifted(), "step_time": median.makespan,
                     "bubble": median.idle_fraction(), "formula": bubble_fraction(len(stages), n_micro),
                     "loss": ranks[-1]["results"][j]["loss"],
-                    "grads": [g for r in ranks for g in r["results"][j]["grads"]]})
+                    "grads": [g for r in ranks for g in r["results"][j]["grads"]],
+                    "cpu_share": min((r["results"][j]["cpu_share"] for r in ranks
+                                      if r["results"][j]["cpu_share"] is not None), default=None)})
     return out
 
 

@@ -28,7 +28,9 @@ class Timeline:
     Spans on a CUDA device are timed with CUDA events, so the host never waits
     for the GPU while recording; call :meth:`resolve` (done by every reader)
     after the work. CPU spans use ``time.perf_counter``, one clock for every
-    process of the machine, so spans recorded in different ranks line up.
+    process of the machine, so spans recorded in different ranks line up; they
+    also count the CPU time the thread got (:attr:`cpu_share`), which shows
+    when other processes took the cores.
 
     Example:
         >>> tl = Timeline()
@@ -41,6 +43,7 @@ class Timeline:
         self.spans: list[tuple[str, str, float, float]] = [tuple(s) for s in spans]
         self._pending: list = []
         self._base: dict = {}
+        self.cpu_seconds = self.cpu_wall_seconds = 0.0  # thread CPU time and wall time of CPU spans
 
     def add(self, lane: str, label: str, start: float, end: float) -> None:
         """Record that ``lane`` was busy with ``label`` from ``start`` to ``end`` (seconds)."""
@@ -51,9 +54,12 @@ class Timeline:
         """Time the body as one busy span of ``lane``; on a CUDA ``device``, with CUDA events."""
         device = torch.device(device) if device is not None else None
         if device is None or device.type != "cuda":
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             yield
-            self.add(lane, label, start, time.perf_counter())
+            end = time.perf_counter()
+            self.cpu_seconds += time.thread_time() - cpu
+            self.cpu_wall_seconds += end - start
+            self.add(lane, label, start, end)
             return
         if device not in self._base:  # one host/GPU clock pairing per device
             torch.cuda.synchronize(device)
@@ -66,6 +72,15 @@ class Timeline:
         yield
         end.record(torch.cuda.current_stream(device))
         self._pending.append((lane, label, device, start, end))
+
+    @property
+    def cpu_share(self) -> float | None:
+        """CPU time this thread got during its CPU spans / their wall time (None: no CPU span).
+
+        Near 1 when the spans ran undisturbed (with one intra-op thread); well
+        below when other processes shared the cores, which stretches the spans.
+        """
+        return self.cpu_seconds / self.cpu_wall_seconds if self.cpu_wall_seconds else None
 
     def resolve(self) -> "Timeline":
         """Turn pending CUDA spans into seconds (waits for those GPUs)."""

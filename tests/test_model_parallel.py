@@ -117,7 +117,8 @@ def test_timeline_busy_idle_and_plot():
     assert tl.idle_fraction() == pytest.approx(1 - 3 / 8)
     assert tl.shifted().spans[0] == ("a", "F0", 0.0, 1.0)
     with tl.span("b", "B0"):
-        pass
+        sum(range(10000))
+    assert tl.cpu_share is not None and 0 < tl.cpu_share <= 1.05 and Timeline().cpu_share is None
     assert tl.spans[-1][:2] == ("b", "B0") and Timeline().idle_fraction() == 0.0
     import matplotlib
     matplotlib.use("Agg")
@@ -166,6 +167,7 @@ def test_gpipe_across_two_ranks_gives_the_full_batch_gradients_and_a_timeline():
         tl = run["timeline"]
         assert tl.lanes == ["stage 1 · rank 0 · cpu", "stage 2 · rank 1 · cpu"]
         assert len(tl.spans) == 2 * 2 * run["n_micro"] and 0 < run["bubble"] < 1 and run["step_time"] > 0
+        assert 0 < run["cpu_share"] <= 1.05
 
 
 def test_torch_pipelining_gpipe_on_gloo_gives_the_full_batch_gradients():
