@@ -49,6 +49,16 @@ def _wire_output(out, err, stacks) -> None:
     faulthandler.register(signal.SIGUSR1, file=stacks.fileno(), all_threads=True)
 
 
+def _fresh_random_state() -> None:
+    # Forked ranks inherit the forkserver's NumPy generator: every rank of every
+    # launch would draw the same numbers. Seed it from the OS as a new process
+    # (torchrun's) would. Python's `random` is reseeded on fork by Python itself,
+    # and torch's default seed is the same fixed value in any new process.
+    import numpy as np
+
+    np.random.seed(int.from_bytes(os.urandom(4), "little"))
+
+
 def _to_cpu(obj):
     """Move tensors in (nested) containers to the CPU so the launcher never touches CUDA."""
     if isinstance(obj, torch.Tensor):
@@ -114,6 +124,7 @@ def rank_main(payload: bytes, spec: dict, out, err, stacks, chan) -> None:
 
     os.environ.clear()
     os.environ.update(spec["env"])
+    _fresh_random_state()
     code, phase = 0, "start"
     try:
         phase = "init"

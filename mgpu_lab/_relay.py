@@ -70,7 +70,10 @@ def format_traceback(err: dict) -> str:
     filled in from the caller's linecache.
     """
     lines = ["Traceback (most recent call last):\n"]
-    for filename, lineno, name, line in err["frames"]:
+    frames = err["frames"]
+    if frames and frames[0][2] == "rank_main":  # the launcher's own frame
+        frames = frames[1:]
+    for filename, lineno, name, line in frames:
         lines.append(f'  File "{filename}", line {lineno}, in {name}\n')
         text = line.strip() or _source(filename, lineno or 0)
         if text:
@@ -80,9 +83,20 @@ def format_traceback(err: dict) -> str:
 
 
 def format_stack_dump(text: str) -> str:
-    """Add source lines to a faulthandler dump where the caller knows them."""
-    out = []
+    """Add source lines to a faulthandler dump where the caller knows them.
+
+    Frames below the rank's entry point (the forkserver's machinery) are cut:
+    the learner's frames are what explain a hang.
+    """
+    out, skipping = [], False
     for line in text.splitlines():
+        if not line.startswith(" "):  # "Thread 0x... (most recent call first):"
+            skipping = False
+        elif skipping:
+            continue
+        if _FAULT_FRAME.match(line) and line.rstrip().endswith(" in rank_main"):
+            skipping = True
+            continue
         out.append(line)
         m = _FAULT_FRAME.match(line)
         if m:

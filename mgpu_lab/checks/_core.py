@@ -197,8 +197,12 @@ class Tester:
         return run(_harness, 1, (fn, args, kwargs, prepare, catch), timeout=timeout,
                    init=False, quiet=True)[0]
 
-    def ranks(self, fn, nprocs: int, *args, timeout: float | None = None, backend=None, **kwargs) -> list:
-        """Run ``fn`` in ``nprocs`` real ranks (process group initialised); results in rank order."""
+    def ranks(self, fn, nprocs: int, *args, timeout: float | None = None, backend="gloo", **kwargs) -> list:
+        """Run ``fn`` in ``nprocs`` real ranks (process group initialised); results in rank order.
+
+        The backend is gloo unless asked otherwise: probes judge CPU evidence, and
+        a check must behave the same on a laptop and on an 8-GPU node.
+        """
         from ..launch import run
 
         self._skip_if_hung()
