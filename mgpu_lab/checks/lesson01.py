@@ -2,11 +2,14 @@
 
 The GPU branches are judged on any machine: the learner's code runs in a fresh
 process where ``torch.cuda`` reports a simulated number of GPUs, and tensor
-moves are recorded, so "forgot to move the labels" shows on a CPU too.
+moves are recorded, so "forgot to move the labels" shows on a CPU too. A batch
+tensor that reaches the model or the loss unmoved (``y.to(device)`` whose result
+was thrown away) is caught the same way.
 """
 from __future__ import annotations
 
 import copy
+import re
 import subprocess
 import sys
 
@@ -16,6 +19,8 @@ from ._core import exercise
 
 PICK_HINT = ("return torch.device('cuda', index) (index 0 when None) if torch.cuda.is_available(), "
              "else torch.device('cpu')")
+RANGE_HINT = ("check 0 <= index < torch.cuda.device_count() and otherwise "
+              "raise ValueError(f'... {count} GPU(s) visible ...')")
 
 
 def simulate_gpus(n: int) -> None:
@@ -25,35 +30,47 @@ def simulate_gpus(n: int) -> None:
 
 
 def _raises_naming(result, count: int) -> bool:
-    return result[0] == "raised" and result[1] == "ValueError" and str(count) in result[2]
+    """Whether ``result`` (from ``t.call(..., catch=True)``) is a ValueError naming ``count``."""
+    return (result[0] == "raised" and result[1] == "ValueError"
+            and re.search(rf"(?<![\d-]){count}(?!\d)", result[2]) is not None)
+
+
+def _outcome(result) -> str:
+    return f"{result[1]}: {result[2]}" if result[0] == "raised" else f"returned {result[1]!r}"
 
 
 @exercise("01.pick_device", points=6, description="pick_device(index=None): cuda:index with GPUs, cpu without, "
           "ValueError naming the visible count for a bad index")
 def _pick_device(t, pick_device):
     cases = [
-        ("no GPU visible: pick_device() is cpu", 0, (), torch.device("cpu"), False),
-        ("2 GPUs visible: pick_device() is cuda:0", 2, (), torch.device("cuda", 0), False),
-        ("2 GPUs visible: pick_device(1) is cuda:1", 2, (1,), torch.device("cuda", 1), False),
-        ("4 GPUs visible: pick_device(3) is cuda:3", 4, (3,), torch.device("cuda", 3), True),
+        ("no GPU visible: pick_device() is cpu", 0, (), torch.device("cpu"), False,
+         "with no GPU visible (torch.cuda.is_available() is False) return torch.device('cpu')"),
+        ("2 GPUs visible: pick_device() is cuda:0", 2, (), torch.device("cuda", 0), False,
+         "index=None means the first visible GPU: torch.device('cuda', 0)"),
+        ("2 GPUs visible: pick_device(1) is cuda:1", 2, (1,), torch.device("cuda", 1), False,
+         "use the index you were given: torch.device('cuda', index)"),
+        ("4 GPUs visible: pick_device(3) is cuda:3", 4, (3,), torch.device("cuda", 3), True, PICK_HINT),
     ]
-    for name, gpus, args, expected, hidden in cases:
-        with t.case(name, hidden=hidden, hint=PICK_HINT):
+    for name, gpus, args, expected, hidden, hint in cases:
+        with t.case(name, hidden=hidden, hint=hint):
             got = t.call(pick_device, *args, prepare=(simulate_gpus, (gpus,)))
-            t.equal(got, expected)
             if not isinstance(got, torch.device):
-                t.fail("return a torch.device, not a string", "torch.device", type(got).__name__)
-    errors = [
-        ("2 GPUs visible: pick_device(2) raises ValueError naming the count (2)", 2, 2, False),
-        ("no GPU visible: pick_device(0) raises ValueError naming the count (0)", 0, 0, True),
-    ]
-    for name, gpus, index, hidden in errors:
-        with t.case(name, hidden=hidden,
-                    hint="check 0 <= index < torch.cuda.device_count() and raise ValueError(f'... {count} ...')"):
-            got = t.call(pick_device, index, prepare=(simulate_gpus, (gpus,)), catch=True)
-            if not _raises_naming(got, gpus):
-                t.fail("an index outside 0..count-1 must raise ValueError with the visible count in its message",
-                       f"ValueError mentioning {gpus}", got[1] if got[0] == "raised" else f"returned {got[1]!r}")
+                t.fail(f"return a torch.device, not a {type(got).__name__}: {PICK_HINT}",
+                       repr(expected), repr(got))
+            t.equal(got, expected)
+    with t.case("2 GPUs visible: pick_device(2) and pick_device(-1) raise ValueError naming the count (2)",
+                hint=RANGE_HINT):
+        for index in (2, -1):
+            got = t.call(pick_device, index, prepare=(simulate_gpus, (2,)), catch=True)
+            if not _raises_naming(got, 2):
+                t.fail(f"pick_device({index}) with 2 GPUs: valid indices are 0 and 1, so raise ValueError "
+                       "and say how many GPUs are visible (2); " + RANGE_HINT,
+                       "ValueError mentioning 2", _outcome(got))
+    with t.case("no GPU visible: pick_device(0) raises ValueError naming the count (0)", hidden=True,
+                hint=RANGE_HINT):
+        got = t.call(pick_device, 0, prepare=(simulate_gpus, (0,)), catch=True)
+        if not _raises_naming(got, 0):
+            t.fail("", "ValueError mentioning 0", _outcome(got))
 
 
 # -- train_step ------------------------------------------------------------------
@@ -89,8 +106,18 @@ def _reference_step(model, x, y, optimizer, loss_fn):
     return loss.item()
 
 
+def _first(args, kwargs, position, name):
+    return args[position] if len(args) > position else kwargs.get(name)
+
+
 def run_train_step(train_step, regression: bool, steps: int) -> dict:
-    """Run the learner's train_step next to a reference, in a fresh process."""
+    """Run the learner's train_step next to a reference, in a fresh process.
+
+    Returns what the check judges: the losses and their types, the reference
+    losses, every ``.to``/``.cuda`` move of the batch, which batch tensors
+    reached the model or the loss *unmoved* (a ``y.to(device)`` whose result
+    was thrown away), and whether the weights match the reference.
+    """
     torch.manual_seed(0)
     if regression:
         model, loss_fn = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)), torch.nn.MSELoss()
@@ -98,27 +125,46 @@ def run_train_step(train_step, regression: bool, steps: int) -> dict:
     else:
         model, loss_fn = torch.nn.Linear(4, 3), torch.nn.CrossEntropyLoss()
         batches = [(torch.randn(8, 4), torch.randint(0, 3, (8,))) for _ in range(steps)]
-    ref = copy.deepcopy(model)
+    ref, ref_loss_fn = copy.deepcopy(model), copy.deepcopy(loss_fn)
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
+    unmoved = set()
+    # Moved tensors come back as plain tensors, so a Tracked one reaching the
+    # model or the loss was never moved: on a GPU that is the device error.
+    model.register_forward_pre_hook(
+        lambda m, args, kwargs: unmoved.add("inputs") if isinstance(_first(args, kwargs, 0, "input"), Tracked)
+        else None, with_kwargs=True)
+    loss_fn.register_forward_pre_hook(
+        lambda m, args, kwargs: unmoved.add("labels") if isinstance(_first(args, kwargs, 1, "target"), Tracked)
+        else None, with_kwargs=True)
     device = torch.device("cpu")
     losses, ref_losses = [], []
     Tracked.moves = []
     for x, y in batches:
         losses.append(train_step(model, (_tracked(x, "inputs"), _tracked(y, "labels")), opt, loss_fn, device))
-        ref_losses.append(_reference_step(ref, x, y, ref_opt, loss_fn))
+        ref_losses.append(_reference_step(ref, x, y, ref_opt, ref_loss_fn))
     same = all(torch.allclose(a, b, atol=1e-6) for a, b in zip(model.parameters(), ref.parameters()))
-    return {"losses": losses, "ref_losses": ref_losses, "types": [type(v).__name__ for v in losses],
-            "moves": list(Tracked.moves), "same_weights": same}
+    return {"losses": [_plain(v) for v in losses], "ref_losses": ref_losses,
+            "types": [type(v).__name__ for v in losses], "moves": list(Tracked.moves),
+            "unmoved": sorted(unmoved), "same_weights": same}
+
+
+def _plain(value):
+    """A returned loss as something that travels back to the check: a float, or its repr."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value.detach())
+    return value if isinstance(value, (int, float)) else repr(value)[:200]
 
 
 @exercise("01.train_step", points=6, description="train_step(model, batch, optimizer, loss_fn, device): move "
           "inputs and labels to the device, one optimisation step, return the loss as a float")
 def _train_step(t, train_step):
-    one = two = None
-    with t.case("returns the loss as a Python float", hint="return loss.item(), not the loss tensor"):
+    one = None
+    with t.case("returns the loss as a Python float",
+                hint="run one step and end with `return loss.item()` (a float, not the loss tensor)"):
         one = t.call(run_train_step, train_step, False, 1)
-        t.equal(one["types"], ["float"])
+        if one["types"] != ["float"]:
+            t.fail("return loss.item(): a Python float, not the loss tensor", "float", one["types"][0])
         t.close(one["losses"][0], one["ref_losses"][0],
                 hint="return the loss of this batch computed before optimizer.step()")
     for tag in ("inputs", "labels"):
@@ -130,6 +176,11 @@ def _train_step(t, train_step):
             moved = [target for what, target in one["moves"] if what == tag]
             if "cpu" not in moved:
                 t.fail("", f"{tag}.to(device) with device=cpu", f"moves recorded: {one['moves'] or 'none'}")
+            if tag in one["unmoved"]:
+                t.fail(f"{tag}.to(device) returns a new tensor and leaves {tag} where it was: "
+                       f"assign it ({tag[0]} = {tag[0]}.to(device)) and use that one",
+                       f"the moved {tag} used by the " + ("model" if tag == "inputs" else "loss"),
+                       f"the {tag} as they came in the batch (not moved)")
     with t.case("updates the weights exactly like zero_grad, backward, step",
                 hint="call optimizer.zero_grad(), loss.backward() and optimizer.step() once each"):
         if one is None:
@@ -138,8 +189,8 @@ def _train_step(t, train_step):
             t.fail("", "weights after one reference step", "different weights")
     with t.case("three steps in a row match the reference (gradients reset each step)",
                 hint="without optimizer.zero_grad() gradients add up from step to step"):
-        two = t.call(run_train_step, train_step, False, 3)
-        if not two["same_weights"]:
+        three = t.call(run_train_step, train_step, False, 3)
+        if not three["same_weights"]:
             t.fail("", "weights after three reference steps", "different weights")
     with t.case("a regression model with MSELoss", hidden=True):
         reg = t.call(run_train_step, train_step, True, 2)
@@ -179,7 +230,7 @@ def _visible(t, visible_devices_env):
                 t.fail("set only CUDA_VISIBLE_DEVICES (and optionally CUDA_DEVICE_ORDER=PCI_BUS_ID)", "", repr(extra))
     for bad, why, hidden in (([1, 1], "duplicate ids", False), ([-1], "a negative id", False),
                              (["1"], "a string id", True)):
-        with t.case(f"{why} {bad} raise ValueError", hidden=hidden,
+        with t.case(f"visible_devices_env({bad}) raises ValueError ({why})", hidden=hidden,
                     hint="validate: every id an int >= 0, no id twice; raise ValueError naming the bad id"):
             got = t.call(visible_devices_env, bad, catch=True)
             if got[0] != "raised" or got[1] != "ValueError":
