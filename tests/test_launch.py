@@ -143,6 +143,17 @@ def test_banner_says_what_runs_where():
     assert "init=False" in banner(1, "gloo", ["cpu"], init=False)
 
 
+def _numpy_draw():
+    import numpy as np
+
+    return float(np.random.rand())
+
+
+def test_numpy_is_seeded_afresh_in_every_rank_as_in_a_new_process():
+    first, second = launch(_numpy_draw, 2), launch(_numpy_draw, 2)
+    assert len(set(first + second)) == 4  # no two ranks, and no two launches, draw alike
+
+
 # -- failures --------------------------------------------------------------
 def test_a_rank_that_raises_stops_the_others_and_reports_its_traceback():
     start = time.monotonic()
@@ -180,6 +191,7 @@ def test_a_hang_is_stopped_after_the_timeout_with_every_ranks_stack():
     assert "all_reduce" in info.value.stacks[0]
     assert "time.sleep(1000)" in info.value.stacks[1] or "_mismatched_collectives" in info.value.stacks[1]
     assert "[rank 1/2]" in msg
+    assert "rank_main" not in msg and "multiprocessing" not in msg  # only the learner's frames
 
 
 def test_keyboard_interrupt_stops_every_rank(tmp_path):
