@@ -152,11 +152,15 @@ def epoch_starts(loader, epochs: int = 3, batches: int | None = None) -> list[di
 
 @dataclass
 class LoopTiming:
-    """Where the time of a loop went: waiting for batches, or computing on them."""
+    """Where the time of a loop went: waiting for batches, or computing on them.
+
+    The first batch is kept apart (``startup_s``: worker start-up, lazy
+    initialisation); ``samples``, ``wait_s`` and ``compute_s`` count the batches after it.
+    """
 
     batches: int
     samples: int
-    startup_s: float  # the wait for the first batch (worker start-up), kept apart
+    startup_s: float
     wait_s: float
     compute_s: float
 
@@ -170,12 +174,13 @@ class LoopTiming:
 
     @property
     def samples_per_s(self) -> float:
-        return self.samples / max(self.startup_s + self.wait_s + self.compute_s, 1e-12)
+        """Steady-state throughput: the batches after the first."""
+        return self.samples / max(self.wait_s + self.compute_s, 1e-12)
 
     def __str__(self) -> str:
         return (f"{self.batches} batches: waiting {self.wait_s:.2f} s, computing {self.compute_s:.2f} s "
-                f"({100 * self.wait_fraction:.0f}% waiting: {self.verdict}); first batch after "
-                f"{self.startup_s:.2f} s; {self.samples_per_s:.0f} samples/s overall")
+                f"({100 * self.wait_fraction:.0f}% waiting: {self.verdict}), {self.samples_per_s:.0f} samples/s; "
+                f"first batch after {self.startup_s:.2f} s")
 
 
 def timed_loop(loader, step, max_batches: int | None = None, device=None, desc: str = "train",
@@ -211,12 +216,11 @@ def timed_loop(loader, step, max_batches: int | None = None, device=None, desc: 
                 startup = t1 - t0
             else:
                 wait += t1 - t0
-            compute += t2 - t1
+                compute += t2 - t1
+                samples += batch_size_of(batch)
+                bar.set_postfix(waiting=f"{100 * wait / max(wait + compute, 1e-12):.0f}%", refresh=False)
             batches += 1
-            samples += batch_size_of(batch)
             bar.update(1)
-            if batches > 1:
-                bar.set_postfix(waiting=f"{100 * wait / max(wait + compute, 1e-12):.0f}%")
     finally:
         bar.close()
         del it
