@@ -33,6 +33,17 @@ class TwoStageNetCallerMovesInputs(TwoStageNet):  # also right: the caller puts 
         return self.stage2(self.stage1(x).to(self.dev2))
 
 
+class TwoStageNetParameterDevices(TwoStageNet):  # also right: moves to where the parameters are
+    def forward(self, x):
+        h = self.stage1(x.to(next(self.stage1.parameters()).device))
+        return self.stage2(h.to(next(self.stage2.parameters()).device))
+
+
+class OutputToCPU(TwoStageNet):
+    def forward(self, x):
+        return super().forward(x).cpu()
+
+
 def pipelined_step(stage1, stage2, x, y, loss_fn, n_micro):
     dev1, dev2 = next(stage1.parameters()).device, next(stage2.parameters()).device
     total = 0.0
@@ -220,7 +231,7 @@ def test_the_lesson_registers_three_exercises_with_one_point_per_case():
     assert listed == {"06.TwoStageNet": 8, "06.pipelined_step": 7, "06.bubble_fraction": 7}
 
 
-@pytest.mark.parametrize("answer", [TwoStageNet, TwoStageNetCallerMovesInputs])
+@pytest.mark.parametrize("answer", [TwoStageNet, TwoStageNetCallerMovesInputs, TwoStageNetParameterDevices])
 def test_two_stage_net_right_answers_get_full_marks(answer):
     r = check("06.TwoStageNet", answer)
     assert (r.points, r.max_points, r.status) == (8, 8, "passed"), str(r)
@@ -239,6 +250,7 @@ def test_two_stage_net_stub_is_not_attempted():
     (SwapsDevices, "puts stage1 on dev1", "self.stage1 = stage1.to(dev1)"),
     (NeverPlaces, "puts stage2 on dev2", "self.stage2 = stage2.to(dev2)"),
     (OutputBackToDev1, "returns the output of stage2", "the loss belongs on dev2"),
+    (OutputToCPU, "returns the output of stage2", "the loss belongs on dev2"),
 ])
 def test_two_stage_net_wrong_answers_fail_their_case(answer, case, hint):
     r = check("06.TwoStageNet", answer)
@@ -262,7 +274,7 @@ def test_pipelined_step_stub_is_not_attempted():
     (zero_grad_inside, "the gradients equal", "never inside the micro-batch loop"),
     (one_over_n_micro, "batch 10, n_micro=4", "1/n_micro is the wrong weight"),
     (drops_the_rest, "batch 10, n_micro=4", "samples were left out"),
-    (whole_batch, "see 4 micro-batches", "not once on the whole batch"),
+    (whole_batch, "see 4 micro-batches", "run the stages on each micro-batch in turn"),
     (returns_tensor, "as a Python float", "not a tensor"),
     (returns_sum, "as a Python float", "weighted by len(x_i)/len(x)"),
 ])

@@ -27,7 +27,7 @@ class Moved(torch.Tensor):
         kwargs = kwargs or {}
         if func in (torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu) and isinstance(args[0], Moved):
             if func is torch.Tensor.cpu:
-                target = "cpu"
+                target = ".cpu()"
             elif func is torch.Tensor.cuda:
                 target = kwargs.get("device", args[1] if len(args) > 1 else "cuda")
             else:
@@ -110,6 +110,11 @@ def run_two_stage(TwoStageNet, conv: bool = False, as_strings: bool = False) -> 
     return out
 
 
+# A move to "cpu" is what .to(next(stage.parameters()).device) records here (parameters
+# report plain "cpu" on cpu:0 and cpu:1 alike), right on GPUs: accept it for either device.
+_ON = {"cpu:0": {"cpu:0", "cpu"}, "cpu:1": {"cpu:1", "cpu"}}
+
+
 def _placed(log, name):
     return [dev for who, what, dev in log if who == name and what == "to"]
 
@@ -155,10 +160,10 @@ def _two_stage(t, TwoStageNet):
             t.fail("the first cases did not finish")
         moved = [dev for tag, dev in got["moves"] if tag == "activations"]
         unmoved = ("stage2", "input", "activations") in got["stage_log"]
-        wrong_inputs = [dev for tag, dev in got["moves"] if tag == "inputs" and dev != "cpu:0"]
+        wrong_inputs = [dev for tag, dev in got["moves"] if tag == "inputs" and dev not in _ON["cpu:0"]]
         if wrong_inputs:
             t.fail("the input x belongs on dev1, where stage1 is", "x.to(cpu:0) or no move", f"x.to({wrong_inputs[0]})")
-        if "cpu:1" not in moved:
+        if not set(moved) & _ON["cpu:1"]:
             t.fail("", "activations.to(cpu:1)", f"moves of the activations: {moved or 'none'}")
         if unmoved:
             t.fail(".to() returns a moved copy and leaves the tensor where it was: pass the copy to stage2",
@@ -168,14 +173,14 @@ def _two_stage(t, TwoStageNet):
                      "belongs on dev2, with the labels moved there"):
         if got is None or "moves" not in got:
             t.fail("the first cases did not finish")
-        away = [dev for tag, dev in got["moves"] if tag == "output" and dev != "cpu:1"]
+        away = [dev for tag, dev in got["moves"] if tag == "output" and dev not in _ON["cpu:1"]]
         if away:
             t.fail("", "the output left on cpu:1", f"output moved to {away[0]}")
     with t.case("conv stages, devices passed as strings ('cpu:0', 'cpu:1')", hidden=True):
         again = t.call(run_two_stage, TwoStageNet, True, True)
         if not (again.get("same_grads") and _placed(again["stage_log"], "stage2")[-1:] == ["cpu:1"]
                 and _placed(again["stage_log"], "stage1")[-1:] == ["cpu:0"]
-                and ("cpu:1" in [dev for tag, dev in again["moves"] if tag == "activations"])):
+                and set(dev for tag, dev in again["moves"] if tag == "activations") & _ON["cpu:1"]):
             t.fail("conv stages with string devices differ")
 
 
@@ -227,7 +232,7 @@ def run_pipelined(pipelined_step, batch: int, n_micro: int, regression: bool = F
     loss = pipelined_step(s1, s2, x.clone(), y.clone(), loss_fn, n_micro)
     grads = [p.grad for p in list(s1.parameters()) + list(s2.parameters())]
     number = isinstance(loss, (int, float, torch.Tensor)) and torch.as_tensor(loss).numel() == 1
-    out = {"type": type(loss).__name__, "loss": float(torch.as_tensor(loss).detach()) if number else repr(loss)[:100], "ref_loss": float(ref_loss.detach()),
+    out = {"type": "float" if isinstance(loss, float) else type(loss).__name__, "loss": float(torch.as_tensor(loss).detach()) if number else repr(loss)[:100], "ref_loss": float(ref_loss.detach()),
            "sizes": sizes, "chunks": [len(c) for c in torch.chunk(x, n_micro)], "no_grads": any(g is None for g in grads)}
     if out["no_grads"]:
         return {**out, "same": False, "bug": "no gradients: call backward on the loss"}
@@ -280,7 +285,8 @@ def _pipelined(t, pipelined_step):
     with t.case("batch 8, n_micro=4: the gradients equal those of one step on the whole batch", hint=STEP_HINT):
         _judge_grads(t, got)
     with t.case("batch 8, n_micro=4: both stages see 4 micro-batches of 2",
-                hint="run the stages on each micro-batch in turn, not once on the whole batch"):
+                hint="run the stages on each micro-batch in turn, and no extra pass over the whole batch: "
+                     "the mean loss is the sum of the weighted micro-batch losses"):
         if got is None:
             t.fail("the first case did not finish")
         t.equal(got["sizes"], {"stage1": [2, 2, 2, 2], "stage2": [2, 2, 2, 2]})
