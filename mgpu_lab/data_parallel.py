@@ -32,7 +32,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch import nn
 
-__all__ = ["default_devices", "scatter", "replicate", "parallel_apply", "gather", "Timeline",
+__all__ = ["default_devices", "cpu_threads", "scatter", "replicate", "parallel_apply", "gather", "Timeline",
            "StepByStepDataParallel", "train_step", "time_steps"]
 
 
@@ -42,6 +42,28 @@ def default_devices(n_cpu: int = 2) -> list[torch.device]:
     if n >= 2:
         return [torch.device("cuda", i) for i in range(n)]
     return [torch.device("cpu")] * n_cpu
+
+
+@contextmanager
+def cpu_threads(n: int = 1):
+    """Run the block with ``n`` intra-op CPU threads, then restore the previous number.
+
+    With CPU "devices", ``cpu_threads(1)`` gives each replica one core, as each
+    GPU is one device; the plain model then also computes on one core.
+
+    Example:
+        >>> with cpu_threads(1):
+        ...     torch.get_num_threads()
+        1
+    """
+    if n < 1:
+        raise ValueError(f"n={n}: use at least one thread")
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _devices(devices) -> list[torch.device]:

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from mgpu_lab.data_parallel import (StepByStepDataParallel, Timeline, default_devices, gather, parallel_apply,
-                                    replicate, scatter, time_steps, train_step)
+from mgpu_lab.data_parallel import (StepByStepDataParallel, Timeline, cpu_threads, default_devices, gather,
+                                    parallel_apply, replicate, scatter, time_steps, train_step)
 
 CPU2 = ["cpu", "cpu"]
 
@@ -117,3 +117,13 @@ def test_on_two_gpus_matches_nn_data_parallel():
     assert ours.device == torch.device("cuda", 0)
     outs = parallel_apply(replicate(model, devices), scatter(x, devices), devices)
     assert [o.device.index for o in outs] == [0, 1]
+
+
+def test_cpu_threads_restores():
+    before = torch.get_num_threads()
+    with cpu_threads(1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+    with pytest.raises(ValueError, match="at least one thread"):
+        with cpu_threads(0):
+            pass
