@@ -57,21 +57,26 @@ def pin_to_core(rank: int | None = None, threads: int = 1) -> int | None:
     return core
 
 
-def _isend(tensor: torch.Tensor, dst: int) -> list:
-    """Send the shape, then the tensor (the receiver need not know the shape)."""
+def _isend(tensor: torch.Tensor, dst: int, header: bool) -> list:
+    """Send the tensor, after its shape when ``header`` (the receiver need not know the shape)."""
     shape = list(tensor.shape)
     if len(shape) > _MAX_DIM - 1:
         raise ValueError(f"cannot send a tensor of {len(shape)} dimensions; at most {_MAX_DIM - 1}")
-    header = torch.tensor([len(shape), *shape] + [0] * (_MAX_DIM - 1 - len(shape)), device=tensor.device)
+    sent = []
+    if header:  # messages between two ranks arrive in the order they were sent: the shape first
+        head = torch.tensor([len(shape), *shape] + [0] * (_MAX_DIM - 1 - len(shape)), device=tensor.device)
+        sent.append((tdist.isend(head, dst), head))
     tensor = tensor.contiguous()
-    return [(tdist.isend(header, dst), header), (tdist.isend(tensor, dst), tensor)]
+    return sent + [(tdist.isend(tensor, dst), tensor)]
 
 
-def _recv(src: int, device, dtype=torch.float32) -> torch.Tensor:
-    header = torch.empty(_MAX_DIM, dtype=torch.int64, device=device)
-    tdist.recv(header, src)
-    ndim = int(header[0])
-    out = torch.empty([int(v) for v in header[1:1 + ndim]], dtype=dtype, device=device)
+def _recv(src: int, device, shape=None, dtype=torch.float32) -> torch.Tensor:
+    """Receive a tensor of ``shape``, or of the shape sent first when ``shape`` is None."""
+    if shape is None:
+        head = torch.empty(_MAX_DIM, dtype=torch.int64, device=device)
+        tdist.recv(head, src)
+        shape = [int(v) for v in head[1:1 + int(head[0])]]
+    out = torch.empty(shape, dtype=dtype, device=device)
     tdist.recv(out, src)
     return out
 
@@ -83,13 +88,16 @@ def _gpipe_step(stage, dev, x, y, loss_fn, n_micro, timeline, lane) -> torch.Ten
     xs, ys = torch.chunk(x, n_micro), torch.chunk(y, n_micro)
     ins, outs, pending = [], [], []
     for i, chunk in enumerate(xs):
-        h_in = chunk.to(dev) if first else _recv(rank - 1, dev).requires_grad_()
+        if first:
+            h_in = chunk.to(dev)
+        else:  # only the first activation comes with its shape: the others differ in batch size only
+            h_in = _recv(rank - 1, dev, None if i == 0 else (len(chunk), *ins[0].shape[1:])).requires_grad_()
         with timeline.span(lane, f"F{i}", dev):
             out = stage(h_in)
             if last:  # weighted by the micro-batch's share: the gradient of the batch's mean loss
                 out = loss_fn(out, ys[i].to(dev)) * (len(chunk) / len(x))
         if not last:
-            pending += _isend(out.detach(), rank + 1)  # async: the next forward starts at once
+            pending += _isend(out.detach(), rank + 1, header=i == 0)  # async: the next forward starts at once
         ins.append(h_in)
         outs.append(out)
     for i in range(len(xs)):
