@@ -231,7 +231,7 @@ class Paced(Dataset):
 
 
 def run_best(best_num_workers, costs: dict, candidates: list, batch_size: int, n_batches: int,
-             n: int = 160) -> dict:
+             n: int = 96) -> dict:
     """The learner's choice on a :class:`Paced` data set, and the samples drawn per candidate."""
     fork_workers()
     counts = multiprocessing.get_context("fork").Array("l", max(candidates) + 1)
