@@ -67,7 +67,8 @@ def lab(tmp_path_factory):
         path.write_text(json.dumps(value))
     token, port = secrets.token_hex(16), _free_port()
     env = {**os.environ, "JUPYTERLAB_SETTINGS_DIR": str(settings),
-           "JUPYTER_RUNTIME_DIR": str(work / ".runtime"), "MGPU_LAB_TIMEOUT": "240"}
+           "JUPYTER_RUNTIME_DIR": str(work / ".runtime"),
+           "JUPYTERLAB_WORKSPACES_DIR": str(work / ".workspaces"), "MGPU_LAB_TIMEOUT": "240"}
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     log = open(ARTIFACTS / "jupyter-lab.log", "w")
     proc = subprocess.Popen(

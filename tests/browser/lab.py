@@ -10,7 +10,7 @@ class Notebook:
     def __init__(self, page, url: str, token: str, path: str):
         self.page = page
         page.goto(f"{url}/lab/tree/{path}?token={token}")
-        page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=90_000)
+        page.wait_for_selector(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell", timeout=90_000)
         time.sleep(1)
         dialog = page.locator(".jp-Dialog button.jp-mod-accept")
         if dialog.count():  # a notebook without kernelspec metadata asks which kernel

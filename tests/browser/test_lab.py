@@ -96,3 +96,31 @@ def test_student_01_a_right_and_a_wrong_answer_typed_in_the_editor(lab, page):
     assert bad.locator(".mgpu-check-failed").count() == 1
     text = bad.inner_text()
     assert "visible_devices_env([3, 1])" in text and "keep the order" in text  # the case and its hint
+
+
+def test_lesson_04_launch_cells_show_every_rank_and_the_explorer_responds(lab, page):
+    url, token, _ = lab
+    book = Notebook(page, url, token, "solutions/04_ddp.ipynb")
+    explorer = book.cell_index("sampler_view.explorer(")
+    book.cells.nth(explorer).locator(".cm-content").click()
+    book.menu("Run", "Run All Above Selected Cell")
+    book.wait_idle(240)
+    for launch_cell in ("launch(hello, 2", "def wrap_demo"):
+        text = book.output(book.cell_index(launch_cell)).inner_text()
+        assert text.startswith("launch: 2 ranks") and "[rank 0/2]" in text and "[rank 1/2]" in text, text
+    book.run_cell(explorer, 120)
+    out = book.output(explorer)
+    out.locator(".widget-interact").wait_for()
+    assert out.locator(".widget-slider").count() == 2 and out.locator("input[type=checkbox]").count() == 2
+    out.locator(".widget-interact img").first.wait_for(timeout=60_000)
+    before = out.locator(".widget-interact img").first.get_attribute("src")
+    out.locator("input[type=checkbox]").first.click()  # drop_last: off -> on
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        imgs = out.locator(".widget-interact img")
+        if imgs.count() and imgs.first.get_attribute("src") != before:
+            break
+        time.sleep(0.5)
+    else:
+        pytest.fail("the explorer's plot did not change after drop_last was ticked")
+    assert out.locator("input[type=checkbox]").first.is_checked()
