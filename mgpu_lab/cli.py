@@ -6,6 +6,7 @@ tests call the same code the command line does.
 Example:
     $ mgpu-lab doctor
     $ mgpu-lab doctor --backend gloo --nprocs 4 --timeout 60
+    $ mgpu-lab doctor --nodes 2
     $ python -m mgpu_lab doctor
 """
 
@@ -45,14 +46,22 @@ def _add_doctor(subparsers: argparse._SubParsersAction) -> None:
         default=30.0,
         help="seconds each check may take, start-up included (default: 30)",
     )
-    # Simulated multi-node checks (--nodes N) go here, passed on to run_doctor.
+    parser.add_argument(
+        "--nodes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="also run the all_reduce + barrier across N simulated nodes (2..16), "
+        "--nprocs ranks each, under real torchrun (at least 90 s of timeout)",
+    )
     parser.set_defaults(handler=_doctor)
 
 
 def _doctor(args: argparse.Namespace) -> int:
     from mgpu_lab.doctor import run_doctor
 
-    return run_doctor(backends=args.backends, nprocs=args.nprocs, timeout=args.timeout)
+    extra = {} if args.nodes is None else {"nodes": args.nodes}
+    return run_doctor(backends=args.backends, nprocs=args.nprocs, timeout=args.timeout, **extra)
 
 
 def _add_assign(subparsers) -> None:

@@ -48,7 +48,14 @@ _HINTS = {
         "/dev/shm (docker --shm-size=1g) in containers; and check that "
         "nvidia-smi lists every GPU"
     ),
+    "nodes": (
+        "try: the lesson 07 troubleshooting table; GLOO_SOCKET_IFNAME must name the "
+        "interface that joins the nodes, and torchrun must be on the PATH of this "
+        "Python (pip install -e . in the environment that runs mgpu-lab)"
+    ),
 }
+#: The multi-node check starts torchrun on every node; it gets at least this many seconds.
+NODES_MIN_TIMEOUT = 90.0
 
 
 def _allreduce_probe(device_type: str) -> list[float]:
@@ -204,6 +211,40 @@ def _check(backend: str, nprocs: int, timeout: float) -> tuple[bool, str]:
     )
 
 
+def _check_nodes(nodes: int, nprocs: int, timeout: float) -> tuple[bool, str]:
+    """all_reduce + barrier across ``nodes`` simulated nodes, ``nprocs`` ranks each, under real torchrun."""
+    try:
+        from mgpu_lab.multinode import PROBE_SCRIPT, SimCluster, probe_reports
+
+        cluster = SimCluster(nodes)
+    except Exception as err:  # no namespaces is a fallback, not an error: this is something else
+        return False, f"FAILED: cannot set up {nodes} simulated nodes: {type(err).__name__}: {err}\n{_hint('nodes')}"
+    start = time.perf_counter()
+    with cluster:
+        where = cluster.banner().split(" · ", 1)[1]
+        env = {"GLOO_SOCKET_IFNAME": cluster.interface, "ALLREDUCE_CHECK_JSON": "1",
+               "ALLREDUCE_CHECK_TIMEOUT": f"{max(5.0, timeout / 3):g}"}
+        argv = cluster.torchrun(PROBE_SCRIPT, "--backend", "gloo", nproc_per_node=nprocs)
+        try:
+            result = cluster.run(argv, env=env, timeout=timeout, after_failure=5, echo=False)
+        except Exception as err:  # e.g. torchrun missing: report it, like a failed launch
+            return False, f"FAILED: starting torchrun raised {type(err).__name__}: {err}\n{_hint('nodes')}"
+    elapsed = time.perf_counter() - start
+    world = nodes * nprocs
+    expected = float(world * (world + 1) // 2)
+    sums = [r["sum"] for r in probe_reports(result)]
+    shown = ["scripts/" + PROBE_SCRIPT.name if a == str(PROBE_SCRIPT) else a for a in argv[0]]
+    command = f"GLOO_SOCKET_IFNAME={cluster.interface} " + " ".join(shown)
+    if result.ok and len(sums) == world and all(v == expected for v in sums):
+        return True, (f"OK in {elapsed:.1f} s ({nodes} simulated nodes x {nprocs} rank(s), torchrun with static "
+                      f"rendezvous, gloo; all_reduce sum {expected:g} on every rank)\n"
+                      f"         nodes: {where}\n         node0 ran: {command}")
+    details = "\n".join(result.key_lines(limit=3)) or "(no error in the logs)"
+    return False, (f"FAILED after {elapsed:.1f} s: {len(sums)} of {world} ranks finished the all_reduce "
+                   f"(expected sum {expected:g})\n         nodes: {where}\n"
+                   f"{_indent(result.summary())}\n{_indent(details)}\n{_hint('nodes')}")
+
+
 def _hint(backend: str) -> str:
     return "         " + _HINTS[backend]
 
@@ -217,6 +258,7 @@ def run_doctor(
     nprocs: int = 2,
     timeout: float = 30.0,
     out: TextIO | None = None,
+    nodes: int | None = None,
 ) -> int:
     """Print what this machine can run and prove it with real collectives.
 
@@ -229,13 +271,18 @@ def run_doctor(
             :func:`mgpu_lab.launch.launch`).
         timeout: Seconds each check may take, process start-up included.
         out: Stream for the report; defaults to ``sys.stdout``.
+        nodes: Also run the all_reduce + barrier across this many simulated
+            nodes (:mod:`mgpu_lab.multinode`: network namespaces where the
+            machine allows it, else 127.0.0.1), ``nprocs`` ranks each, started
+            by the real torchrun with gloo; at least 90 s of timeout.
 
     Returns:
         0 if every check that ran passed, 1 if any failed or none could run.
 
     Raises:
         ValueError: If ``backends`` names an unknown backend, ``nprocs`` is not
-            an int >= 1, or ``timeout`` is not a positive number.
+            an int >= 1, ``timeout`` is not a positive number, or ``nodes`` is
+            not None or an int from 2 to 16.
 
     Example:
         >>> run_doctor(backends=["gloo"], nprocs=2, timeout=60)  # doctest: +SKIP
@@ -246,6 +293,8 @@ def run_doctor(
         raise ValueError(f"nprocs={nprocs!r} must be an int >= 1, e.g. nprocs=2")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
         raise ValueError(f"timeout={timeout!r} must be a positive number of seconds, e.g. 30")
+    if nodes is not None and (isinstance(nodes, bool) or not isinstance(nodes, int) or not 2 <= nodes <= 16):
+        raise ValueError(f"nodes={nodes!r} must be an int from 2 to 16 (simulated nodes), e.g. nodes=2")
     out = sys.stdout if out is None else out
 
     def say(line: str = "") -> None:
@@ -286,6 +335,14 @@ def run_doctor(
         passes += passed
         failures += not passed
         say(f"  {backend:<6} {report}")
+    if nodes is not None:
+        node_timeout = max(timeout, NODES_MIN_TIMEOUT)
+        say(f"multi-node: all_reduce + barrier across {nodes} simulated nodes x {nprocs} rank(s), "
+            f"timeout {node_timeout:g} s")
+        passed, report = _check_nodes(nodes, nprocs, node_timeout)
+        passes += passed
+        failures += not passed
+        say(f"  {'nodes':<6} {report}")
 
     if failures:
         say(f"result: {failures} check(s) FAILED; see the lines above for what to try")
