@@ -239,10 +239,10 @@ def slow_fetch(root):
     with open(os.path.join(root, "downloads.log"), "a") as f:
         f.write(f"{os.environ.get('MGPU_LAB_CHECK_ROUND', '?')} {mdist.rank()}\n")
     with open(path, "wb") as f:  # written in place, slowly: an early reader sees half a file
-        for i in range(0, len(PAYLOAD), 2048):
-            f.write(PAYLOAD[i:i + 2048])
+        for i in range(0, len(PAYLOAD), 1024):  # 8 chunks over about 0.3 s
+            f.write(PAYLOAD[i:i + 1024])
             f.flush()
-            time.sleep(0.03)
+            time.sleep(0.04)
     return path
 
 
