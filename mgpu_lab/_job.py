@@ -7,6 +7,7 @@ still running and closes every pipe.
 """
 from __future__ import annotations
 
+import io
 import os
 import selectors
 import signal
@@ -37,8 +38,9 @@ class LaunchError(RuntimeError):
     """
 
     def __init__(self, message, *, rank=None, world_size=None, exitcode=None,
-                 exc_type=None, exception=None, traceback="", failures=None, phase=None):
+                 exc_type=None, exception=None, traceback="", failures=None, phase=None, output=""):
         super().__init__(message)
+        self.output = output  # the ranks' output, when the launch kept it (echo=False)
         self.phase = phase  # "init": failed while setting up the process group, before fn ran
         self.rank, self.world_size, self.exitcode = rank, world_size, exitcode
         self.exc_type, self.exception, self.traceback = exc_type, exception, traceback
@@ -65,12 +67,13 @@ def _exit_text(code) -> str:
 
 
 class _Rank:
-    def __init__(self, rank, world_size):
+    def __init__(self, rank, world_size, capture=None):
         self.rank, self.world_size = rank, world_size
         self.proc = None
         self.fds = {}  # stream name -> read fd
         self.chan = None
-        self.relays = {"out": LineRelay(rank, world_size, stdout), "err": LineRelay(rank, world_size, stderr)}
+        out, err = (stdout, stderr) if capture is None else (lambda: capture, lambda: capture)
+        self.relays = {"out": LineRelay(rank, world_size, out), "err": LineRelay(rank, world_size, err)}
         self.message = None  # ("ok", blob) or ("error", info)
         self.chan_open = True
         self.exitcode = None
@@ -86,14 +89,17 @@ class _Rank:
 class Job:
     """Starts the ranks of one launch and waits for them; a context manager."""
 
-    def __init__(self, world_size: int, timeout: float):
+    def __init__(self, world_size: int, timeout: float, echo: bool = True):
         self.world_size, self.timeout = world_size, timeout
+        # echo=False keeps the ranks' output out of the caller's streams (checks):
+        # it is kept here and attached to a LaunchError as `output`.
+        self.captured = None if echo else io.StringIO()
         self.ranks: list[_Rank] = []
         self.sel = selectors.DefaultSelector()
         self.board = None  # per-rank progress bars, made on the first update
 
     def start_rank(self, r: int, target, payload: bytes, spec: dict) -> None:
-        info = _Rank(r, self.world_size)
+        info = _Rank(r, self.world_size, self.captured)
         self.ranks.append(info)
         ends = {}
         for name in ("out", "err", "stack"):
@@ -237,6 +243,7 @@ class Job:
             lines.append("(a segfault, os._exit, or a kill from outside, e.g. the out-of-memory killer, "
                          "ends a process without a Python exception; its stderr is above)")
         raise LaunchError("\n".join(lines), rank=first.rank, world_size=n, exitcode=first.exitcode,
+                          output=self.captured.getvalue() if self.captured else "",
                           exc_type=exc_type, exception=exc, traceback=tb, phase=phase,
                           failures={i.rank: self._summary(i) for i in failures})
 
@@ -274,6 +281,7 @@ class Job:
             body = "\n".join(prefix(r, n) + line for line in (text or "(no stack received)").splitlines())
             lines.append(body)
         raise LaunchTimeout("\n".join(lines), rank=hung[0].rank if hung else None, world_size=n,
+                            output=self.captured.getvalue() if self.captured else "",
                             stacks=stacks)
 
     def _kill_all(self) -> None:

@@ -12,7 +12,8 @@ from multiprocessing import context, forkserver, popen_forkserver, spawn
 
 import psutil
 
-_PRELOAD = ["mgpu_lab._rank"]
+# torchvision too: the data lessons use it in every rank (a missing one is skipped).
+_PRELOAD = ["mgpu_lab._rank", "torchvision"]
 _lock = threading.Lock()
 
 

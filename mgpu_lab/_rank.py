@@ -10,6 +10,8 @@ from __future__ import annotations
 import ctypes
 import datetime
 import faulthandler
+import multiprocessing
+import multiprocessing.util
 import os
 import signal
 import sys
@@ -125,6 +127,9 @@ def rank_main(payload: bytes, spec: dict, out, err, stacks, chan) -> None:
     os.environ.clear()
     os.environ.update(spec["env"])
     _fresh_random_state()
+    # multiprocessing made this process's start method "forkserver"; DataLoader
+    # workers of the rank should start as the caller's (and torchrun's) would.
+    multiprocessing.set_start_method(spec.get("start_method", "fork"), force=True)
     code, phase = 0, "start"
     try:
         phase = "init"
@@ -162,4 +167,8 @@ def rank_main(payload: bytes, spec: dict, out, err, stacks, chan) -> None:
         chan.send(msg)
     chan.close()
     _kill_descendants()
+    try:  # unregister semaphores etc. (tqdm's locks) that os._exit would leave behind
+        multiprocessing.util._run_finalizers(0)
+    except Exception:  # noqa: BLE001 - exiting matters more
+        pass
     os._exit(code)

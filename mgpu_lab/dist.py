@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 from dataclasses import dataclass
 
 BACKENDS = ("nccl", "gloo")
@@ -115,7 +116,13 @@ def is_main_process() -> bool:
 def print0(*args, **kwargs) -> None:
     """``print`` on the main process only: for messages every rank would repeat."""
     if is_main_process():
-        print(*args, **kwargs)
+        # One write per line: under torchrun the ranks share the terminal, and a
+        # separate write of the newline lets other ranks' text land mid-line.
+        sep, end = kwargs.pop("sep", " "), kwargs.pop("end", "\n")
+        file = kwargs.pop("file", None) or sys.stdout
+        file.write(sep.join(map(str, args)) + end)
+        if kwargs.pop("flush", True):
+            file.flush()
 
 
 def _cuda_count() -> int:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import inspect
+import multiprocessing
 import os
 import sys
 import types
@@ -136,11 +137,14 @@ def launch(fn, nprocs: int, *args, backend: str | None = None,
 
 
 def run(fn, nprocs: int, args: tuple = (), kwargs: dict | None = None, *, backend: str | None = None,
-        timeout: float = DEFAULT_TIMEOUT, init: bool = True, quiet: bool = False) -> list:
+        timeout: float = DEFAULT_TIMEOUT, init: bool = True, quiet: bool = False,
+        echo: bool = True) -> list:
     """:func:`launch` with the arguments of ``fn`` passed as a tuple and a dict.
 
-    For library code (the checks) that needs every launcher option, ``quiet=True``
-    (no banner) included, without reserving more keyword names of ``fn``.
+    For library code (the checks) that needs every launcher option without
+    reserving more keyword names of ``fn``: ``quiet=True`` prints no banner,
+    ``echo=False`` keeps the ranks' output out of the cell (a LaunchError then
+    carries it as ``output``).
     """
     kwargs = kwargs or {}
     _validate(fn, nprocs, timeout)
@@ -157,7 +161,7 @@ def run(fn, nprocs: int, args: tuple = (), kwargs: dict | None = None, *, backen
         print(banner(nprocs, backend, devices, init), flush=True)
     for attempt in range(1, INIT_ATTEMPTS + 1):
         try:
-            return _run(payload, nprocs, backend, devices, timeout, init)
+            return _run(payload, nprocs, backend, devices, timeout, init, echo)
         except LaunchError as exc:
             if not (_is_gloo_connect_race(exc) and attempt < INIT_ATTEMPTS):
                 raise
@@ -171,17 +175,18 @@ def _is_gloo_connect_race(exc: LaunchError) -> bool:
     return exc.phase == "init" and "connectFullMesh" in str(exc)
 
 
-def _run(payload, nprocs, backend, devices, timeout, init) -> list:
+def _run(payload, nprocs, backend, devices, timeout, init, echo=True) -> list:
     from torch.distributed import TCPStore
 
     store = TCPStore("127.0.0.1", 0, nprocs, is_master=True, wait_for_workers=False,
                      timeout=datetime.timedelta(seconds=timeout + 60))
     try:
-        with Job(nprocs, timeout) as job:
+        with Job(nprocs, timeout, echo) as job:
             for r in range(nprocs):
                 spec = {
                     "rank": r, "world_size": nprocs, "backend": backend, "device": devices[r],
                     "init": init, "pg_timeout": timeout + 30,
+                    "start_method": multiprocessing.get_start_method(),
                     "env": _rank_env(r, nprocs, store.port, backend, devices[r]),
                 }
                 job.start_rank(r, _rank.rank_main, payload, spec)

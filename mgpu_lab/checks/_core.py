@@ -195,7 +195,7 @@ class Tester:
         self._skip_if_hung()
         timeout = CALL_TIMEOUT if timeout is None else timeout
         return run(_harness, 1, (fn, args, kwargs, prepare, catch), timeout=timeout,
-                   init=False, quiet=True)[0]
+                   init=False, quiet=True, echo=False)[0]
 
     def ranks(self, fn, nprocs: int, *args, timeout: float | None = None, backend="gloo", **kwargs) -> list:
         """Run ``fn`` in ``nprocs`` real ranks (process group initialised); results in rank order.
@@ -207,7 +207,7 @@ class Tester:
 
         self._skip_if_hung()
         timeout = CALL_TIMEOUT if timeout is None else timeout
-        return run(fn, nprocs, args, kwargs, backend=backend, timeout=timeout, quiet=True)
+        return run(fn, nprocs, args, kwargs, backend=backend, timeout=timeout, quiet=True, echo=False)
 
     def _skip_if_hung(self) -> None:
         if self._hung:
@@ -230,13 +230,19 @@ def _harness(fn, args, kwargs, prepare, catch):
 
 def _error_text(exc) -> str:
     if not exc.exc_type:  # the process died without an exception, e.g. os._exit or a segfault
-        return "the process running your code died: " + str(exc).splitlines()[0]
+        return "the process running your code died: " + str(exc).splitlines()[0] + _output_tail(exc)
     tb = [ln for ln in (exc.traceback or "").splitlines() if ln.strip()]
     where = next((ln.strip() for ln in reversed(tb) if ln.strip().startswith("File ")
                   and "mgpu_lab" not in ln), "")
     # The first line of the launcher's message is "rank r/w raised Type: message".
     said = str(exc).splitlines()[0].split(" raised ", 1)[-1]
-    return f"your code raised {said}" + (f" ({where})" if where else "")
+    return f"your code raised {said}" + (f" ({where})" if where else "") + _output_tail(exc)
+
+
+def _output_tail(exc, lines: int = 6) -> str:
+    """What the learner's code printed before it failed (checks keep rank output out of the cell)."""
+    printed = [ln for ln in (getattr(exc, "output", "") or "").splitlines() if ln.strip()]
+    return ("; it printed: " + " | ".join(printed[-lines:])) if printed else ""
 
 
 def check(exercise_id: str, *answers, **named) -> CheckResult:
