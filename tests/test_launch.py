@@ -335,3 +335,30 @@ def test_gloo_connection_race_during_init_is_retried_but_other_failures_are_not(
     with pytest.raises(LaunchError):
         launch(_returns_rank, 2)
     assert len(calls) == 1
+
+
+def _start_method():
+    import multiprocessing
+
+    return multiprocessing.get_start_method()
+
+
+def test_ranks_start_their_own_workers_the_way_the_caller_would():
+    import multiprocessing
+
+    assert launch(_start_method, 1) == [multiprocessing.get_start_method()]
+
+
+def _print_then_fail():
+    print("about to fail")
+    raise RuntimeError("bad")
+
+
+def test_echo_false_keeps_rank_output_out_of_the_caller_and_on_the_error(capsys):
+    from mgpu_lab.launch import run
+
+    with pytest.raises(LaunchError) as info:
+        run(_print_then_fail, 1, quiet=True, echo=False)
+    out, err = capsys.readouterr()
+    assert "about to fail" not in out + err
+    assert "[rank 0/1] about to fail" in info.value.output
