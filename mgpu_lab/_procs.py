@@ -74,19 +74,33 @@ def start(target, args, name: str) -> RankProcess:
     return proc
 
 
-def kill_tree(proc: RankProcess) -> None:
-    """SIGKILL a rank and every process it started (DataLoader workers included)."""
-    if proc.pid is None:
-        return
+def kill_descendants(pid: int, include_self: bool = False, wait: float = 0.0) -> None:
+    """SIGKILL every process below ``pid`` (and ``pid`` itself with ``include_self``).
+
+    Args:
+        pid: the root of the tree.
+        include_self: kill ``pid`` too.
+        wait: seconds to wait for them to be gone (0: do not wait).
+    """
     try:
-        victims = psutil.Process(proc.pid).children(recursive=True)
+        root = psutil.Process(pid)
+        victims = root.children(recursive=True) + ([root] if include_self else [])
     except psutil.Error:
-        victims = []
+        return
     for victim in victims:
         try:
             victim.kill()
         except psutil.Error:
             pass
+    if wait:
+        psutil.wait_procs(victims, timeout=wait)
+
+
+def kill_tree(proc: RankProcess) -> None:
+    """SIGKILL a rank and every process it started (DataLoader workers included)."""
+    if proc.pid is None:
+        return
+    kill_descendants(proc.pid)
     if proc.exitcode is None:
         try:
             proc.kill()

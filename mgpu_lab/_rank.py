@@ -20,11 +20,12 @@ import time
 import traceback
 
 import cloudpickle
-import psutil
 import torch
 import torch.distributed as tdist
 import torch._dynamo  # noqa: F401  (the first optimizer of a process imports it: seconds per rank)
 import torch.nn.parallel  # noqa: F401  (preloaded: most lessons wrap with DDP)
+
+from . import _procs
 
 _PR_SET_PDEATHSIG = 1
 report = None  # in a launched rank: report(kind, data) sends a message to the launcher
@@ -91,20 +92,6 @@ def describe_exception(exc: BaseException) -> dict:
     }
 
 
-def _kill_descendants() -> None:
-    # DataLoader workers and other children of the rank must not outlive it.
-    try:
-        children = psutil.Process().children(recursive=True)
-    except psutil.Error:
-        return
-    for child in children:
-        try:
-            child.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(children, timeout=2)
-
-
 def rank_main(payload: bytes, spec: dict, out, err, stacks, chan) -> None:
     """Entry point of one rank (runs in the forked child).
 
@@ -166,7 +153,8 @@ def rank_main(payload: bytes, spec: dict, out, err, stacks, chan) -> None:
     with lock:
         chan.send(msg)
     chan.close()
-    _kill_descendants()
+    # DataLoader workers and other children of the rank must not outlive it.
+    _procs.kill_descendants(os.getpid(), wait=2)
     try:  # unregister semaphores etc. (tqdm's locks) that os._exit would leave behind
         multiprocessing.util._run_finalizers(0)
     except Exception:  # noqa: BLE001 - exiting matters more

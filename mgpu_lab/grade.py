@@ -23,7 +23,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import psutil
+from ._procs import kill_descendants
 
 DEFAULT_TIMEOUT = 600.0
 
@@ -69,19 +69,6 @@ def _read_jsonl(path: Path) -> list[dict]:
     return out
 
 
-def _kill_tree(pid: int) -> None:
-    try:
-        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-    except psutil.Error:
-        return
-    for p in procs:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(procs, timeout=5)
-
-
 def grade_notebook(path: Path | str, timeout: float = DEFAULT_TIMEOUT) -> NotebookGrade:
     """Run one notebook in a fresh kernel and score its checks.
 
@@ -118,7 +105,7 @@ def grade_notebook(path: Path | str, timeout: float = DEFAULT_TIMEOUT) -> Notebo
             events = _read_jsonl(progress)
             for event in events:
                 if "kernel_pid" in event:
-                    _kill_tree(event["kernel_pid"])
+                    kill_descendants(event["kernel_pid"], include_self=True, wait=5)
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()

@@ -362,3 +362,19 @@ def test_echo_false_keeps_rank_output_out_of_the_caller_and_on_the_error(capsys)
     out, err = capsys.readouterr()
     assert "about to fail" not in out + err
     assert "[rank 0/1] about to fail" in info.value.output
+
+
+def _leave_workers_running():
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(list(range(64)), batch_size=4, num_workers=2, persistent_workers=True)
+    it = iter(loader)
+    next(it)
+    return [w.pid for w in it._workers]
+
+
+def test_a_ranks_own_children_do_not_outlive_it():
+    pids = launch(_leave_workers_running, 1)[0]
+    assert len(pids) == 2
+    gone = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=5)[1]
+    assert gone == []
