@@ -55,6 +55,39 @@ PROBE_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "allreduce_chec
 # Left out of the live view (kept in the logs): a warning every TCPStore client prints
 # where reverse DNS finds nothing, and torchrun's OMP_NUM_THREADS banner.
 NOISE = re.compile(r"hostname of the client socket cannot be retrieved|OMP_NUM_THREADS|run\.py:\d+\] \**\s*$")
+# The prefix of torchrun's own log lines ("E1121 19:01:25.764000 12401 torch/.../api.py:836] ").
+LOG_PREFIX = re.compile(r"^[EWI]\d{4} [\d:.]+ \d+ \S+:\d+\] ")
+
+
+class _Condense:
+    """The live view of one node's output: tracebacks and C++ stack frames folded into one line each.
+
+    A failing torchrun prints the same traceback two or three times (the worker's,
+    torchrun's log of it, its error summary) and C++ exceptions add dozens of
+    ``frame #N`` lines; the log keeps them all, the live view keeps the lines
+    that say what happened.
+    """
+
+    def __init__(self):
+        self.in_traceback, self.folded = False, 0
+
+    def __call__(self, line: str) -> list[str]:
+        text = LOG_PREFIX.sub("", line)
+        stripped = text.strip()
+        if re.match(r"(frame #\d+:|Exception raised from|<omitting python frames>)", stripped):
+            return []
+        if "Traceback (most recent call last):" in text:
+            self.in_traceback, self.folded = True, 0
+            return []
+        if self.in_traceback:
+            if text[:1] in (" ", "\t", "") or stripped.startswith(("^", "~", "File ", "During handling")):
+                self.folded += 1
+                return []
+            self.in_traceback = False
+            return [f"(traceback of {self.folded} lines, in the log) {line}"] if self.folded else [line]
+        return [line]
+
+
 # Lines that say what went wrong, and lines around them that never do.
 KEY_LINE = re.compile(r"Error|error:|[Tt]imed out|timeout|refused|[Ff]ailed|Waiting \d+ seconds|"
                       r"[Ss]ignal|abort|Unable|exitcode|No such file|can't open|not found")
@@ -385,7 +418,8 @@ class SimCluster:
                 wait for their own, often much longer, timeouts. None: wait
                 for ``timeout``.
             echo: print the banner, each node's command and its output live,
-                each line prefixed ``[nodeI]``, and the summary.
+                each line prefixed ``[nodeI]``, and the summary. Tracebacks
+                and C++ stack frames are folded in this view (the log keeps them).
             cwd: working directory of the commands (default: the current one).
 
         Returns:
@@ -470,6 +504,8 @@ class SimCluster:
         t0 = time.monotonic()
         deadline, stopped, all_done_at = t0 + timeout, f"at the {timeout:g} s timeout", None
 
+        condense = [_Condense() for _ in runs]
+
         def emit(i: int, data: bytes, final: bool = False) -> None:
             *complete, partial[i] = (partial[i] + data).split(b"\n")
             if final and partial[i]:
@@ -478,7 +514,8 @@ class SimCluster:
                 line = raw.decode(errors="replace").rstrip("\r")
                 runs[i].lines.append(line)
                 if echo and not NOISE.search(line):
-                    print(f"[node{i}] {line}", flush=True)
+                    for shown in condense[i](line):
+                        print(f"[node{i}] {shown}", flush=True)
 
         def adopt(pid: int, recursive: bool) -> None:
             with contextlib.suppress(psutil.Error):

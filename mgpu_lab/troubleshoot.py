@@ -18,10 +18,11 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 from dataclasses import dataclass
 
-from .multinode import PROBE_SCRIPT, RunResult, SimCluster
+from .multinode import LOG_PREFIX, PROBE_SCRIPT, RunResult, SimCluster
 
 __all__ = ["Fault", "FAULTS", "TABLE", "TRAPS", "FaultRun", "reproduce", "setup"]
 
@@ -41,6 +42,7 @@ class Fault:
         cause: what goes wrong, in words.
         fix: what to change.
         cluster_wait: how long a cluster waits before saying anything, with the defaults.
+        evidence: a regex for the log line that names the fault (shown first in reports).
     """
 
     key: str
@@ -48,6 +50,7 @@ class Fault:
     cause: str
     fix: str
     cluster_wait: str
+    evidence: str
 
 
 FAULTS = {f.key: f for f in [
@@ -56,44 +59,52 @@ FAULTS = {f.key: f for f in [
           "advertises an address that, from any other node, is that node itself",
           "NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME = the interface that joins the nodes (here eth0; "
           "`ip -br addr` on a node lists them)",
-          "30 min (gloo's process-group timeout; NCCL's is 10 min)"),
+          "30 min (gloo's process-group timeout; NCCL's is 10 min)",
+          "Gloo connectFullMesh failed .*remote=\\[10\\.213\\.7\\.254\\]"),
     Fault("hostname_loopback", "host name resolving to 127.0.0.1",
           "without GLOO_SOCKET_IFNAME gloo binds to the address of the node's own host name, and "
           "/etc/hosts maps that to 127.0.0.1: the other node connects to its own loopback",
           "GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME) = the node's interface, or fix /etc/hosts so "
           "the host name resolves to the node's real address",
-          "30 min (gloo's process-group timeout)"),
+          "30 min (gloo's process-group timeout)",
+          "Gloo connectFullMesh failed .*remote=\\[127\\.0\\.0\\.1\\]"),
     Fault("blocked_port", "blocked port",
           "a firewall drops node 1's packets to node 0, so node 1 never reaches MASTER_ADDR:MASTER_PORT",
           "open MASTER_PORT (and, for NCCL and gloo, the ephemeral ports) between the nodes, or pick a "
           "port that is open",
-          "15 min (static rendezvous timeout)"),
+          "15 min (static rendezvous timeout)",
+          "trying to connect to \\(10\\.213\\.7\\.1, \\d+\\)|1/2 clients joined"),
     Fault("world_size_mismatch", "mismatched world size",
           "--nnodes=3 on every node, but only 2 nodes were started: node 0 waits for a third",
           "--nnodes = the number of nodes started ($SLURM_JOB_NUM_NODES under SLURM), or an elastic "
           "range --nnodes=2:3 with c10d rendezvous",
-          "15 min (static rendezvous timeout)"),
+          "15 min (static rendezvous timeout)",
+          "Timed out after \\d+ seconds waiting for clients\\. 2/3 clients joined"),
     Fault("late_node", "one node started late",
           "node 1 starts only after node 0 has given up waiting for it",
           "start every node together (srun does), and give the rendezvous a timeout longer than the "
           "spread of start times (the defaults, 15 min static / 10 min c10d, are)",
-          "15 min (static rendezvous timeout), then node 1 waits again"),
+          "15 min (static rendezvous timeout), then node 1 waits again",
+          "1/2 clients joined|trying to connect to \\(10\\.213\\.7\\.1, \\d+\\)"),
     Fault("c10d_no_is_host", "c10d: no node hosts the store",
           "the rendezvous endpoint is an address; node 0 compares it with what its host name resolves to "
           "(127.0.0.1), concludes it is not the host, and every node waits for a store nobody runs",
           "--rdzv-conf=is_host=1 on the node whose address is the endpoint (is_host=0 elsewhere)",
-          "2 min (2 x read_timeout of 60 s), then the job fails"),
+          "2 min (2 x read_timeout of 60 s), then the job fails",
+          "RendezvousConnectionError: The connection to the C10d store has failed"),
     Fault("c10d_no_local_addr", "c10d: workers told MASTER_ADDR=localhost",
           "without --local-addr node 0 publishes socket.getfqdn(), which is 'localhost' when its host "
           "name resolves to 127.0.0.1; node 1's ranks then look for node 0 on their own loopback",
           "--local-addr=<this node's address> on every node",
-          "30 min (gloo's process-group timeout)"),
+          "30 min (gloo's process-group timeout)",
+          "trying to connect to \\(localhost, \\d+\\)"),
     Fault("exit_barrier", "a rank aborts after destroy_process_group",
           "node 1's rank dies after its work is done; node 1's torchrun fails at once, but node 0's "
           "torchrun waits in its exit barrier for node 1's torchrun, which never comes",
           "bound every job by a time limit (SLURM's --time, a timeout here); find why the rank "
           "aborted in node 1's log",
-          "5 min (torchrun's exit barrier)"),
+          "5 min (torchrun's exit barrier)",
+          "Waiting 300 seconds for other agents to finish$|SIGABRT"),
 ]}
 #: The troubleshooting table of the lesson, and the traps measured on the simulated nodes.
 TABLE = ["wrong_interface", "hostname_loopback", "blocked_port", "world_size_mismatch", "late_node"]
@@ -157,6 +168,20 @@ class FaultRun:
         """The fixed job succeeded, or the faulty one failed."""
         return self.result.ok == self.fixed
 
+    def evidence(self, limit: int = 2, width: int = 220) -> list[str]:
+        """The log lines that name the fault (its ``evidence``), else the run's key lines."""
+        rx = re.compile(self.fault.evidence)
+        found = []
+        for n in self.result.nodes:
+            mine, seen = [], set()
+            for line in n.lines:
+                text = LOG_PREFIX.sub("", line).strip()
+                if rx.search(text) and text not in seen and not text.startswith(("Exception raised", "frame #")):
+                    seen.add(text)
+                    mine.append(f"[node{n.node.rank}] " + (text if len(text) <= width else text[: width - 3] + "..."))
+            found += mine[-limit:]
+        return found or self.result.key_lines(limit=limit, width=width)
+
     def report(self, lines: int = 2) -> str:
         """What happened, what a learner sees in the logs, and the fix."""
         f, r = self.fault, self.result
@@ -167,7 +192,7 @@ class FaultRun:
             head = f"{f.title}: {verdict} after {r.seconds:.1f} s here; a cluster waits {f.cluster_wait}"
         body = [f"  {n.node.hostname}: {n.status()}" for n in r.nodes]
         if not self.fixed:
-            body += [f"  {line}" for line in r.key_lines(limit=lines)]
+            body += [f"  {line}" for line in self.evidence(lines)]
             body += [f"  cause: {f.cause}", f"  fix:   {f.fix}"]
         return "\n".join([head, *body])
 
@@ -211,6 +236,10 @@ def reproduce(keys=None, fixed: bool = False, echo: bool = True, netns: bool | N
         except BaseException as err:  # noqa: BLE001 - re-raised below, in the caller's thread
             errors.append(err)
 
+    if echo:
+        print(f"troubleshoot: {len(keys)} job(s) at once, each on 2 simulated nodes of its own, "
+              f"{'with the fix' if fixed else 'each with one fault'}; rendezvous and process-group timeouts "
+              f"of {RDZV_TIMEOUT} and {PG_TIMEOUT} s instead of minutes", flush=True)
     threads = [threading.Thread(target=work, args=(k,), daemon=True) for k in keys]
     for t in threads:
         t.start()

@@ -72,6 +72,7 @@ def test_every_fault_fails_with_the_message_a_cluster_shows(capsys):
         log = "\n".join(run.result.lines())
         assert not run.result.ok and run.as_expected, f"{run.fault.key} did not fail:\n{log}"
         assert re.search(MESSAGES[run.fault.key], log), f"{run.fault.key}: message not found in\n{log}"
+        assert any(re.search(run.fault.evidence, line) for line in run.evidence()), run.report()
         assert run.result.seconds < troubleshoot.RUN_TIMEOUT, f"{run.fault.key} needed the outer timeout"
         assert f"{run.fault.title}: FAILED" in out and run.fault.fix in out
     assert "still running" in runs[-1].result.nodes[0].status()  # exit barrier: node 0 waits on
