@@ -22,7 +22,8 @@ import re
 import threading
 from dataclasses import dataclass
 
-from .multinode import LOG_PREFIX, PROBE_SCRIPT, RunResult, SimCluster
+from .multinode import PROBE_SCRIPT, SimCluster
+from .nodelogs import LOG_PREFIX, RunResult
 
 __all__ = ["Fault", "FAULTS", "TABLE", "TRAPS", "FaultRun", "reproduce", "setup"]
 
