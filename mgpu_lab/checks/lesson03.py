@@ -95,7 +95,9 @@ class Probe(nn.Module):
         self.net = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
 
     def forward(self, x):
-        Probe.calls.append((int(x.shape[0]), id(self)))
+        # Keep the module itself, not its id(): a replica made and dropped inside a
+        # loop can be freed and its id reused by the next one.
+        Probe.calls.append((int(x.shape[0]), self))
         return self.net(x).as_subclass(Moved)
 
 
@@ -116,7 +118,7 @@ def run_dp(data_parallel_forward, n_devices: int, batch_size: int) -> dict:
     report = {"type": "Tensor", "shape": tuple(out.shape), "device": str(out.device),
               "values": out.detach().clone(), "expected": expected.detach().clone(),
               "sizes": sorted(c[0] for c in calls), "chunks": [c.shape[0] for c in torch.chunk(batch, n_devices)],
-              "instances": len({c[1] for c in calls}), "original_runs": sum(c[1] == id(model) for c in calls),
+              "instances": len({id(c[1]) for c in calls}), "original_runs": sum(c[1] is model for c in calls),
               "moves": moves.count(str(devices[0])), "grads": "no graph"}
     if out.requires_grad and out.shape == expected.shape:
         weights = torch.randn(expected.shape)
