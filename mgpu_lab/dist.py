@@ -252,8 +252,14 @@ def setup(backend: str | None = None, timeout: float = DEFAULT_PG_TIMEOUT):
 
 
 def teardown() -> None:
-    """Destroy the default process group if there is one (safe to call twice)."""
+    """Wait for every rank, then destroy the default process group (safe to call twice).
+
+    The barrier makes the ranks leave together: a rank that tears its
+    connections down while a peer still works (say rank 0 writing a report)
+    can abort at exit with "terminate called without an active exception".
+    """
     import torch.distributed as tdist
 
     if tdist.is_available() and tdist.is_initialized():
+        tdist.barrier()
         tdist.destroy_process_group()
