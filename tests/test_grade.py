@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import csv
 import json
+from pathlib import Path
 
 import nbformat
 import psutil
@@ -82,3 +83,15 @@ def test_cli_scores_right_answers_stubs_and_unchecked_exercises_in_a_table_json_
 def test_cli_names_a_missing_notebook(tmp_path, capsys):
     assert main(["grade", str(tmp_path / "nope.ipynb")]) == 2
     assert "no such notebook" in capsys.readouterr().err
+
+
+def test_a_real_lesson_scores_full_marks_as_solution_and_zero_as_student_copy():
+    root = Path(__file__).resolve().parents[1]
+    solution = grade_notebook(root / "solutions" / "03_data_parallel.ipynb", timeout=240)
+    student = grade_notebook(root / "notebooks" / "03_data_parallel.ipynb", timeout=240)
+    assert solution.completed and student.completed, (solution.reason, student.reason)
+    assert {e.exercise for e in solution.exercises} == {"03.split_batch", "03.data_parallel_forward"}
+    assert solution.points == solution.max_points > 0
+    assert all(e.status == "passed" for e in solution.exercises)
+    assert student.points == 0 and student.max_points == solution.max_points
+    assert all(e.status == "not attempted" for e in student.exercises)
