@@ -86,7 +86,6 @@ def describe_exception(exc: BaseException) -> dict:
         "message": str(exc),
         "frames": frames,
         "exception_only": "".join(te.format_exception_only()),
-        "full": "".join(te.format()),
         "pickled": pickled,
         "time": time.time(),
     }
