@@ -16,6 +16,8 @@ import sys
 import torch
 
 from ._core import exercise
+from ._moves import Moved
+from ._moves import tag as _tag
 
 PICK_HINT = ("return torch.device('cuda', index) (index 0 when None) if torch.cuda.is_available(), "
              "else torch.device('cpu')")
@@ -74,30 +76,6 @@ def _pick_device(t, pick_device):
 
 
 # -- train_step ------------------------------------------------------------------
-class Tracked(torch.Tensor):
-    """A tensor that records where it was moved (``.to``/``.cuda``) in ``Tracked.moves``."""
-
-    moves: list = []
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in (torch.Tensor.to, torch.Tensor.cuda) and isinstance(args[0], Tracked):
-            target = kwargs.get("device", args[1] if len(args) > 1 else ("cuda" if func is torch.Tensor.cuda else None))
-            Tracked.moves.append((getattr(args[0], "tag", "?"), str(target)))
-        with torch._C.DisableTorchFunctionSubclass():
-            out = func(*args, **kwargs)
-        if isinstance(out, Tracked):  # results are plain tensors: only the batch is tracked
-            out = out.as_subclass(torch.Tensor)
-        return out
-
-
-def _tracked(tensor, tag):
-    out = tensor.as_subclass(Tracked)
-    out.tag = tag
-    return out
-
-
 def _reference_step(model, x, y, optimizer, loss_fn):
     optimizer.zero_grad()
     loss = loss_fn(model(x), y)
@@ -129,23 +107,23 @@ def run_train_step(train_step, regression: bool, steps: int) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
     unmoved = set()
-    # Moved tensors come back as plain tensors, so a Tracked one reaching the
+    # Moved tensors come back as plain tensors, so a tagged one reaching the
     # model or the loss was never moved: on a GPU that is the device error.
     model.register_forward_pre_hook(
-        lambda m, args, kwargs: unmoved.add("inputs") if isinstance(_first(args, kwargs, 0, "input"), Tracked)
+        lambda m, args, kwargs: unmoved.add("inputs") if isinstance(_first(args, kwargs, 0, "input"), Moved)
         else None, with_kwargs=True)
     loss_fn.register_forward_pre_hook(
-        lambda m, args, kwargs: unmoved.add("labels") if isinstance(_first(args, kwargs, 1, "target"), Tracked)
+        lambda m, args, kwargs: unmoved.add("labels") if isinstance(_first(args, kwargs, 1, "target"), Moved)
         else None, with_kwargs=True)
     device = torch.device("cpu")
     losses, ref_losses = [], []
-    Tracked.moves = []
+    Moved.log = []
     for x, y in batches:
-        losses.append(train_step(model, (_tracked(x, "inputs"), _tracked(y, "labels")), opt, loss_fn, device))
+        losses.append(train_step(model, (_tag(x, "inputs"), _tag(y, "labels")), opt, loss_fn, device))
         ref_losses.append(_reference_step(ref, x, y, ref_opt, ref_loss_fn))
     same = all(torch.allclose(a, b, atol=1e-6) for a, b in zip(model.parameters(), ref.parameters()))
     return {"losses": [_plain(v) for v in losses], "ref_losses": ref_losses,
-            "types": [type(v).__name__ for v in losses], "moves": list(Tracked.moves),
+            "types": [type(v).__name__ for v in losses], "moves": list(Moved.log),
             "unmoved": sorted(unmoved), "same_weights": same}
 
 

@@ -14,36 +14,11 @@ import torch
 from torch import nn
 
 from ._core import exercise
+from ._moves import Moved
+from ._moves import tag as _tag
 
 
 # -- TwoStageNet --------------------------------------------------------------------
-class Moved(torch.Tensor):
-    """A tensor that records its ``.to``/``.cuda`` moves in ``Moved.log`` as ``(tag, device)``."""
-
-    log: list = []
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in (torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu) and isinstance(args[0], Moved):
-            if func is torch.Tensor.cpu:
-                target = ".cpu()"
-            elif func is torch.Tensor.cuda:
-                target = kwargs.get("device", args[1] if len(args) > 1 else "cuda")
-            else:
-                target = torch._C._nn._parse_to(*args[1:], **kwargs)[0]
-            Moved.log.append((getattr(args[0], "tag", "?"), str(target)))
-        with torch._C.DisableTorchFunctionSubclass():
-            out = func(*args, **kwargs)
-        return out.as_subclass(torch.Tensor) if isinstance(out, Moved) else out
-
-
-def _tag(tensor, tag):
-    out = tensor.as_subclass(Moved)
-    out.tag = tag
-    return out
-
-
 class Stage(nn.Module):
     """A stage that records ``.to``/``.cuda`` calls, whether its input was moved, and tags its output."""
 
