@@ -12,10 +12,10 @@ import time
 from pathlib import Path
 
 import cloudpickle
-import nbformat
 import pytest
 import torch
 
+from checking import case_starting, solutions_from, stub
 from mgpu_lab.checks import _core, check, exercises
 
 pytestmark = pytest.mark.timeout(300)
@@ -26,26 +26,9 @@ NOTEBOOK = Path(__file__).resolve().parents[1] / "solutions" / "01_devices.ipynb
 IDS = ["01.pick_device", "01.train_step", "01.visible_devices_env"]
 
 
-def _solutions() -> dict:
-    """The exercise functions exactly as the solution notebook defines them."""
-    namespace = {"torch": torch}
-    for cell in nbformat.read(NOTEBOOK, as_version=4).cells:
-        if cell.cell_type == "code" and "### BEGIN SOLUTION" in cell.source:
-            exec(compile(cell.source, str(NOTEBOOK), "exec"), namespace)
-    return {name: namespace[name] for name in ("pick_device", "train_step", "visible_devices_env")}
+SOLUTION = solutions_from(NOTEBOOK, ("pick_device", "train_step", "visible_devices_env"), {"torch": torch})
+_case = case_starting
 
-
-SOLUTION = _solutions()
-
-
-def stub(*args, **kwargs):
-    raise NotImplementedError("write this function")
-
-
-def _case(result, start: str):
-    matches = [c for c in result.cases if c.name.startswith(start)]
-    assert len(matches) == 1, f"no single case starting {start!r} in {[c.name for c in result.cases]}"
-    return matches[0]
 
 
 def _fails_only(result, start: str, hint_words: str):

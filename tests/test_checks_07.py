@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 import cloudpickle
-import nbformat
 import pytest
 
+from checking import case_starting, solutions_from, stub
 from mgpu_lab import netns
 from mgpu_lab.checks import check, exercises
 
@@ -24,26 +24,9 @@ IDS = ["07.global_rank", "07.node_env", "07.torchrun_command"]
 NO_NETNS = netns.problem()
 
 
-def _solutions() -> dict:
-    """The exercise functions exactly as the solution notebook defines them."""
-    namespace = {}
-    for cell in nbformat.read(NOTEBOOK, as_version=4).cells:
-        if cell.cell_type == "code" and "### BEGIN SOLUTION" in cell.source:
-            exec(compile(cell.source, str(NOTEBOOK), "exec"), namespace)
-    return {name: namespace[name] for name in ("global_rank", "torchrun_command", "node_env")}
+SOLUTION = solutions_from(NOTEBOOK, ("global_rank", "torchrun_command", "node_env"))
+_case = case_starting
 
-
-SOLUTION = _solutions()
-
-
-def stub(*args, **kwargs):
-    raise NotImplementedError("write this function")
-
-
-def _case(result, start: str):
-    matches = [c for c in result.cases if c.name.startswith(start)]
-    assert len(matches) == 1, f"no single case starting {start!r} in {[c.name for c in result.cases]}"
-    return matches[0]
 
 
 def _fails(result, *starts: str, hint_words: str = ""):

@@ -1,0 +1,26 @@
+"""Helpers shared by the checker tests (tests/test_checks_NN.py)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbformat
+
+def solutions_from(notebook: Path, names: tuple[str, ...], namespace: dict | None = None) -> dict:
+    """The exercise functions exactly as a solution notebook defines them (its solution cells run)."""
+    namespace = {} if namespace is None else namespace
+    for cell in nbformat.read(notebook, as_version=4).cells:
+        if cell.cell_type == "code" and "### BEGIN SOLUTION" in cell.source:
+            exec(compile(cell.source, str(notebook), "exec"), namespace)
+    return {name: namespace[name] for name in names}
+
+
+def stub(*args, **kwargs):
+    """What a student copy's exercise does before it is written."""
+    raise NotImplementedError("write this function")
+
+
+def case_starting(result, start: str):
+    """The one case of a CheckResult whose name starts with ``start``."""
+    matches = [c for c in result.cases if c.name.startswith(start)]
+    assert len(matches) == 1, f"no single case starting {start!r} in {[c.name for c in result.cases]}"
+    return matches[0]
