@@ -15,17 +15,18 @@ import importlib
 __version__ = "0.1.0"
 
 _LAZY = {
-    "launch": ("mgpu_lab.launch", "launch"),
-    "LaunchError": ("mgpu_lab.launch", "LaunchError"),
-    "LaunchTimeout": ("mgpu_lab.launch", "LaunchTimeout"),
+    "launch": ("mgpu_lab.launcher.launch", "launch"),
+    "LaunchError": ("mgpu_lab.launcher.launch", "LaunchError"),
+    "LaunchTimeout": ("mgpu_lab.launcher.launch", "LaunchTimeout"),
     "rank": ("mgpu_lab.dist", "rank"),
     "local_rank": ("mgpu_lab.dist", "local_rank"),
     "world_size": ("mgpu_lab.dist", "world_size"),
     "is_main_process": ("mgpu_lab.dist", "is_main_process"),
-    "check": ("mgpu_lab.checks", "check"),
-    "progress": ("mgpu_lab.progressbars", "progress"),
+    "check": ("mgpu_lab.course.checks", "check"),
+    "exercises": ("mgpu_lab.course.checks", "exercises"),
+    "progress": ("mgpu_lab.launcher.progressbars", "progress"),
 }
-_SUBMODULES = {"dist", "devices", "checks"}
+_SUBMODULES = {"dist", "devices"}
 
 __all__ = sorted(_LAZY) + sorted(_SUBMODULES)
 
@@ -34,9 +35,7 @@ def __getattr__(name: str):
     if name in _LAZY:
         module, attr = _LAZY[name]
         value = getattr(importlib.import_module(module), attr)
-        # Importing mgpu_lab.launch binds the *module* to this name; the
-        # function is what `from mgpu_lab import launch` should give.
-        globals()[name] = value
+        globals()[name] = value  # cached: later lookups skip __getattr__
         return value
     if name in _SUBMODULES:
         return importlib.import_module(f"mgpu_lab.{name}")

@@ -77,7 +77,7 @@ def _add_assign(subparsers) -> None:
 
 
 def _assign(args) -> int:
-    from mgpu_lab.assign import MarkerError, assign
+    from mgpu_lab.course.assign import MarkerError, assign
 
     try:
         changed = assign(args.sources or None, args.out, check_only=args.check)
@@ -103,7 +103,7 @@ def _add_refresh(subparsers) -> None:
 
 
 def _refresh(args) -> int:
-    from mgpu_lab.assign import refresh
+    from mgpu_lab.course.assign import refresh
 
     for path in args.notebooks:
         kept = refresh(path, timeout=args.timeout)
@@ -124,7 +124,7 @@ def _add_grade(subparsers) -> None:
 
 
 def _grade(args) -> int:
-    from mgpu_lab.grade import grade, report, write_csv, write_json
+    from mgpu_lab.course.grade import grade, report, write_csv, write_json
 
     missing = [str(p) for p in args.paths if not p.is_file()]
     if missing:

@@ -150,7 +150,7 @@ def _load_launcher():
     """The mgpu_lab.launch module, or the exception that importing it raised."""
     try:
         # The module, not the function mgpu_lab re-exports under the same name.
-        return importlib.import_module("mgpu_lab.launch")
+        return importlib.import_module("mgpu_lab.launcher.launch")
     except Exception as err:  # a broken install must give a FAILED line, not a crash
         return err
 
@@ -160,7 +160,7 @@ def _check(backend: str, nprocs: int, timeout: float) -> tuple[bool, str]:
     launcher = _load_launcher()
     if isinstance(launcher, Exception):
         return False, (
-            f"FAILED: cannot import mgpu_lab.launch ({type(launcher).__name__}: "
+            f"FAILED: cannot import mgpu_lab.launcher.launch ({type(launcher).__name__}: "
             f"{launcher}); reinstall the package with `pip install -e .` from the "
             "repository root"
         )
@@ -214,7 +214,7 @@ def _check(backend: str, nprocs: int, timeout: float) -> tuple[bool, str]:
 def _check_nodes(nodes: int, nprocs: int, timeout: float) -> tuple[bool, str]:
     """all_reduce + barrier across ``nodes`` simulated nodes, ``nprocs`` ranks each, under real torchrun."""
     try:
-        from mgpu_lab.multinode import PROBE_SCRIPT, SimCluster, probe_reports
+        from mgpu_lab.cluster.multinode import PROBE_SCRIPT, SimCluster, probe_reports
 
         cluster = SimCluster(nodes)
     except Exception as err:  # no namespaces is a fallback, not an error: this is something else
@@ -272,7 +272,7 @@ def run_doctor(
         timeout: Seconds each check may take, process start-up included.
         out: Stream for the report; defaults to ``sys.stdout``.
         nodes: Also run the all_reduce + barrier across this many simulated
-            nodes (:mod:`mgpu_lab.multinode`: network namespaces where the
+            nodes (:mod:`mgpu_lab.cluster.multinode`: network namespaces where the
             machine allows it, else 127.0.0.1), ``nprocs`` ranks each, started
             by the real torchrun with gloo; at least 90 s of timeout.
 

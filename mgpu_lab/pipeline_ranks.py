@@ -166,7 +166,7 @@ def run_gpipe(stages, x, y, loss_fn, n_micros=(1, 2, 4, 8), steps: int = 3, warm
         lowest rank's CPU time over wall time in its compute spans: well below 1
         means other processes shared the cores and stretched the timings; None on GPUs).
     """
-    from .launch import launch
+    from mgpu_lab import launch
 
     ranks = launch(gpipe_rank, len(stages), stages, x, y, loss_fn, tuple(n_micros), steps, warmup, pin,
                    timeout=timeout)

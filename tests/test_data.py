@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from mgpu_lab import data, launch
-from mgpu_lab.launch import LaunchError
+from mgpu_lab.launcher.launch import LaunchError
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -220,7 +220,7 @@ def test_missing_launcher_fails(monkeypatch, gpus, backends_built):
     monkeypatch.setitem(sys.modules, "mgpu_lab.launch", None)  # makes the import fail
     code, text = run()
     assert code == 1
-    assert "cannot import mgpu_lab.launch" in text and "pip install -e ." in text
+    assert "cannot import mgpu_lab.launcher.launch" in text and "pip install -e ." in text
 
 
 # --- the probe itself, in this process --------------------------------------
@@ -239,7 +239,7 @@ def test_probe_in_a_world_of_one():
 
 def _real_launcher_or_skip():
     try:
-        import mgpu_lab.launch  # noqa: F401
+        import mgpu_lab.launcher.launch  # noqa: F401
     except ImportError as err:
         pytest.skip(f"mgpu_lab.launch is not importable yet: {err}")
 

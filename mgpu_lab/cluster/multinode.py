@@ -1,0 +1,457 @@
+"""Simulated nodes on one machine, each running the real ``torchrun``.
+
+Where the machine allows it (Linux, root, iproute2), every simulated node is a
+Linux network namespace with its own host name (``node0``, ``node1``, ...), its
+own ``/etc/hosts`` and its own address ``10.213.7.<i+1>`` on its own ``eth0``,
+joined to the others by veth links to a bridge in a namespace of its own (see
+:mod:`mgpu_lab.cluster.netns`): traffic between nodes crosses real network interfaces,
+and the machine's own network is never modified. Elsewhere every node is a
+group of processes on ``127.0.0.1``, and the banner says so.
+
+:meth:`SimCluster.run` starts one command per node at once (or some nodes
+later), shows each node's output live prefixed ``[nodeI]``, keeps every node's
+log (see :mod:`mgpu_lab.cluster.nodelogs`) and stops everything at its timeout. Every
+run is bounded, because a job that cannot form usually waits rather than fails. Processes and namespaces are
+always removed, also when a run raises or times out; namespaces left by a
+killed process are removed by the next :class:`SimCluster`.
+
+Example:
+    >>> from mgpu_lab.cluster.multinode import SimCluster, PROBE_SCRIPT
+    >>> with SimCluster(2) as cluster:                                   # doctest: +SKIP
+    ...     result = cluster.run(cluster.torchrun(PROBE_SCRIPT),
+    ...                          env={"GLOO_SOCKET_IFNAME": cluster.interface})
+    multinode: 2 simulated nodes · network namespaces joined by veth links ...
+    [node0] rank 0/2: local_rank 0, node (GROUP_RANK) 0, host node0, gloo on cpu, ...
+    >>> result.ok                                                        # doctest: +SKIP
+    True
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import re
+import selectors
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import weakref
+from pathlib import Path
+
+import psutil
+
+from . import netns
+from .nodelogs import NOISE, Condense, Node, NodeRun, RunResult, probe_reports  # noqa: F401 (re-exported)
+
+__all__ = ["SimCluster", "Node", "NodeRun", "RunResult", "PROBE_SCRIPT", "probe_reports"]  # results: nodelogs
+
+MAX_NODES = 16
+#: The lesson's all_reduce smoke test, a plain torchrun script (runs on clusters unchanged).
+PROBE_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "allreduce_check.py"
+# Variables a node must not inherit from the notebook: each run says what it wants.
+_SCRUB = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
+          "MASTER_PORT", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NCCL_DEBUG", "NCCL_DEBUG_SUBSYS",
+          "MGPU_LAB_IN_RANK", "MGPU_LAB_DEVICE", "MGPU_LAB_BACKEND")
+# Run inside a node's namespace: a UTS namespace of its own with the node's host name, then exec.
+_SET_HOSTNAME = ("import ctypes, os, socket, sys\n"
+                 "if ctypes.CDLL(None, use_errno=True).unshare(0x04000000):\n"
+                 "    sys.exit('mgpu_lab.cluster.multinode: cannot unshare the UTS namespace: ' + os.strerror(ctypes.get_errno()))\n"
+                 "socket.sethostname(sys.argv[1])\n"
+                 "os.execvp(sys.argv[2], sys.argv[2:])\n")
+
+
+class _Owned:
+    """What a cluster must clean up (no reference back to it, for weakref.finalize)."""
+
+    def __init__(self):
+        self.net: netns.Network | None = None
+        self.procs: set[psutil.Process] = set()
+
+    def cleanup(self) -> None:
+        netns.kill(list(self.procs))
+        self.procs.clear()
+        if self.net is not None:
+            self.net.remove()
+
+
+class SimCluster:
+    """N simulated nodes on this machine (see the module docstring).
+
+    Args:
+        nodes: how many nodes (1..16).
+        netns: None to use network namespaces where possible; True to require
+            them (RuntimeError if impossible); False for 127.0.0.1.
+        hostname_loopback: in each node's ``/etc/hosts`` its own host name is
+            127.0.0.1, as in this machine's and many cloud images'; the other
+            nodes' names map to their addresses. False maps every name to its
+            node's address. Settable between runs.
+
+    Attributes:
+        nodes: the :class:`Node` objects; ``nodes[0]`` hosts the rendezvous.
+        isolated: True when the nodes are network namespaces.
+        reason: why they are not (empty when they are).
+
+    Raises:
+        ValueError: a bad ``nodes``. RuntimeError: ``netns=True`` where that is
+            impossible, or creating the namespaces failed (nothing is left).
+
+    Example:
+        >>> with SimCluster(2) as cluster:          # doctest: +SKIP
+        ...     cluster.master_addr, cluster.interface
+        ('10.213.7.1', 'eth0')
+    """
+
+    def __init__(self, nodes: int = 2, *, netns: bool | None = None, hostname_loopback: bool = True):
+        from . import netns as ns_mod
+
+        if isinstance(nodes, bool) or not isinstance(nodes, int) or not 1 <= nodes <= MAX_NODES:
+            raise ValueError(f"nodes={nodes!r}: pass the number of simulated nodes, 1..{MAX_NODES}")
+        problem = ns_mod.problem() if netns is not False else "netns=False asks for 127.0.0.1"
+        if netns is True and problem:
+            raise RuntimeError(f"netns=True, but network namespaces are impossible here: {problem}; "
+                               "use netns=None to fall back to 127.0.0.1")
+        self.isolated, self.reason = not problem, problem
+        self._hostname_loopback = bool(hostname_loopback)
+        self._owned = _Owned()
+        self._finalizer = weakref.finalize(self, self._owned.cleanup)
+        self._ports = itertools.count(29500)
+        if not self.isolated:
+            host = socket.gethostname()
+            self.nodes = [Node(i, host, "127.0.0.1", "lo", None) for i in range(nodes)]
+            return
+        ns_mod.cleanup_stale()
+        self._owned.net = net = ns_mod.Network(nodes)
+        self.nodes = [Node(i, f"node{i}", net.addrs[i], "eth0", net.nodes[i]) for i in range(nodes)]
+        try:
+            net.write_hosts([n.hostname for n in self.nodes], self._hostname_loopback)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- the network ------------------------------------------------------------------
+    @property
+    def hostname_loopback(self) -> bool:
+        """Whether each node's own host name resolves to 127.0.0.1 there (settable)."""
+        return self._hostname_loopback
+
+    @hostname_loopback.setter
+    def hostname_loopback(self, value: bool) -> None:
+        self._hostname_loopback = bool(value)
+        if self.isolated:
+            self._owned.net.write_hosts([n.hostname for n in self.nodes], self._hostname_loopback)
+
+    @property
+    def master_addr(self) -> str:
+        """The address of node 0, which hosts the rendezvous."""
+        return self.nodes[0].addr
+
+    @property
+    def interface(self) -> str:
+        """The interface that joins the nodes: ``eth0`` (``lo`` on 127.0.0.1)."""
+        return self.nodes[0].interface
+
+    def port(self) -> int:
+        """A rendezvous port free on every node.
+
+        In namespaces each cluster has ports of its own, counted up from 29500
+        so that no run meets the closing sockets of the one before; on
+        127.0.0.1, a port the operating system reports free.
+        """
+        if self.isolated:
+            return next(self._ports)
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return sock.getsockname()[1]
+
+    @contextlib.contextmanager
+    def drop_traffic(self, src: int, dst: int):
+        """Within the block, what node ``src`` sends to node ``dst`` is dropped, as by a firewall.
+
+        Connections from ``src`` to ``dst`` hang, then time out (no netfilter
+        needed: ``src`` learns a hardware address for ``dst`` that nobody has).
+
+        Raises:
+            RuntimeError: the nodes are not network namespaces.
+        """
+        if not self.isolated:
+            raise RuntimeError(f"drop_traffic needs network namespaces; here every node is on 127.0.0.1 "
+                               f"({self.reason})")
+        with self._owned.net.drop(src, dst):
+            yield
+
+    # -- commands ---------------------------------------------------------------------
+    def torchrun(self, script, *script_args, nproc_per_node: int = 1, rdzv: str = "static",
+                 port: int | None = None, is_host: bool = True, local_addr: bool = True,
+                 rdzv_conf: str = "", nnodes: int | str | None = None, fork: bool = False) -> list[list[str]]:
+        """Every node's torchrun command for one job, with static or c10d rendezvous.
+
+        Args:
+            script, script_args: the training script and its arguments.
+            nproc_per_node: processes per node.
+            rdzv: ``"static"`` (``--node-rank`` and ``--master-addr/--master-port``)
+                or ``"c10d"`` (``--rdzv-backend=c10d --rdzv-endpoint --rdzv-id``;
+                node ranks are assigned at the rendezvous).
+            port: the rendezvous port (default: :meth:`port`).
+            is_host: c10d only: give node 0 ``--rdzv-conf=is_host=1``.
+            local_addr: c10d only: give every node ``--local-addr=<its address>``.
+            rdzv_conf: more ``--rdzv-conf`` settings, e.g. ``"timeout=5"`` (static)
+                or ``"join_timeout=5"`` (c10d).
+            nnodes: ``--nnodes`` (default: the number of nodes; ``"1:2"`` is a range).
+            fork: add ``--run-path --start-method=fork``: workers are forked from
+                torchrun instead of starting Python and importing torch again
+                (about 3 s of CPU each). Saves time on this 2-core machine; a
+                cluster does not need it.
+
+        Returns:
+            One argv per node, starting with ``torchrun``.
+        """
+        if rdzv not in ("static", "c10d"):
+            raise ValueError(f"rdzv={rdzv!r}: use 'static' or 'c10d'")
+        port = self.port() if port is None else port
+        nnodes = len(self.nodes) if nnodes is None else nnodes
+        script = str(Path(script).resolve()) if fork else str(script)
+        out = []
+        for node in self.nodes:
+            argv = ["torchrun", f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}"]
+            argv += ["--run-path", "--start-method=fork"] if fork else []
+            if rdzv == "static":
+                argv += [f"--node-rank={node.rank}", f"--master-addr={self.master_addr}", f"--master-port={port}"]
+                argv += [f"--rdzv-conf={rdzv_conf}"] if rdzv_conf else []
+            else:
+                conf = [c for c in ("is_host=1" if is_host and node.rank == 0 else "", rdzv_conf) if c]
+                argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={self.master_addr}:{port}", "--rdzv-id=lesson07"]
+                argv += [f"--rdzv-conf={','.join(conf)}"] if conf else []
+                argv += [f"--local-addr={node.addr}"] if local_addr else []
+            out.append(argv + [script, *map(str, script_args)])
+        return out
+
+    def banner(self, timeout: float | None = None) -> str:
+        """The line that says what the nodes are."""
+        where = ", ".join(f"node{n.rank} {n.addr} on {n.interface}" for n in self.nodes)
+        if self.isolated:
+            how = f"network namespaces joined by veth links to a bridge ({where})"
+        else:
+            how = f"every node on 127.0.0.1, not isolated ({self.reason})"
+        return f"multinode: {len(self.nodes)} simulated nodes · {how}" + (
+            f" · timeout {timeout:g} s" if timeout is not None else "")
+
+    def run(self, argv, *, env=None, timeout: float = 60.0, delays=None, after_failure: float | None = None,
+            echo: bool = True, cwd=None) -> RunResult:
+        """Run one command per node at once; return every node's exit code and log.
+
+        Args:
+            argv: one argv per node (a list of lists), or a function of a
+                :class:`Node` that returns its argv. ``torchrun`` and ``python``
+                as argv[0] mean this environment's.
+            env: variables to add on every node (a dict), one dict per node (a
+                list) or a function of a :class:`Node`; a value None unsets one.
+            timeout: seconds after which everything still running is stopped.
+            delays: when each node starts: seconds after the run starts, or
+                ``"after node0"`` (once node 0 has exited). Default: all at once.
+            after_failure: once a node has failed (exit code not 0), let the
+                others run this many seconds more, then stop them; they would
+                wait for their own, often much longer, timeouts. None: wait
+                for ``timeout``.
+            echo: print the banner, each node's command and its output live,
+                each line prefixed ``[nodeI]``, and the summary. Tracebacks
+                and C++ stack frames are folded in this view (the log keeps them).
+            cwd: working directory of the commands (default: the current one).
+
+        Returns:
+            A :class:`RunResult`. Nothing started by the run is left running.
+
+        Raises:
+            ValueError: bad arguments. RuntimeError: the cluster is closed.
+        """
+        if self.closed:
+            raise RuntimeError("this SimCluster is closed; create a new one")
+        n = len(self.nodes)
+        argvs = [argv(node) for node in self.nodes] if callable(argv) else list(argv)
+        if len(argvs) != n or not all(isinstance(a, (list, tuple)) and a and all(isinstance(s, str) for s in a)
+                                      for a in argvs):
+            raise ValueError(f"argv must give one non-empty list of strings per node ({n} nodes), got {argv!r}")
+        envs = [env(node) if callable(env) else (env[node.rank] if isinstance(env, (list, tuple)) else env)
+                for node in self.nodes]
+        starts = self._starts(delays)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ValueError(f"timeout={timeout!r}: pass the seconds after which the run is stopped, e.g. 60")
+        runs = [NodeRun(node, list(a), {str(k): str(v) for k, v in (e or {}).items() if v is not None})
+                for node, a, e in zip(self.nodes, argvs, envs)]
+        if echo:
+            print(self.banner(timeout), flush=True)
+            for r, when in zip(runs, starts):
+                shown = "".join(f"{k}={shlex.quote(v)} " for k, v in r.env.items())
+                late = f"   (starts {when:g} s late)" if isinstance(when, float) and when else (
+                    f"   (starts once node{when} has exited)" if isinstance(when, int) else "")
+                print(f"[node{r.node.rank}] $ {shown}{shlex.join(r.argv)}{late}", flush=True)
+        return self._run(runs, [e or {} for e in envs], starts, timeout, after_failure, echo, cwd)
+
+    def _starts(self, delays) -> list:
+        """Each node's start: a float (seconds) or an int (the node whose exit it waits for)."""
+        n = len(self.nodes)
+        delays = [0.0] * n if delays is None else list(delays)
+        out = []
+        for i, d in enumerate(delays):
+            match = re.fullmatch(r"after node(\d+)", d) if isinstance(d, str) else None
+            if match and int(match.group(1)) < n and int(match.group(1)) != i:
+                out.append(int(match.group(1)))
+            elif isinstance(d, (int, float)) and not isinstance(d, bool) and d >= 0:
+                out.append(float(d))
+            else:
+                out = None
+                break
+        if out is None or len(out) != n:
+            raise ValueError(f"delays={delays!r}: give one per node ({n}), each seconds >= 0 or "
+                             "'after nodeJ' (start once node J has exited)")
+        return out
+
+    def _environment(self, extra: dict) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k not in _SCRUB and not k.startswith("TORCHELASTIC_")}
+        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+        env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
+        for key, value in extra.items():
+            if value is None:
+                env.pop(str(key), None)
+            else:
+                env[str(key)] = str(value)
+        return env
+
+    def _spawn(self, run: NodeRun, env: dict, cwd) -> subprocess.Popen:
+        argv = list(run.argv)
+        if argv[0] == "torchrun":
+            local = Path(sys.executable).with_name("torchrun")
+            argv[0] = str(local) if local.exists() else (shutil.which("torchrun") or "torchrun")
+        elif argv[0] in ("python", "python3"):
+            argv[0] = sys.executable
+        if self.isolated:
+            argv = [*self._owned.net.exec_prefix(run.node.rank), sys.executable, "-c", _SET_HOSTNAME,
+                    run.node.hostname, *argv]
+        return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=self._environment(env), cwd=cwd, start_new_session=True)
+
+    def _run(self, runs, envs, starts, timeout, after_failure, echo, cwd) -> RunResult:
+        sel = selectors.DefaultSelector()
+        procs: dict[int, subprocess.Popen] = {}
+        began: dict[int, float] = {}
+        ended: dict[int, float] = {}
+        family: set[psutil.Process] = set()
+        partial = {i: b"" for i in range(len(runs))}
+        t0 = time.monotonic()
+        deadline, stopped, all_done_at = t0 + timeout, f"at the {timeout:g} s timeout", None
+
+        condense = [Condense() for _ in runs]
+
+        def emit(i: int, data: bytes, final: bool = False) -> None:
+            *complete, partial[i] = (partial[i] + data).split(b"\n")
+            if final and partial[i]:
+                complete, partial[i] = complete + [partial[i]], b""
+            for raw in complete:
+                line = raw.decode(errors="replace").rstrip("\r")
+                runs[i].lines.append(line)
+                if echo and not NOISE.search(line):
+                    for shown in condense[i](line):
+                        print(f"[node{i}] {shown}", flush=True)
+
+        def adopt(pid: int, recursive: bool) -> None:
+            with contextlib.suppress(psutil.Error):
+                root = psutil.Process(pid)
+                found = set(root.children(recursive=True)) if recursive else {root}
+                family.update(found)
+                self._owned.procs.update(found)
+
+        def due(i: int, now: float) -> bool:
+            when = starts[i]
+            return now - t0 >= when if isinstance(when, float) else when in ended
+
+        try:
+            while True:
+                now = time.monotonic()
+                for i, run in enumerate(runs):
+                    if i not in procs and due(i, now):
+                        procs[i] = proc = self._spawn(run, envs[i], cwd)
+                        began[i], run.started = now, True
+                        adopt(proc.pid, recursive=False)
+                        os.set_blocking(proc.stdout.fileno(), False)
+                        sel.register(proc.stdout, selectors.EVENT_READ, i)
+                for i, proc in procs.items():
+                    if proc.poll() is None:
+                        adopt(proc.pid, recursive=True)  # torchrun's workers run in sessions of their own
+                    elif i not in ended:
+                        ended[i] = now
+                        runs[i].returncode, runs[i].seconds = proc.returncode, now - began[i]
+                if len(ended) == len(runs):
+                    stopped = ""
+                    all_done_at = all_done_at or now
+                    if not sel.get_map() or now - all_done_at > 2.0:  # a pipe held by an orphan
+                        break
+                elif now >= deadline:
+                    break
+                failed = sorted((ended[i], i) for i, r in enumerate(runs) if r.returncode)
+                if after_failure is not None and failed and failed[0][0] + after_failure < deadline:
+                    deadline = failed[0][0] + after_failure
+                    stopped = f"{after_failure:g} s after node{failed[0][1]} failed"
+                pending = [t0 + w for i, w in enumerate(starts) if i not in procs and isinstance(w, float)]
+                wait = max(0.0, min([deadline, now + 0.2, *pending]) - now)
+                if not sel.get_map():
+                    time.sleep(wait)
+                for key, _ in sel.select(wait) if sel.get_map() else ():
+                    with contextlib.suppress(BlockingIOError):
+                        data = os.read(key.fileobj.fileno(), 65536)
+                        if data:
+                            emit(key.data, data)
+                        else:
+                            sel.unregister(key.fileobj)
+        finally:
+            self._stop(procs, family)
+            for key in list(sel.get_map().values()):
+                with contextlib.suppress(OSError):
+                    while data := os.read(key.fileobj.fileno(), 65536):
+                        emit(key.data, data)
+                sel.unregister(key.fileobj)
+            for i, proc in procs.items():
+                emit(i, b"", final=True)
+                proc.stdout.close()
+            sel.close()
+        end = time.monotonic()
+        for i, run in enumerate(runs):
+            if run.returncode is None:
+                run.seconds, run.stopped = (end - began[i] if i in began else 0.0), stopped
+        result = RunResult(runs, timeout, end - t0, self.isolated, stopped)
+        if echo:
+            print(result.summary(), flush=True)
+        return result
+
+    def _stop(self, procs: dict, family: set) -> None:
+        """Kill what is left of a run: every process tree, then whatever is still in the namespaces."""
+        for proc in procs.values():
+            with contextlib.suppress(psutil.Error):
+                family |= set(psutil.Process(proc.pid).children(recursive=True))
+        netns.kill(family)
+        if self.isolated:
+            self._owned.net.sweep()
+        for proc in procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
+        self._owned.procs -= family
+
+    # -- lifetime ---------------------------------------------------------------------
+    def close(self) -> None:
+        """Kill what is left and remove the namespaces (safe to call twice; also runs at exit)."""
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def __enter__(self) -> "SimCluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else ("network namespaces" if self.isolated else "127.0.0.1")
+        return f"SimCluster({len(self.nodes)} nodes, {state})"

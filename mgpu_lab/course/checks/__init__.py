@@ -1,0 +1,16 @@
+"""Graded exercises: ``check(exercise_id, *answers)`` and the registry of exercises.
+
+One module per lesson (``lessonNN.py``) registers its checkers with
+:func:`exercise`; :func:`exercises` lists every id with its points and
+description.
+
+Example:
+    >>> from mgpu_lab.course.checks import exercises
+    >>> exercises("01")[0].id
+    '01.pick_device'
+"""
+from ._core import CaseFailed, Exercise, NotAttempted, Tester, check, exercise, exercises, get
+from ._result import Case, CheckResult
+
+__all__ = ["check", "exercises", "exercise", "get", "Exercise", "Tester", "CaseFailed",
+           "NotAttempted", "Case", "CheckResult"]

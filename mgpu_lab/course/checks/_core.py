@@ -1,0 +1,295 @@
+"""The checker framework: registering exercises, judging cases, running learner code safely.
+
+A lesson's checks module registers one checker per exercise::
+
+    @exercise("01.pick_device", points=4, description="cuda:N when GPUs exist, cpu otherwise")
+    def _(t, pick_device):
+        with t.case("no GPU visible: pick_device() is cpu", hint="..."):
+            t.equal(t.call(pick_device), torch.device("cpu"))
+
+Learner code never runs in the kernel: :meth:`Tester.call` runs it in a fresh
+rank process (and :meth:`Tester.ranks` in several), so a crash or a hang is a
+failed case with its reason, within a bounded time, and the kernel lives on.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import pkgutil
+import re
+import traceback
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable
+
+from ._result import Case, CheckResult, record
+
+_ID = re.compile(r"^\d\d\.[A-Za-z_][A-Za-z0-9_]*$")
+_REGISTRY: dict[str, "Exercise"] = {}
+# Seconds one call of learner code may take; read at call time, so tests can lower it.
+CALL_TIMEOUT = 60.0
+
+
+@dataclass(frozen=True)
+class Exercise:
+    """A graded exercise: its id, points (one per case), description and checker."""
+
+    id: str
+    points: int
+    description: str
+    checker: Callable
+
+    @property
+    def lesson(self) -> str:
+        return self.id.split(".", 1)[0]
+
+
+def exercise(exercise_id: str, points: int, description: str):
+    """Register the decorated function as the checker of ``exercise_id``.
+
+    Raises:
+        ValueError: malformed id, non-positive points, or an id registered twice.
+    """
+    if not _ID.match(exercise_id):
+        raise ValueError(f"exercise id {exercise_id!r} must look like 'NN.name', e.g. '01.pick_device'")
+    if points < 1:
+        raise ValueError(f"exercise {exercise_id}: points={points} must be >= 1 (one per case)")
+
+    def register(fn):
+        if exercise_id in _REGISTRY and _REGISTRY[exercise_id].checker.__qualname__ != fn.__qualname__:
+            raise ValueError(f"exercise {exercise_id} is registered twice")
+        _REGISTRY[exercise_id] = Exercise(exercise_id, points, description, fn)
+        return fn
+
+    return register
+
+
+def _load_all() -> None:
+    # The lesson modules sit beside this one; found by path, not by importing
+    # the package (which imports this module).
+    for mod in pkgutil.iter_modules([os.path.dirname(__file__)]):
+        if mod.name.startswith("lesson"):
+            importlib.import_module(f"{__package__}.{mod.name}")
+
+
+def exercises(lesson: str | None = None) -> list[Exercise]:
+    """Every registered exercise (of one lesson, e.g. ``"01"``), sorted by id.
+
+    Example:
+        >>> [e.id for e in exercises("01")]
+        ['01.pick_device', '01.train_step', '01.visible_devices_env']
+    """
+    _load_all()
+    return sorted((e for e in _REGISTRY.values() if lesson is None or e.lesson == lesson),
+                  key=lambda e: e.id)
+
+
+def get(exercise_id: str) -> Exercise:
+    """The exercise with this id; ValueError naming the known ids otherwise."""
+    _load_all()
+    if exercise_id not in _REGISTRY:
+        lesson = str(exercise_id).split(".", 1)[0]
+        known = [e.id for e in exercises(lesson)] or sorted(_REGISTRY)
+        raise ValueError(f"no exercise {exercise_id!r}; known ids: {', '.join(known)}")
+    return _REGISTRY[exercise_id]
+
+
+class NotAttempted(Exception):
+    """The learner's code still raises NotImplementedError."""
+
+
+class CaseFailed(Exception):
+    """A case's verdict: failed, with what was expected, what came, and a hint."""
+
+    def __init__(self, hint: str = "", expected: str = "", got: str = ""):
+        super().__init__(hint)
+        self.hint, self.expected, self.got = hint, expected, got
+
+
+def _short(value, limit: int = 300) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class Tester:
+    """Collects the cases of one check; passed to every checker as ``t``."""
+
+    def __init__(self, ex: Exercise):
+        self.exercise = ex
+        self.cases: list[Case] = []
+        # After one call hangs, later calls fail at once: a hanging answer must
+        # not cost the learner CALL_TIMEOUT seconds per remaining case.
+        self._hung = False
+
+    @contextmanager
+    def case(self, name: str, hidden: bool = False, hint: str = ""):
+        """Judge one case: it passes unless its body raises.
+
+        A :class:`CaseFailed` carries the details; an error in the learner's code
+        (from :meth:`call`) fails the case with the error; NotImplementedError
+        ends the whole check as "not attempted".
+        """
+        from ..launch import LaunchError, LaunchTimeout
+
+        try:
+            yield
+        except NotAttempted:
+            raise
+        except CaseFailed as exc:
+            self._add(name, False, hidden, exc.expected, exc.got, exc.hint or hint)
+        except LaunchTimeout as exc:
+            self._hung = True
+            self._add(name, False, hidden, got=f"no answer within {exc.args[0].split(' after ')[1].split(':')[0]}",
+                      hint="your code hangs or is far too slow: look for a collective that not every "
+                           "rank calls, or an endless loop" + (f"; {hint}" if hint else ""))
+        except LaunchError as exc:
+            if exc.exc_type == "NotImplementedError":
+                raise NotAttempted() from None
+            self._add(name, False, hidden, got=_error_text(exc), hint=hint)
+        else:
+            self._add(name, True, hidden)
+
+    def _add(self, name, passed, hidden, expected="", got="", hint=""):
+        self.cases.append(Case(name, passed, hidden, expected, got, hint))
+
+    # -- verdict helpers --------------------------------------------------
+    def equal(self, got, expected, hint: str = "") -> None:
+        """Fail the case unless ``got == expected`` (tensors: same values and dtype)."""
+        import torch
+
+        if isinstance(expected, torch.Tensor) or isinstance(got, torch.Tensor):
+            same = (isinstance(got, torch.Tensor) and isinstance(expected, torch.Tensor)
+                    and got.shape == expected.shape and got.dtype == expected.dtype
+                    and bool(torch.equal(got, expected)))
+        else:
+            same = type(got) is type(expected) and got == expected if isinstance(expected, bool) else got == expected
+        if not same:
+            raise CaseFailed(hint, _short(expected), _short(got))
+
+    def close(self, got, expected, hint: str = "", atol: float = 1e-5, rtol: float = 1e-4) -> None:
+        """Fail the case unless two numbers or tensors agree to float tolerance."""
+        import torch
+
+        g = torch.as_tensor(got, dtype=torch.float64)
+        e = torch.as_tensor(expected, dtype=torch.float64)
+        if g.shape != e.shape or not torch.allclose(g, e, atol=atol, rtol=rtol):
+            raise CaseFailed(hint, _short(expected), _short(got))
+
+    def fail(self, hint: str, expected="", got="") -> None:
+        """Fail the case now."""
+        raise CaseFailed(hint, str(expected), str(got))
+
+    # -- running the learner's code ----------------------------------------
+    def call(self, fn, *args, prepare=None, catch: bool = False, timeout: float | None = None, **kwargs):
+        """Run ``fn(*args, **kwargs)`` in a fresh process and return its result.
+
+        Args:
+            prepare: ``(function, args)`` run first in that process, e.g. to
+                simulate GPUs; must be importable (module level).
+            catch: return ``("ok", value)`` or ``("raised", type name, message)``
+                instead of failing the case when ``fn`` raises.
+            timeout: seconds before the call counts as hung (default ``CALL_TIMEOUT``).
+        """
+        from ..launch import run
+
+        self._skip_if_hung()
+        timeout = CALL_TIMEOUT if timeout is None else timeout
+        return run(_harness, 1, (fn, args, kwargs, prepare, catch), timeout=timeout,
+                   init=False, quiet=True, echo=False)[0]
+
+    def ranks(self, fn, nprocs: int, *args, timeout: float | None = None, backend="gloo", **kwargs) -> list:
+        """Run ``fn`` in ``nprocs`` real ranks (process group initialised); results in rank order.
+
+        The backend is gloo unless asked otherwise: probes judge CPU evidence, and
+        a check must behave the same on a laptop and on an 8-GPU node.
+        """
+        from ..launch import run
+
+        self._skip_if_hung()
+        timeout = CALL_TIMEOUT if timeout is None else timeout
+        return run(fn, nprocs, args, kwargs, backend=backend, timeout=timeout, quiet=True, echo=False)
+
+    def _skip_if_hung(self) -> None:
+        if self._hung:
+            raise CaseFailed("not run: an earlier case of this check hung; fix that first",
+                             got="skipped")
+
+
+def _harness(fn, args, kwargs, prepare, catch):
+    if prepare is not None:
+        prepare[0](*prepare[1])
+    if not catch:
+        return fn(*args, **kwargs)
+    try:
+        return ("ok", fn(*args, **kwargs))
+    except NotImplementedError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the checker judges the exception
+        return ("raised", type(exc).__name__, str(exc))
+
+
+def _error_text(exc) -> str:
+    if not exc.exc_type:  # the process died without an exception, e.g. os._exit or a segfault
+        return "the process running your code died: " + str(exc).splitlines()[0] + _output_tail(exc)
+    tb = [ln for ln in (exc.traceback or "").splitlines() if ln.strip()]
+    where = next((ln.strip() for ln in reversed(tb) if ln.strip().startswith("File ")
+                  and "mgpu_lab" not in ln), "")
+    # The first line of the launcher's message is "rank r/w raised Type: message".
+    said = str(exc).splitlines()[0].split(" raised ", 1)[-1]
+    return f"your code raised {said}" + (f" ({where})" if where else "") + _output_tail(exc)
+
+
+def _output_tail(exc, lines: int = 6) -> str:
+    """What the learner's code printed before it failed (checks keep rank output out of the cell)."""
+    printed = [ln for ln in (getattr(exc, "output", "") or "").splitlines() if ln.strip()]
+    return ("; it printed: " + " | ".join(printed[-lines:])) if printed else ""
+
+
+def check(exercise_id: str, *answers, **named) -> CheckResult:
+    """Judge the learner's answer to one exercise.
+
+    Args:
+        exercise_id: e.g. ``"01.pick_device"``.
+        *answers, **named: the learner's objects, passed explicitly.
+
+    Returns:
+        A :class:`CheckResult` (HTML in Jupyter, text in a terminal).
+
+    Raises:
+        ValueError: unknown exercise id. TypeError: wrong objects passed.
+
+    Example:
+        >>> check("01.pick_device", pick_device)      # doctest: +SKIP
+        01.pick_device: 4/4 passed
+    """
+    ex = get(exercise_id)
+    params = list(inspect.signature(ex.checker).parameters)[1:]
+    try:
+        inspect.signature(ex.checker).bind(None, *answers, **named)
+    except TypeError:
+        raise TypeError(
+            f"check({exercise_id!r}, ...) takes your {', '.join(params)}: "
+            f"e.g. check({exercise_id!r}, {', '.join(params)})"
+        ) from None
+    t = Tester(ex)
+    note = ""
+    try:
+        ex.checker(t, *answers, **named)
+    except NotAttempted:
+        result = CheckResult(ex.id, 0, ex.points, "not attempted", [],
+                             "not attempted: your code still raises NotImplementedError")
+        record(result)
+        return result
+    except Exception as exc:  # noqa: BLE001 - a broken answer must not break the check cell
+        note = f"the check stopped early: {type(exc).__name__}: {exc}"
+        traceback.clear_frames(exc.__traceback__)
+    if len(t.cases) > ex.points:
+        raise RuntimeError(f"checker of {ex.id} judged {len(t.cases)} cases but declares {ex.points} points")
+    while len(t.cases) < ex.points:
+        t.cases.append(Case("(not reached)", False, hint="the check stopped before this case"))
+    points = sum(c.passed for c in t.cases)
+    result = CheckResult(ex.id, points, ex.points, "passed" if points == ex.points else "failed",
+                         t.cases, note)
+    record(result)
+    return result

@@ -1,0 +1,122 @@
+"""The checker framework itself, with a demo exercise registered only here."""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from mgpu_lab import check
+from mgpu_lab.course.checks import _core, exercise, exercises
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@exercise("99.double", points=3, description="double(x) returns 2 * x")
+def _double(t, double):
+    with t.case("double(2) is 4", hint="multiply by two"):
+        t.equal(t.call(double, 2), 4)
+    with t.case("double(-3) is -6", hint="negative numbers too"):
+        t.equal(t.call(double, -3), -6)
+    with t.case("double(0.5) is 1.0", hidden=True):
+        t.close(t.call(double, 0.5), 1.0)
+
+
+def right(x):
+    return 2 * x
+
+
+def wrong(x):
+    return x + 2
+
+
+def todo(x):
+    raise NotImplementedError("write it")
+
+
+def crashes(x):
+    os._exit(7)
+
+
+def hangs(x):
+    time.sleep(1000)
+
+
+def raises(x):
+    raise KeyError("oops")
+
+
+def test_right_answer_passes_with_full_points():
+    r = check("99.double", right)
+    assert (r.passed, r.points, r.max_points, r.status) == (True, 3, 3, "passed")
+    assert r.summary() == "99.double: 3/3 passed"
+    assert "PASS  hidden case: double(0.5) is 1.0" in r.messages
+
+
+def test_wrong_answer_shows_expected_got_and_hint_but_not_hidden_details():
+    r = check("99.double", wrong)
+    assert (r.passed, r.points) == (False, 1)  # x + 2 equals 2 * x only for x = 2
+    text = str(r)
+    assert "FAIL  double(-3) is -6" in text and "expected: -6" in text and "got:      -1" in text
+    assert "hint: negative numbers too" in text
+    assert "FAIL  hidden case: double(0.5) is 1.0" in text
+    assert "2.5" not in text  # the hidden case's values stay hidden
+    html = r._repr_html_()
+    assert "99.double: 1/3 failed" in html and "negative numbers too" in html and "2.5" not in html
+
+
+def test_not_implemented_is_not_attempted_without_traceback():
+    r = check("99.double", todo)
+    assert (r.status, r.points, r.max_points) == ("not attempted", 0, 3)
+    assert "Traceback" not in str(r)
+
+
+def test_a_crash_is_a_failed_case_and_the_caller_survives():
+    r = check("99.double", crashes)
+    assert r.points == 0 and r.status == "failed"
+    assert "died without raising (exit code 7)" in r.cases[0].got
+
+
+def test_an_exception_names_its_type_and_message():
+    r = check("99.double", raises)
+    assert r.cases[0].got.startswith("your code raised KeyError: 'oops'")
+
+
+def test_a_hang_is_a_failed_case_within_bounded_time(monkeypatch):
+    monkeypatch.setattr(_core, "CALL_TIMEOUT", 3.0)
+    start = time.monotonic()
+    r = check("99.double", hangs)
+    assert time.monotonic() - start < 3 * (3 + 5)
+    assert r.points == 0 and "no answer within 3 s" in r.cases[0].got and "hangs" in r.cases[0].hint
+
+
+def test_wrong_arguments_and_unknown_ids_are_clear_errors():
+    with pytest.raises(TypeError, match=r"check\('99.double', \.\.\.\) takes your double"):
+        check("99.double")
+    with pytest.raises(ValueError, match="no exercise '99.tripel'; known ids: 99.double"):
+        check("99.tripel", right)
+
+
+def test_exercises_lists_every_id_with_points_and_description():
+    listed = {e.id: e for e in exercises()}
+    assert listed["99.double"].points == 3 and listed["99.double"].description == "double(x) returns 2 * x"
+    assert {"01.pick_device", "01.train_step", "01.visible_devices_env"} <= set(listed)
+    assert all(e.points >= 1 and e.description for e in listed.values())
+
+
+def test_bad_registrations_are_rejected():
+    with pytest.raises(ValueError, match="must look like 'NN.name'"):
+        exercise("1.bad", 1, "x")
+    with pytest.raises(ValueError, match="points=0 must be >= 1"):
+        exercise("98.bad", 0, "x")
+
+
+def test_results_go_to_the_grading_log_when_asked(tmp_path, monkeypatch):
+    log = tmp_path / "log.jsonl"
+    monkeypatch.setenv("MGPU_LAB_GRADE_LOG", str(log))
+    check("99.double", right)
+    check("99.double", todo)
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(r["exercise"], r["points"], r["status"]) for r in rows] == [
+        ("99.double", 3, "passed"), ("99.double", 0, "not attempted")]

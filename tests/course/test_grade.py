@@ -1,0 +1,97 @@
+"""mgpu-lab grade: fresh kernels, per-notebook timeout, points kept when a notebook breaks."""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import nbformat
+import psutil
+import pytest
+from nbformat.v4 import new_code_cell, new_notebook
+
+from mgpu_lab.cli import main
+from mgpu_lab.course.grade import grade_notebook
+
+pytestmark = pytest.mark.timeout(300)
+
+RIGHT = """
+import torch
+from mgpu_lab import check
+def pick_device(index=None):
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if index is None:
+        return torch.device("cuda", 0) if n else torch.device("cpu")
+    if not 0 <= index < n:
+        raise ValueError(f"{n} GPUs visible")
+    return torch.device("cuda", index)
+"""
+STUB = """
+import torch
+from mgpu_lab import check
+def pick_device(index=None):
+    raise NotImplementedError("write your solution here")
+"""
+CHECK = "check('01.pick_device', pick_device)"
+
+
+def _nb(tmp_path, name, *sources):
+    path = tmp_path / name
+    nbformat.write(new_notebook(cells=[new_code_cell(s) for s in sources]), path)
+    return path
+
+
+def _by_id(grade):
+    return {e.exercise: e for e in grade.exercises}
+
+
+def test_a_hanging_notebook_keeps_earlier_points_and_says_where_it_stopped(tmp_path):
+    path = _nb(tmp_path, "01_hang.ipynb", RIGHT, CHECK, "import time\ntime.sleep(1000)")
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    g = grade_notebook(path, timeout=30)
+    assert _by_id(g)["01.pick_device"].points == 6
+    assert not g.completed and "stopped after 30 s" in g.reason and "cell 2" in g.reason
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
+
+
+def test_a_notebook_that_kills_its_kernel_keeps_earlier_points(tmp_path):
+    g = grade_notebook(_nb(tmp_path, "01_dies.ipynb", RIGHT, CHECK, "import os\nos._exit(1)", CHECK),
+                       timeout=120)
+    assert _by_id(g)["01.pick_device"].points == 6
+    assert not g.completed and g.reason == "the kernel died while running cell 2"
+
+
+def test_cli_scores_right_answers_stubs_and_unchecked_exercises_in_a_table_json_and_csv(tmp_path, capsys):
+    right = _nb(tmp_path, "01_right.ipynb", RIGHT, CHECK)
+    stub = _nb(tmp_path, "01_stub.ipynb", STUB, "pick_device()", CHECK)  # an error cell does not stop grading
+    out_json, out_csv = tmp_path / "g.json", tmp_path / "g.csv"
+    assert main(["grade", str(right), str(stub), "--json", str(out_json), "--csv", str(out_csv)]) == 0
+    text = capsys.readouterr().out
+    assert f"{right}: 6/18" in text and f"{stub}: 0/18" in text
+    data = json.loads(out_json.read_text())
+    assert [(d["points"], d["max_points"], d["completed"], d["reason"]) for d in data] == [
+        (6, 18, True, ""), (0, 18, True, "")]
+    statuses = [{e["exercise"]: (e["points"], e["status"]) for e in d["exercises"]} for d in data]
+    assert statuses[0] == {"01.pick_device": (6, "passed"), "01.train_step": (0, "not checked"),
+                           "01.visible_devices_env": (0, "not checked")}
+    assert statuses[1]["01.pick_device"] == (0, "not attempted")
+    rows = list(csv.DictReader(out_csv.open()))
+    assert {"notebook": str(stub), "exercise": "01.pick_device", "status": "not attempted"}.items() <= rows[4].items()
+    assert rows[-1]["exercise"] == "TOTAL" and rows[-1]["points"] == "0"
+
+
+def test_cli_names_a_missing_notebook(tmp_path, capsys):
+    assert main(["grade", str(tmp_path / "nope.ipynb")]) == 2
+    assert "no such notebook" in capsys.readouterr().err
+
+
+def test_a_real_lesson_scores_full_marks_as_solution_and_zero_as_student_copy():
+    root = Path(__file__).resolve().parents[2]
+    solution = grade_notebook(root / "solutions" / "03_data_parallel.ipynb", timeout=240)
+    student = grade_notebook(root / "notebooks" / "03_data_parallel.ipynb", timeout=240)
+    assert solution.completed and student.completed, (solution.reason, student.reason)
+    assert {e.exercise for e in solution.exercises} == {"03.split_batch", "03.data_parallel_forward"}
+    assert solution.points == solution.max_points > 0
+    assert all(e.status == "passed" for e in solution.exercises)
+    assert student.points == 0 and student.max_points == solution.max_points
+    assert all(e.status == "not attempted" for e in student.exercises)

@@ -1,0 +1,134 @@
+"""The package's layout: three parts a newcomer can tell apart, small modules, layers.
+
+``mgpu_lab/launcher`` (start ranks), ``mgpu_lab/course`` (checks, assign, grade)
+and ``mgpu_lab/cluster`` (simulated nodes, SLURM) sit beside the modules a
+learner imports (``ddp``, ``samplers``, ...) and the base (``dist``, ``devices``).
+These tests read the source with ``ast`` (nothing is imported), so a cycle or a
+layer crossed shows as a failure that names the modules.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "mgpu_lab"
+MAX_LINES = 300  # the guide's "about 300 lines at most"; a few lines of slack below
+SLACK = 10
+PARTS = ("launcher", "course", "cluster")
+BASE = {"mgpu_lab.dist", "mgpu_lab.devices"}
+APPS = {"mgpu_lab.cli", "mgpu_lab.doctor", "mgpu_lab.__main__"}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """Every mgpu_lab module that ``name`` imports, at module level or inside functions."""
+    is_package = path.name == "__init__.py"
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".")
+                base = base if is_package else base[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                stem = ".".join(base + ([node.module] if node.module else []))
+            else:
+                stem = node.module or ""
+            # `from pkg import sub` imports the module pkg.sub when there is one
+            targets = [f"{stem}.{alias.name}" if f"{stem}.{alias.name}" in known else stem for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:  # mgpu_lab.x.attr -> mgpu_lab.x
+                target = target.rpartition(".")[0]
+            if target.startswith("mgpu_lab") and target != name and target != "mgpu_lab":
+                found.add(target)
+    return found
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    return {name: imports_of(name, path, set(mods)) for name, path in mods.items()}
+
+
+def part(name: str) -> str:
+    pieces = name.split(".")
+    return pieces[1] if len(pieces) > 1 and pieces[1] in PARTS else "top"
+
+
+def test_the_three_parts_exist_and_say_what_they_hold():
+    for name in PARTS:
+        init = PACKAGE / name / "__init__.py"
+        assert init.is_file(), f"mgpu_lab/{name}/ is not a package"
+        assert ast.get_docstring(ast.parse(init.read_text())), f"mgpu_lab/{name}/__init__.py has no docstring"
+
+
+def test_every_module_is_about_300_lines_at_most():
+    too_long = {str(p.relative_to(ROOT)): n for p in PACKAGE.rglob("*.py")
+                if (n := len(p.read_text().splitlines())) > MAX_LINES + SLACK}
+    assert not too_long, f"modules over {MAX_LINES} lines (split along a seam): {too_long}"
+
+
+def test_no_import_cycles(graph):
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(name: str) -> None:
+        state[name] = 1
+        stack.append(name)
+        for dep in sorted(graph.get(name, ())):
+            if state.get(dep) == 1:
+                cycle = stack[stack.index(dep):] + [dep]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if dep not in state:
+                visit(dep)
+        stack.pop()
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name)
+
+
+def test_the_launcher_needs_only_the_base(graph):
+    crossed = {name: sorted(d for d in deps if part(d) != "launcher" and d not in BASE)
+               for name, deps in graph.items() if part(name) == "launcher"}
+    assert not {k: v for k, v in crossed.items() if v}, f"launcher modules import outside the base: {crossed}"
+
+
+def test_the_base_imports_no_part(graph):
+    bad = {name: sorted(deps) for name in BASE if (deps := {d for d in graph[name] if part(d) != "top"})}
+    assert not bad, f"dist/devices must stay at the bottom: {bad}"
+
+
+def test_only_the_course_and_the_command_line_use_the_course(graph):
+    bad = {name: sorted(d for d in deps if part(d) == "course") for name, deps in graph.items()
+           if part(name) != "course" and name not in APPS | {"mgpu_lab"}}
+    assert not {k: v for k, v in bad.items() if v}, f"course code imported from below: {bad}"
+
+
+def test_nothing_imports_the_command_line(graph):
+    bad = {name: sorted(deps & APPS) for name, deps in graph.items() if name not in APPS and deps & APPS}
+    assert not bad, f"cli/doctor are the top layer: {bad}"
+
+
+def test_the_import_reader_resolves_relative_imports():
+    # The rules above are only as good as this reader: a relative import must resolve.
+    known = {"mgpu_lab.launcher.job", "mgpu_lab.launcher.procs", "mgpu_lab.dist", "mgpu_lab.launcher"}
+    path = PACKAGE / "launcher" / "job.py"
+    assert "mgpu_lab.launcher.procs" in imports_of("mgpu_lab.launcher.job", path, known)
