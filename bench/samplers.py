@@ -24,7 +24,7 @@ import time
 import torch
 from torch.utils.data import DistributedSampler
 
-from mgpu_lab import samplers, uneven
+from mgpu_lab import samplers, uneven, workload
 
 N_PLAN = 1_000_000
 TARGETS = {"plan_s": 1.0, "balanced_max_mean": 1.01, "distributed_max_mean": 1.1}
@@ -53,7 +53,7 @@ def timed(fn, repeats: int) -> float:
 
 
 def bench_planning(repeats: int) -> list:
-    costs = samplers.heavy_tailed_lengths(N_PLAN, seed=0)
+    costs = workload.heavy_tailed_lengths(N_PLAN, seed=0)
     rows = []
     for world in (2, 8, 64):
         plan = timed(lambda: samplers.plan_balanced(costs, world, epoch=1), repeats)
@@ -68,11 +68,11 @@ def bench_planning(repeats: int) -> list:
 def cost_sets() -> dict:
     g = torch.Generator().manual_seed(1)
     return {
-        "lengths, log-normal sigma=1 (n=2000)": samplers.heavy_tailed_lengths(2000, seed=1),
-        "lengths, log-normal sigma=1.5 (n=2000)": samplers.heavy_tailed_lengths(2000, seed=2, sigma=1.5),
+        "lengths, log-normal sigma=1 (n=2000)": workload.heavy_tailed_lengths(2000, seed=1),
+        "lengths, log-normal sigma=1.5 (n=2000)": workload.heavy_tailed_lengths(2000, seed=2, sigma=1.5),
         "capped Pareto alpha=1.5 (n=2000)": torch.rand(2000, generator=g).pow(-1 / 1.5).clamp(max=50),
         "bimodal 90% short, 10% 30x (n=2000)": torch.where(torch.rand(2000, generator=g) < 0.1, 30.0, 1.0),
-        "lengths, log-normal sigma=1 (n=100000)": samplers.heavy_tailed_lengths(100_000, seed=3),
+        "lengths, log-normal sigma=1 (n=100000)": workload.heavy_tailed_lengths(100_000, seed=3),
         "uniform (n=2000)": torch.ones(2000),
     }
 
@@ -81,17 +81,17 @@ def bench_imbalance() -> list:
     rows = []
     for name, costs in cost_sets().items():
         for world in (2, 4, 8):
-            ds = samplers.distributed_sampler_lists(len(costs), world)
+            ds = workload.distributed_sampler_lists(len(costs), world)
             bal = samplers.plan_balanced(costs, world)
-            rows.append((name, world, samplers.imbalance(ds, costs), samplers.imbalance(bal, costs),
-                         samplers.step_imbalance(ds, costs, 8), samplers.step_imbalance(bal, costs, 8)))
+            rows.append((name, world, workload.imbalance(ds, costs), workload.imbalance(bal, costs),
+                         workload.step_imbalance(ds, costs, 8), workload.step_imbalance(bal, costs, 8)))
     return rows
 
 
 def bench_ranks(repeats: int) -> list:
     from mgpu_lab import launch
 
-    costs = samplers.heavy_tailed_lengths(480, seed=0).tolist()
+    costs = workload.heavy_tailed_lengths(480, seed=0).tolist()
     n, rows = len(costs), []
     for world in (2, 4):
         walls = {"DistributedSampler": [], "balanced": []}

@@ -16,8 +16,8 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "launch": ("mgpu_lab.launcher.launch", "launch"),
-    "LaunchError": ("mgpu_lab.launcher.launch", "LaunchError"),
-    "LaunchTimeout": ("mgpu_lab.launcher.launch", "LaunchTimeout"),
+    "LaunchError": ("mgpu_lab.launcher.errors", "LaunchError"),
+    "LaunchTimeout": ("mgpu_lab.launcher.errors", "LaunchTimeout"),
     "rank": ("mgpu_lab.dist", "rank"),
     "local_rank": ("mgpu_lab.dist", "local_rank"),
     "world_size": ("mgpu_lab.dist", "world_size"),

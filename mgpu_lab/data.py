@@ -1,13 +1,11 @@
-"""Data sets the lessons use, checksums, and downloading once per node.
+"""Data sets the lessons use, and archives of them with checksums.
 
 There is no internet on the course machines, so the lessons make their data:
 :func:`synthetic_classification` is a small deterministic classification set
-(the same tensors on every rank and every machine for a given seed). The real
-download code path still runs: :func:`serve` starts a local HTTP server and
-:func:`fetch_archive` downloads through torchvision's utilities with an MD5
-check, to a temporary name that is renamed only once the file is complete.
-:func:`download_once` makes exactly one rank per node run a download while
-the other ranks wait.
+(the same tensors on every rank and every machine for a given seed).
+:func:`write_archive` packs a data set into a reproducible ``.tar.gz`` (same
+data, same MD5) and :func:`load_archive_dir` loads it once extracted; serving
+and downloading such archives, once per node, is :mod:`mgpu_lab.download`.
 
 Example:
     >>> ds = synthetic_classification(100, features=8, classes=3, seed=0)
@@ -16,29 +14,17 @@ Example:
 """
 from __future__ import annotations
 
-import functools
 import gzip
 import hashlib
-import http.server
 import io
 import os
-import shutil
 import tarfile
-import tempfile
-import threading
-import time
-import urllib.parse
-from collections import Counter
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from torch.utils.data import TensorDataset
 
-from . import dist as mdist
-
-__all__ = ["synthetic_classification", "md5sum", "write_archive", "load_archive_dir", "serve",
-           "fetch_archive", "download_once", "simulate_nodes"]
+__all__ = ["synthetic_classification", "md5sum", "write_archive", "load_archive_dir"]
 
 
 def synthetic_classification(n: int, features: int = 8, classes: int = 3, seed: int = 0,
@@ -98,7 +84,7 @@ def write_archive(dataset: TensorDataset, path: str | os.PathLike) -> str:
     """Pack a ``TensorDataset`` into ``path``, a ``.tar.gz`` holding ``<stem>/tensors.pt``.
 
     ``<stem>`` is the archive's name without ``.tar.gz``, the directory
-    :func:`fetch_archive` returns after extracting it.
+    :func:`mgpu_lab.download.fetch_archive` returns after extracting it.
 
     The archive is reproducible (fixed member time), so the same data give the
     same MD5. Returns the archive's MD5.
@@ -131,202 +117,3 @@ def load_archive_dir(directory: str | os.PathLike) -> TensorDataset:
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist; extract the archive first (fetch_archive does)")
     return TensorDataset(*torch.load(path, weights_only=True)["tensors"])
-
-
-class _Quiet(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, format, *args):  # noqa: A002 - the base class's name
-        pass
-
-    def do_GET(self):  # noqa: N802 - http.server's naming
-        # torchvision first follows redirects with a GET marked "Method: HEAD"
-        # (it reads no body); count only the requests that download the file.
-        if self.headers.get("Method") != "HEAD":
-            self.server.downloads[self.path.lstrip("/")] += 1
-            time.sleep(self.server.delay)  # a slow link: concurrent downloads really overlap
-        super().do_GET()
-
-
-class _NoBar:
-    """Stands in for tqdm: even a disabled tqdm creates a multiprocessing lock, which a rank
-    ending with os._exit leaves behind (a resource_tracker warning at shutdown)."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def update(self, n=1):
-        pass
-
-
-@contextmanager
-def serve(directory: str | os.PathLike, delay: float = 0.0):
-    """Serve ``directory`` over HTTP on 127.0.0.1 (a free port) while the block runs.
-
-    ``delay`` seconds pass before each download starts, as over a slow link.
-
-    Yields the server; ``server.url`` is its base URL and ``server.downloads``
-    counts the downloads per requested path, query included (``blobs.tar.gz?node=1``
-    lets a demo tell its clients apart). The server is always shut down on exit.
-
-    Example:
-        >>> with serve("/tmp/serve") as server:
-        ...     fetch_archive(server.url + "blobs.tar.gz", "/tmp/root", md5)
-        >>> server.downloads["blobs.tar.gz"]
-        1
-    """
-    handler = functools.partial(_Quiet, directory=os.fspath(directory))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    server.daemon_threads = True
-    server.downloads, server.delay = Counter(), delay
-    server.url = f"http://127.0.0.1:{server.server_address[1]}/"
-    thread = threading.Thread(target=server.serve_forever, name="mgpu-lab-http", daemon=True)
-    thread.start()
-    try:
-        yield server
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
-
-
-def fetch_archive(url: str, root: str | os.PathLike, md5: str, progress: bool = False) -> str:
-    """Download a ``.tar.gz`` into ``root`` unless it is there already, and extract it.
-
-    The download goes to a temporary name, torchvision checks its MD5, and only
-    then is it renamed: another process never sees half a file under the final
-    name. Not safe to run on several ranks of one node at once; wrap the caller
-    with :func:`download_once`.
-
-    Args:
-        url: where the archive is served.
-        root: directory to download and extract into.
-        md5: the archive's expected MD5.
-        progress: show torchvision's progress bar.
-
-    Returns:
-        The extracted directory, ``root/<archive name without .tar.gz>``.
-
-    Raises:
-        RuntimeError: the download does not match ``md5`` (torchvision's check).
-
-    Example:
-        >>> fetch_archive(server.url + "blobs.tar.gz", "/tmp/root", md5)  # doctest: +SKIP
-        '/tmp/root/blobs'
-    """
-    from unittest import mock
-
-    from torchvision.datasets import utils as tv_utils
-    from torchvision.datasets.utils import check_integrity, download_url, extract_archive
-
-    root = Path(root)
-    filename = Path(urllib.parse.urlparse(url).path).name  # without any ?query
-    final = root / filename
-    out = root / filename.removesuffix(".tar.gz")
-    if not check_integrity(final, md5):
-        tmp = root / f"{filename}.part-{os.getpid()}"
-        try:
-            with mock.patch.object(tv_utils, "tqdm", tv_utils.tqdm if progress else _NoBar):
-                download_url(url, os.fspath(root), tmp.name, md5)
-        except RuntimeError:  # torchvision's "File not found or corrupted."
-            got = md5sum(tmp) if tmp.is_file() else "no file"
-            tmp.unlink(missing_ok=True)
-            raise RuntimeError(f"downloaded {url} but its MD5 is {got}, expected md5={md5!r}; pass the "
-                               "archive's real checksum (data.md5sum on the server side)") from None
-        os.replace(tmp, final)  # atomic: the final name only ever holds a complete, verified file
-    if not (out / "tensors.pt").is_file():
-        # Extract beside the target and rename: a reader never sees half a directory.
-        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=root))
-        try:
-            extract_archive(os.fspath(final), os.fspath(staging))
-            if not (staging / out.name).is_dir():
-                raise RuntimeError(f"{final} holds {sorted(p.name for p in staging.iterdir())}, not a "
-                                   f"{out.name}/ directory; make archives with data.write_archive")
-            try:
-                os.rename(staging / out.name, out)
-            except OSError:  # another process got there first; its copy is complete
-                pass
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-    return os.fspath(out)
-
-
-def download_once(fn):
-    """Decorate ``fn(root, ...) -> path`` so that one rank per node runs it.
-
-    Local rank 0 of every node calls ``fn``; the other ranks of the node wait
-    (the gather below is a barrier) and get local rank 0's return value, so no
-    rank continues before the file is complete. Outside a process group, ``fn``
-    simply runs. An error in ``fn`` is raised on every rank instead of leaving
-    the others waiting forever.
-
-    Args:
-        fn: the download function; it should skip a file it finds complete.
-
-    Returns:
-        The wrapped function, same signature.
-
-    Raises:
-        RuntimeError: ``fn`` raised on some node (the message names the node and the error).
-
-    Example:
-        >>> @download_once
-        ... def get(root):
-        ...     return fetch_archive(url, root, md5)
-        >>> path = get("/tmp/root")  # in every rank: one download per node
-    """
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            return fn(*args, **kwargs)
-        me = mdist.info()
-        answer = None
-        if me.local_rank == 0:
-            try:
-                answer = ("ok", fn(*args, **kwargs))
-            except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
-                answer = ("error", f"{type(exc).__name__}: {exc}")
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, (me.node_rank, me.local_rank, answer))
-        for node, local, result in everyone:
-            if local == 0 and result[0] == "error":
-                raise RuntimeError(f"download_once: {fn.__name__} failed on node {node}: {result[1]}")
-        leader = [result for node, local, result in everyone if node == me.node_rank and local == 0]
-        if not leader:
-            raise RuntimeError(f"download_once: node {me.node_rank} has no local rank 0; check "
-                               "LOCAL_RANK and GROUP_RANK (torchrun sets them)")
-        return leader[0][1]
-
-    return wrapper
-
-
-def simulate_nodes(ranks_per_node: int) -> int:
-    """Make this rank believe it is on node ``rank // ranks_per_node`` (for demos and checks).
-
-    Sets LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK and NODE_RANK as torchrun would
-    on a multi-node job, so :mod:`mgpu_lab.dist` reports the simulated layout.
-
-    Returns:
-        The simulated node index.
-
-    Raises:
-        ValueError: the world size is not a multiple of ``ranks_per_node``.
-
-    Example:
-        >>> launch(lambda: simulate_nodes(2), 4)   # doctest: +SKIP
-        [0, 0, 1, 1]
-    """
-    me = mdist.info()
-    if ranks_per_node < 1 or me.world_size % ranks_per_node:
-        raise ValueError(f"simulate_nodes: world_size={me.world_size} is not a multiple of "
-                         f"ranks_per_node={ranks_per_node}; launch a multiple of it")
-    node = me.rank // ranks_per_node
-    os.environ.update(LOCAL_RANK=str(me.rank % ranks_per_node), LOCAL_WORLD_SIZE=str(ranks_per_node),
-                      GROUP_RANK=str(node), NODE_RANK=str(node))
-    return node

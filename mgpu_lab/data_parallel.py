@@ -15,6 +15,8 @@ only accept CUDA devices, and ``nn.DataParallel`` with fewer than two GPUs just
 calls the model. The functions here do the same steps on any devices: with
 CUDA devices they call PyTorch's pieces; on a CPU they make the same
 autograd-linked replicas on "devices" that are all the CPU, run in threads.
+Given a :class:`mgpu_lab.dp_timeline.Timeline`, they record which step ran on
+which device, and when.
 
 Example:
     >>> model = torch.nn.Linear(4, 2)
@@ -32,7 +34,9 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch import nn
 
-__all__ = ["default_devices", "cpu_threads", "scatter", "replicate", "parallel_apply", "gather", "Timeline",
+from .dp_timeline import Timeline
+
+__all__ = ["default_devices", "cpu_threads", "scatter", "replicate", "parallel_apply", "gather",
            "StepByStepDataParallel", "train_step", "time_steps"]
 
 
@@ -129,78 +133,6 @@ def replicate(model: nn.Module, devices) -> list[nn.Module]:
                 c._buffers[key] = None if buf is None else buf.to(device)
         replicas.append(copies[0])
     return replicas
-
-
-class Timeline:
-    """Spans of work per lane (one lane per device), to plot what ran where and when.
-
-    Example:
-        >>> tl = Timeline()
-        >>> with tl.span("cpu 0", "forward"):
-        ...     _ = torch.ones(3).sum()
-        >>> [e[:2] for e in tl.events]
-        [('cpu 0', 'forward')]
-    """
-
-    COLOURS = {"scatter": "tab:orange", "replicate": "tab:red", "forward": "tab:blue",
-               "gather": "tab:purple", "loss+backward": "tab:green", "optimizer": "tab:gray"}
-
-    def __init__(self):
-        self.events: list[tuple[str | None, str, float, float]] = []
-        self.lanes: list[str] = []
-        self.t0 = time.perf_counter()
-        self._lock = threading.Lock()
-
-    def add_lane(self, lane: str) -> None:
-        if lane not in self.lanes:
-            self.lanes.append(lane)
-
-    @contextmanager
-    def span(self, lane: str | None, phase: str, device=None):
-        """Record the time the body takes in ``lane`` (``None``: every lane); syncs a CUDA ``device``."""
-        start = time.perf_counter()
-        yield
-        if device is not None:
-            _sync(torch.device(device))
-        end = time.perf_counter()
-        with self._lock:
-            if lane is not None:
-                self.add_lane(lane)
-            self.events.append((lane, phase, start - self.t0, end - self.t0))
-
-    def reset(self) -> None:
-        self.events.clear()
-        self.t0 = time.perf_counter()
-
-    def totals(self) -> dict[str, float]:
-        """Seconds per phase, summed over lanes."""
-        out: dict[str, float] = {}
-        for _, phase, start, end in self.events:
-            out[phase] = out.get(phase, 0.0) + end - start
-        return out
-
-    def plot(self, ax=None, title: str = ""):
-        """A Gantt chart: one row per lane, one coloured bar per span, time in ms."""
-        import matplotlib.pyplot as plt
-        from matplotlib.patches import Patch
-
-        if ax is None:
-            _, ax = plt.subplots(figsize=(9, 0.6 + 0.55 * max(len(self.lanes), 1)))
-        rows = list(reversed(self.lanes))
-        for lane, phase, start, end in self.events:
-            colour = self.COLOURS.get(phase, "tab:olive")
-            targets = rows if lane is None else [lane]
-            for row in targets:
-                ax.broken_barh([(start * 1e3, max(end - start, 1e-6) * 1e3)], (rows.index(row) - 0.35, 0.7),
-                               facecolors=colour, edgecolor="white", linewidth=0.4)
-        ax.set_yticks(range(len(rows)))
-        ax.set_yticklabels(rows)
-        ax.set_xlabel("time (ms)")
-        seen = [p for p in self.COLOURS if any(e[1] == p for e in self.events)]
-        ax.legend(handles=[Patch(color=self.COLOURS[p], label=p) for p in seen], ncol=len(seen),
-                  loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(rows) < 3 else -0.2), fontsize=8)
-        ax.set_title(title or "one process, one thread per device")
-        return ax
 
 
 def _lane(i: int, device: torch.device) -> str:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.utils.data import Subset
 
-from mgpu_lab import data, ddp
+from mgpu_lab import data, ddp, download
 from mgpu_lab import dist as mdist
 
 
@@ -73,7 +73,7 @@ def make_model(features: int, hidden: int, classes: int, seed: int):
 
 def load_data(args):
     if args.data_url:
-        get = data.download_once(data.fetch_archive)  # local rank 0 of each node downloads
+        get = download.download_once(download.fetch_archive)  # local rank 0 of each node downloads
         full = data.load_archive_dir(get(args.data_url, args.data_root, args.data_md5))
         say(f"data: {len(full)} samples from {args.data_url} (downloaded once per node)")
     else:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mgpu_lab import data, ddp
+from mgpu_lab import data, ddp, download
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -50,7 +50,7 @@ def test_torchrun_downloads_once_trains_like_one_process_then_resumes(tmp_path):
     full = data.synthetic_classification(96 + 24, 8, 3, seed=0)
     md5 = data.write_archive(full, tmp_path / "served" / "blobs.tar.gz")
     ckpt = tmp_path / "ckpt"
-    with data.serve(tmp_path / "served") as server:
+    with download.serve(tmp_path / "served") as server:
         out = _run([*TORCHRUN, str(SCRIPT), *SMALL, "--epochs", "1", "--checkpoint-dir", str(ckpt),
                     "--compare-reference", "--data-url", server.url + "blobs.tar.gz", "--data-md5", md5,
                     "--data-root", str(tmp_path / "data")])

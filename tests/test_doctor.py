@@ -1,4 +1,4 @@
-"""Tests for mgpu_lab.doctor.
+"""Tests for mgpu_lab.doctor and its probes (mgpu_lab.doctor_probes).
 
 The report logic is tested against a stand-in launcher (fast, and every
 failure mode on demand); the end-to-end tests start real ranks through
@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mgpu_lab import devices, doctor
+from mgpu_lab import devices, doctor, doctor_probes
 
 
 class FakeLaunchError(RuntimeError):
@@ -27,7 +27,7 @@ class FakeLaunchTimeout(FakeLaunchError):
 
 
 def fake_launcher(monkeypatch, behaviour):
-    """Install a stand-in mgpu_lab.launch whose launch() calls ``behaviour``."""
+    """Install a stand-in mgpu_lab.launcher.launch whose launch() calls ``behaviour``."""
     calls = []
 
     def launch(fn, nprocs, *args, backend=None, timeout=300.0, init=True, **kwargs):
@@ -35,11 +35,11 @@ def fake_launcher(monkeypatch, behaviour):
                       "timeout": timeout, "init": init, "kwargs": kwargs})
         return behaviour(nprocs)
 
-    module = types.ModuleType("mgpu_lab.launch")
+    module = types.ModuleType("mgpu_lab.launcher.launch")
     module.launch = launch
     module.LaunchError = FakeLaunchError
     module.LaunchTimeout = FakeLaunchTimeout
-    monkeypatch.setitem(sys.modules, "mgpu_lab.launch", module)
+    monkeypatch.setitem(sys.modules, "mgpu_lab.launcher.launch", module)
     return calls
 
 
@@ -114,7 +114,7 @@ def test_report_sections_and_ok(monkeypatch, gpus, backends_built):
     assert "  nccl   skipped: nccl needs one GPU per rank, 0 visible" in text
     assert text.rstrip().endswith("result: all 1 check(s) passed")
     [call] = calls
-    assert call["fn"] is doctor._allreduce_probe
+    assert call["fn"] is doctor_probes.allreduce_probe
     assert (call["nprocs"], call["args"], call["backend"], call["timeout"]) == (3, ("cpu",), "gloo", 12)
     assert "--nodes" not in text
 
@@ -217,7 +217,7 @@ def test_other_exception_from_launch_fails(monkeypatch, gpus, backends_built):
 
 
 def test_missing_launcher_fails(monkeypatch, gpus, backends_built):
-    monkeypatch.setitem(sys.modules, "mgpu_lab.launch", None)  # makes the import fail
+    monkeypatch.setitem(sys.modules, "mgpu_lab.launcher.launch", None)  # makes the import fail
     code, text = run()
     assert code == 1
     assert "cannot import mgpu_lab.launcher.launch" in text and "pip install -e ." in text
@@ -229,7 +229,7 @@ def test_missing_launcher_fails(monkeypatch, gpus, backends_built):
 def test_probe_in_a_world_of_one():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        assert doctor._allreduce_probe("cpu") == [1.0] * 4
+        assert doctor_probes.allreduce_probe("cpu") == [1.0] * 4
     finally:
         dist.destroy_process_group()
 
@@ -259,7 +259,7 @@ def test_real_rank_that_raises_fails_the_check(monkeypatch, capsys):
     def broken_probe(device_type):  # a local function: shipped to the ranks by value
         raise RuntimeError(f"simulated broken collective on {device_type}")
 
-    monkeypatch.setattr(doctor, "_allreduce_probe", broken_probe)
+    monkeypatch.setattr(doctor_probes, "allreduce_probe", broken_probe)
     code, text = run(backends=["gloo"], timeout=120)
     assert code == 1, text
     assert "a rank raised an error" in text
@@ -274,7 +274,7 @@ def test_real_rank_with_wrong_sum_fails_the_check(monkeypatch):
     def wrong_probe(device_type):
         return [0.0] * 4
 
-    monkeypatch.setattr(doctor, "_allreduce_probe", wrong_probe)
+    monkeypatch.setattr(doctor_probes, "allreduce_probe", wrong_probe)
     code, text = run(backends=["gloo"], timeout=120)
     assert code == 1, text
     assert "rank 0 got [0.0, 0.0, 0.0, 0.0]" in text

@@ -53,6 +53,8 @@ def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
         else:
             continue
         for target in targets:
+            if target.startswith("mgpu_lab") and target not in known:
+                raise ImportError(f"{name} (line {node.lineno}) imports {target}, which is no module of the package")
             while target and target not in known:  # mgpu_lab.x.attr -> mgpu_lab.x
                 target = target.rpartition(".")[0]
             if target.startswith("mgpu_lab") and target != name and target != "mgpu_lab":
@@ -127,8 +129,16 @@ def test_nothing_imports_the_command_line(graph):
     assert not bad, f"cli/doctor are the top layer: {bad}"
 
 
-def test_the_import_reader_resolves_relative_imports():
-    # The rules above are only as good as this reader: a relative import must resolve.
-    known = {"mgpu_lab.launcher.job", "mgpu_lab.launcher.procs", "mgpu_lab.dist", "mgpu_lab.launcher"}
-    path = PACKAGE / "launcher" / "job.py"
-    assert "mgpu_lab.launcher.procs" in imports_of("mgpu_lab.launcher.job", path, known)
+def test_every_import_of_the_package_names_a_module_that_exists(graph):
+    # The graph fixture raises ImportError naming the module and line otherwise.
+    assert "mgpu_lab.launcher.launch" in graph["mgpu_lab.course.checks._core"]
+
+
+def test_the_import_reader_resolves_relative_imports_and_rejects_missing_ones(tmp_path):
+    # The rules above are only as good as this reader.
+    known = set(modules())
+    assert "mgpu_lab.launcher.procs" in imports_of("mgpu_lab.launcher.job", PACKAGE / "launcher" / "job.py", known)
+    wrong = tmp_path / "fake.py"
+    wrong.write_text("def f():\n    from .dist import is_main_process\n")  # mgpu_lab.launcher.dist: none
+    with pytest.raises(ImportError, match="mgpu_lab.launcher.dist"):
+        imports_of("mgpu_lab.launcher.fake", wrong, known)

@@ -1,4 +1,4 @@
-"""mgpu_lab.samplers and mgpu_lab.uneven: planning, measuring, weighted draws, timed epochs on real ranks."""
+"""mgpu_lab.samplers and mgpu_lab.uneven: planning, weighted draws, timed epochs on real ranks."""
 from __future__ import annotations
 
 import heapq
@@ -12,8 +12,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from mgpu_lab import launch, samplers, uneven
 from mgpu_lab.samplers import (BalancedDistributedSampler, DistributedWeightedSampler, class_balanced_weights,
-                               distributed_sampler_lists, heavy_tailed_lengths, imbalance, plan_balanced,
-                               rank_costs, step_imbalance)
+                               plan_balanced)
+from mgpu_lab.workload import distributed_sampler_lists, heavy_tailed_lengths, imbalance, step_imbalance
 
 matplotlib.use("Agg")
 pytestmark = pytest.mark.timeout(120)
@@ -114,14 +114,10 @@ def test_bad_arguments_say_the_values_and_the_fix():
         plan_balanced([1, 2], 0)
     with pytest.raises(ValueError, match=r"rank=2 with num_replicas=2: the rank must lie in 0..1"):
         BalancedDistributedSampler([1, 2], 2, 2)
-    with pytest.raises(ValueError, match=r"batch_size=0"):
-        step_imbalance([[0]], [1], 0)
     with pytest.raises(ValueError, match=r"replacement=False needs num_replicas \* len\(self\) = 4 <= 3"):
         DistributedWeightedSampler([1, 1, 1, 0], num_samples=4, num_replicas=2, rank=0, replacement=False)
     with pytest.raises(ValueError, match=r"sum\(weights\)=0"):
         DistributedWeightedSampler([0, 0], num_replicas=1, rank=0)
-    with pytest.raises(ValueError, match=r"heavy_tailed_lengths\(n=-1"):
-        heavy_tailed_lengths(-1)
 
 
 def test_sampler_yields_its_row_and_follows_set_epoch():
@@ -131,22 +127,6 @@ def test_sampler_yields_its_row_and_follows_set_epoch():
     s.set_epoch(3)
     assert list(s) == plan_balanced(costs, 4, seed=1, epoch=3)[2].tolist()
     assert len(BalancedDistributedSampler(costs, 4, 0, drop_last=True)) == 25
-
-
-def test_metrics():
-    assert rank_costs([[0, 1], [2, 3]], [1, 2, 3, 4]).tolist() == [3.0, 7.0]
-    assert imbalance([[0], [1]], [0, 0]) == 1.0
-    assert step_imbalance([[0, 1, 2]], [1, 1, 1], 2) == 1.0  # one rank, a short last batch
-    assert step_imbalance([[0, 1], [3, 2]], [4, 1, 1, 4], 1) == 1.0  # step by step equal
-    assert step_imbalance([[0, 3], [1, 2]], [4, 1, 1, 4], 2) == 1.6  # one step: 8 against a mean of 5
-
-
-def test_distributed_sampler_lists_are_torchs():
-    lists = distributed_sampler_lists(11, 3, seed=2, epoch=1)
-    for r in range(3):
-        s = DistributedSampler(range(11), 3, r, seed=2)
-        s.set_epoch(1)
-        assert lists[r].tolist() == list(s)
 
 
 def test_weighted_sampler_shares_one_draw_disjointly_and_reproducibly():
@@ -167,10 +147,8 @@ def test_weighted_sampler_shares_one_draw_disjointly_and_reproducibly():
     assert len(set(a) | set(b)) == 2000
 
 
-def test_helpers_of_the_examples():
+def test_class_balanced_weights():
     assert class_balanced_weights([0, 0, 1]).tolist() == [0.5, 0.5, 1.0]
-    lengths = heavy_tailed_lengths(1000, seed=0, median=48, max_len=300)
-    assert lengths.min() >= 1 and lengths.max() <= 300 and 40 <= lengths.median() <= 56
 
 
 # -- on real ranks ----------------------------------------------------------------------

@@ -1,20 +1,18 @@
-"""mgpu_lab.subset_train: real child processes, each started with its own CUDA_VISIBLE_DEVICES.
+"""mgpu_lab.subset_train: the child's training, in this process and as a real child process.
 
-On a machine without a GPU the children train on the CPU and report 0 GPUs;
-the test marked ``gpu`` checks that a child given GPU 0 trains on ``cuda:0``.
+On a machine without a GPU the child trains on the CPU and reports 0 GPUs.
 """
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from mgpu_lab import devices
-from mgpu_lab.subset_train import LEARNING_RATES, RESULT, SubsetJobs, _orders, cuda_sees, train
+from mgpu_lab import devices, visible
+from mgpu_lab.subset_train import LEARNING_RATES, RESULT, _orders, cuda_sees, train
 
 pytestmark = pytest.mark.timeout(300)
 HAS_GPU = devices.gpu_count() > 0
@@ -70,7 +68,7 @@ def test_orders_reads_train_lines_until_quit_or_eof():
 
 # -- the script, as a real child process ------------------------------------------------------
 def test_script_reports_what_the_child_sees_and_its_result():
-    env = devices.child_env([2, 3])
+    env = visible.child_env([2, 3])
     proc = subprocess.run([sys.executable, "-m", "mgpu_lab.subset_train", "--model", "A", "--steps", "5"],
                           env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr
@@ -86,87 +84,3 @@ def test_script_rejects_an_unknown_model():
     proc = subprocess.run([sys.executable, "-m", "mgpu_lab.subset_train", "--model", "Z"],
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 2 and "invalid choice: 'Z'" in proc.stderr
-
-
-# -- SubsetJobs: two children, disjoint device sets ---------------------------------------------
-@pytest.fixture(scope="module")
-def jobs():
-    with SubsetJobs({"A": [0, 1], "B": [2, 3]}, echo=False) as running:
-        yield running
-
-
-def test_children_start_and_train_at_once_each_seeing_its_own_devices(jobs):
-    assert set(jobs.startup_s) == {"A", "B"} and min(jobs.startup_s.values()) > 0
-    runs = jobs.train(steps=20)
-    assert list(runs) == ["A", "B"]
-    for name, visible, ids in (("A", "0,1", (0, 1)), ("B", "2,3", (2, 3))):
-        run = runs[name]
-        assert (run.name, run.ids, run.visible, run.steps, run.lr) == (name, ids, visible, 20, LEARNING_RATES[name])
-        assert run.gpu_count == len(cuda_sees(ids, devices.gpu_count()))
-        assert run.device == _expected_device(ids)
-        assert run.last_loss < run.first_loss
-        assert 0 <= run.began_s < run.ended_s and run.wall_s == run.ended_s - run.began_s
-    # Both were told to train before either answered: that is what "at once" means.
-    assert max(r.began_s for r in runs.values()) < min(r.ended_s for r in runs.values())
-
-
-def test_one_job_at_a_time_and_same_work_every_time(jobs, capsys):
-    first = jobs.train(["B"], steps=10, echo=True)
-    assert list(first) == ["B"]
-    assert capsys.readouterr().out.startswith("[B] model B (lr 0.2) on ")
-    again = jobs.train(["B"], steps=10)
-    assert again["B"].last_loss == first["B"].last_loss
-
-
-def test_train_rejects_unknown_jobs_and_bad_steps(jobs):
-    with pytest.raises(ValueError, match="names must be among"):
-        jobs.train(["C"])
-    with pytest.raises(ValueError, match="steps=0"):
-        jobs.train(steps=0)
-
-
-@pytest.mark.parametrize("plan, words", [
-    ({"A": [1, 1]}, "more than once"), ({"A": [-1]}, "negative"), ({"C": [0]}, "name each job"), ({}, "name each job"),
-])
-def test_bad_plans_fail_before_any_child_starts(plan, words):
-    with pytest.raises(ValueError, match=words):
-        SubsetJobs(plan)
-
-
-def test_a_dead_child_is_an_error_with_its_output_and_the_others_stop():
-    running = SubsetJobs({"A": [0], "B": [1]}, echo=False)
-    procs = dict(running._procs)
-    procs["A"].stdin.write("bogus\n")  # the child raises on it and exits with code 1
-    procs["A"].stdin.flush()
-    with pytest.raises(RuntimeError, match=r"model A \(GPUs \[0\]\) exited with code 1") as err:
-        running.train(steps=5)
-    assert "expected 'train STEPS' or 'quit'" in str(err.value)
-    assert all(proc.poll() is not None for proc in procs.values())
-    with pytest.raises(RuntimeError, match="closed"):
-        running.train()
-
-
-def test_a_child_that_takes_too_long_is_stopped():
-    running = SubsetJobs({"A": [0]}, echo=False)
-    proc = running._procs["A"]
-    running.timeout = 0.5
-    with pytest.raises(RuntimeError, match=r"model\(s\) A did not answer within 0.5 s"):
-        running.train(steps=10**7)
-    assert proc.poll() is not None
-
-
-def test_close_ends_the_children_and_is_idempotent():
-    running = SubsetJobs({"A": [0]}, echo=False)
-    proc = running._procs["A"]
-    running.close()
-    assert proc.returncode == 0  # stdin closed: it left its loop and exited by itself
-    running.close()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_GPU, reason=f"needs a CUDA GPU: {devices.describe()}")
-def test_a_child_given_gpu_0_trains_on_its_cuda_0():
-    with SubsetJobs({"A": [0], "B": [devices.gpu_count()]}, echo=False) as running:
-        runs = running.train(steps=10)
-    assert (runs["A"].visible, runs["A"].gpu_count, runs["A"].device) == ("0", 1, "cuda:0")
-    assert (runs["B"].gpu_count, runs["B"].device) == (0, "cpu")  # a GPU past the last one: CPU

@@ -10,8 +10,9 @@ group of processes on ``127.0.0.1``, and the banner says so.
 
 :meth:`SimCluster.run` starts one command per node at once (or some nodes
 later), shows each node's output live prefixed ``[nodeI]``, keeps every node's
-log (see :mod:`mgpu_lab.cluster.nodelogs`) and stops everything at its timeout. Every
-run is bounded, because a job that cannot form usually waits rather than fails. Processes and namespaces are
+log (see :mod:`mgpu_lab.cluster.nodelogs`) and stops everything at its timeout (the
+run itself is :mod:`mgpu_lab.cluster.noderunner`). Every run is bounded, because a
+job that cannot form usually waits rather than fails. Processes and namespaces are
 always removed, also when a run raises or times out; namespaces left by a
 killed process are removed by the next :class:`SimCluster`.
 
@@ -29,38 +30,22 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
-import re
-import selectors
 import shlex
-import shutil
 import socket
-import subprocess
-import sys
-import time
 import weakref
 from pathlib import Path
 
 import psutil
 
 from . import netns
-from .nodelogs import NOISE, Condense, Node, NodeRun, RunResult, probe_reports  # noqa: F401 (re-exported)
+from .nodelogs import Node, NodeRun, RunResult, probe_reports  # noqa: F401 (re-exported)
+from .noderunner import parse_starts, run_nodes
 
 __all__ = ["SimCluster", "Node", "NodeRun", "RunResult", "PROBE_SCRIPT", "probe_reports"]  # results: nodelogs
 
 MAX_NODES = 16
 #: The lesson's all_reduce smoke test, a plain torchrun script (runs on clusters unchanged).
 PROBE_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "allreduce_check.py"
-# Variables a node must not inherit from the notebook: each run says what it wants.
-_SCRUB = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
-          "MASTER_PORT", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NCCL_DEBUG", "NCCL_DEBUG_SUBSYS",
-          "MGPU_LAB_IN_RANK", "MGPU_LAB_DEVICE", "MGPU_LAB_BACKEND")
-# Run inside a node's namespace: a UTS namespace of its own with the node's host name, then exec.
-_SET_HOSTNAME = ("import ctypes, os, socket, sys\n"
-                 "if ctypes.CDLL(None, use_errno=True).unshare(0x04000000):\n"
-                 "    sys.exit('mgpu_lab.cluster.multinode: cannot unshare the UTS namespace: ' + os.strerror(ctypes.get_errno()))\n"
-                 "socket.sethostname(sys.argv[1])\n"
-                 "os.execvp(sys.argv[2], sys.argv[2:])\n")
 
 
 class _Owned:
@@ -275,7 +260,7 @@ class SimCluster:
             raise ValueError(f"argv must give one non-empty list of strings per node ({n} nodes), got {argv!r}")
         envs = [env(node) if callable(env) else (env[node.rank] if isinstance(env, (list, tuple)) else env)
                 for node in self.nodes]
-        starts = self._starts(delays)
+        starts = parse_starts(delays, n)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ValueError(f"timeout={timeout!r}: pass the seconds after which the run is stopped, e.g. 60")
         runs = [NodeRun(node, list(a), {str(k): str(v) for k, v in (e or {}).items() if v is not None})
@@ -287,155 +272,8 @@ class SimCluster:
                 late = f"   (starts {when:g} s late)" if isinstance(when, float) and when else (
                     f"   (starts once node{when} has exited)" if isinstance(when, int) else "")
                 print(f"[node{r.node.rank}] $ {shown}{shlex.join(r.argv)}{late}", flush=True)
-        return self._run(runs, [e or {} for e in envs], starts, timeout, after_failure, echo, cwd)
-
-    def _starts(self, delays) -> list:
-        """Each node's start: a float (seconds) or an int (the node whose exit it waits for)."""
-        n = len(self.nodes)
-        delays = [0.0] * n if delays is None else list(delays)
-        out = []
-        for i, d in enumerate(delays):
-            match = re.fullmatch(r"after node(\d+)", d) if isinstance(d, str) else None
-            if match and int(match.group(1)) < n and int(match.group(1)) != i:
-                out.append(int(match.group(1)))
-            elif isinstance(d, (int, float)) and not isinstance(d, bool) and d >= 0:
-                out.append(float(d))
-            else:
-                out = None
-                break
-        if out is None or len(out) != n:
-            raise ValueError(f"delays={delays!r}: give one per node ({n}), each seconds >= 0 or "
-                             "'after nodeJ' (start once node J has exited)")
-        return out
-
-    def _environment(self, extra: dict) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if k not in _SCRUB and not k.startswith("TORCHELASTIC_")}
-        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-        env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
-        for key, value in extra.items():
-            if value is None:
-                env.pop(str(key), None)
-            else:
-                env[str(key)] = str(value)
-        return env
-
-    def _spawn(self, run: NodeRun, env: dict, cwd) -> subprocess.Popen:
-        argv = list(run.argv)
-        if argv[0] == "torchrun":
-            local = Path(sys.executable).with_name("torchrun")
-            argv[0] = str(local) if local.exists() else (shutil.which("torchrun") or "torchrun")
-        elif argv[0] in ("python", "python3"):
-            argv[0] = sys.executable
-        if self.isolated:
-            argv = [*self._owned.net.exec_prefix(run.node.rank), sys.executable, "-c", _SET_HOSTNAME,
-                    run.node.hostname, *argv]
-        return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=self._environment(env), cwd=cwd, start_new_session=True)
-
-    def _run(self, runs, envs, starts, timeout, after_failure, echo, cwd) -> RunResult:
-        sel = selectors.DefaultSelector()
-        procs: dict[int, subprocess.Popen] = {}
-        began: dict[int, float] = {}
-        ended: dict[int, float] = {}
-        family: set[psutil.Process] = set()
-        partial = {i: b"" for i in range(len(runs))}
-        t0 = time.monotonic()
-        deadline, stopped, all_done_at = t0 + timeout, f"at the {timeout:g} s timeout", None
-
-        condense = [Condense() for _ in runs]
-
-        def emit(i: int, data: bytes, final: bool = False) -> None:
-            *complete, partial[i] = (partial[i] + data).split(b"\n")
-            if final and partial[i]:
-                complete, partial[i] = complete + [partial[i]], b""
-            for raw in complete:
-                line = raw.decode(errors="replace").rstrip("\r")
-                runs[i].lines.append(line)
-                if echo and not NOISE.search(line):
-                    for shown in condense[i](line):
-                        print(f"[node{i}] {shown}", flush=True)
-
-        def adopt(pid: int, recursive: bool) -> None:
-            with contextlib.suppress(psutil.Error):
-                root = psutil.Process(pid)
-                found = set(root.children(recursive=True)) if recursive else {root}
-                family.update(found)
-                self._owned.procs.update(found)
-
-        def due(i: int, now: float) -> bool:
-            when = starts[i]
-            return now - t0 >= when if isinstance(when, float) else when in ended
-
-        try:
-            while True:
-                now = time.monotonic()
-                for i, run in enumerate(runs):
-                    if i not in procs and due(i, now):
-                        procs[i] = proc = self._spawn(run, envs[i], cwd)
-                        began[i], run.started = now, True
-                        adopt(proc.pid, recursive=False)
-                        os.set_blocking(proc.stdout.fileno(), False)
-                        sel.register(proc.stdout, selectors.EVENT_READ, i)
-                for i, proc in procs.items():
-                    if proc.poll() is None:
-                        adopt(proc.pid, recursive=True)  # torchrun's workers run in sessions of their own
-                    elif i not in ended:
-                        ended[i] = now
-                        runs[i].returncode, runs[i].seconds = proc.returncode, now - began[i]
-                if len(ended) == len(runs):
-                    stopped = ""
-                    all_done_at = all_done_at or now
-                    if not sel.get_map() or now - all_done_at > 2.0:  # a pipe held by an orphan
-                        break
-                elif now >= deadline:
-                    break
-                failed = sorted((ended[i], i) for i, r in enumerate(runs) if r.returncode)
-                if after_failure is not None and failed and failed[0][0] + after_failure < deadline:
-                    deadline = failed[0][0] + after_failure
-                    stopped = f"{after_failure:g} s after node{failed[0][1]} failed"
-                pending = [t0 + w for i, w in enumerate(starts) if i not in procs and isinstance(w, float)]
-                wait = max(0.0, min([deadline, now + 0.2, *pending]) - now)
-                if not sel.get_map():
-                    time.sleep(wait)
-                for key, _ in sel.select(wait) if sel.get_map() else ():
-                    with contextlib.suppress(BlockingIOError):
-                        data = os.read(key.fileobj.fileno(), 65536)
-                        if data:
-                            emit(key.data, data)
-                        else:
-                            sel.unregister(key.fileobj)
-        finally:
-            self._stop(procs, family)
-            for key in list(sel.get_map().values()):
-                with contextlib.suppress(OSError):
-                    while data := os.read(key.fileobj.fileno(), 65536):
-                        emit(key.data, data)
-                sel.unregister(key.fileobj)
-            for i, proc in procs.items():
-                emit(i, b"", final=True)
-                proc.stdout.close()
-            sel.close()
-        end = time.monotonic()
-        for i, run in enumerate(runs):
-            if run.returncode is None:
-                run.seconds, run.stopped = (end - began[i] if i in began else 0.0), stopped
-        result = RunResult(runs, timeout, end - t0, self.isolated, stopped)
-        if echo:
-            print(result.summary(), flush=True)
-        return result
-
-    def _stop(self, procs: dict, family: set) -> None:
-        """Kill what is left of a run: every process tree, then whatever is still in the namespaces."""
-        for proc in procs.values():
-            with contextlib.suppress(psutil.Error):
-                family |= set(psutil.Process(proc.pid).children(recursive=True))
-        netns.kill(family)
-        if self.isolated:
-            self._owned.net.sweep()
-        for proc in procs.values():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=5)
-        self._owned.procs -= family
+        return run_nodes(runs, [e or {} for e in envs], starts, timeout=timeout, after_failure=after_failure,
+                         echo=echo, cwd=cwd, net=self._owned.net, owned=self._owned.procs)
 
     # -- lifetime ---------------------------------------------------------------------
     def close(self) -> None:

@@ -1,9 +1,11 @@
 """The launcher: start N ranks from a notebook or a script, and everything a launch needs.
 
 ``launch`` (the public entry point, also ``from mgpu_lab import launch``), ``job``
-(one launch: ranks, pipes, errors, hangs), ``rank`` (what runs inside each rank),
-``procs`` (the forkserver and process-tree clean-up), ``relay`` (rank output,
-prefixed and live) and ``progressbars`` (per-rank progress bars).
+(one launch: ranks, pipes, failures, hangs), ``errors`` (``LaunchError``,
+``LaunchTimeout`` and the wording of a rank's failure), ``rank`` (what runs
+inside each rank), ``procs`` (the forkserver and process-tree clean-up),
+``relay`` (rank output, prefixed and live) and ``progressbars`` (per-rank
+progress bars).
 
 Kept empty on purpose: ranks import ``mgpu_lab.launcher.rank`` without starting
 the forkserver that importing ``mgpu_lab.launcher.launch`` starts.

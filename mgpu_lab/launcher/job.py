@@ -18,52 +18,13 @@ from multiprocessing.connection import Connection
 import cloudpickle
 
 from . import procs
+from .errors import LaunchError, LaunchTimeout, exit_text, is_consequence, load_exception
 from .progressbars import ProgressBoard
 from .relay import LineRelay, format_stack_dump, format_traceback, prefix, stderr, stdout
 
 GRACE_AFTER_FAILURE = 1.0  # seconds to collect the other ranks' own errors
 STACK_WAIT = 1.5  # seconds to wait for stack dumps of hung ranks
 DRAIN_WAIT = 2.0  # seconds to wait for output still in the pipes after the ranks exit
-
-
-class LaunchError(RuntimeError):
-    """A rank raised or died. Attributes describe the first rank that failed.
-
-    Attributes:
-        rank: the failing rank. world_size: ranks in the launch.
-        exitcode: its exit code (negative: killed by that signal), if it exited.
-        exc_type: name of the exception it raised (None if it died without one).
-        exception: that exception object when it could be pickled, else None.
-        traceback: its traceback as text. failures: every failed rank -> summary.
-    """
-
-    def __init__(self, message, *, rank=None, world_size=None, exitcode=None,
-                 exc_type=None, exception=None, traceback="", failures=None, phase=None, output=""):
-        super().__init__(message)
-        self.output = output  # the ranks' output, when the launch kept it (echo=False)
-        self.phase = phase  # "init": failed while setting up the process group, before fn ran
-        self.rank, self.world_size, self.exitcode = rank, world_size, exitcode
-        self.exc_type, self.exception, self.traceback = exc_type, exception, traceback
-        self.failures = failures or {}
-
-
-class LaunchTimeout(LaunchError):
-    """The ranks did not finish in time; ``stacks`` maps rank -> its Python stack."""
-
-    def __init__(self, message, *, stacks=None, **kw):
-        super().__init__(message, **kw)
-        self.stacks = stacks or {}
-
-
-def _exit_text(code) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"exit code {code} (killed by {signal.Signals(-code).name})"
-        except ValueError:
-            return f"exit code {code}"
-    return f"exit code {code}"
 
 
 class _Rank:
@@ -174,7 +135,7 @@ class Job:
 
         # A rank whose peer died sees "connection closed by peer" in its collective;
         # report the rank that caused it first, even if its death was noticed later.
-        return sorted(bad, key=lambda i: (_is_consequence(i), when(i), i.rank))
+        return sorted(bad, key=lambda i: (is_consequence(i.message), when(i), i.rank))
 
     def wait(self) -> list:
         """Relay output until every rank is done; return results or raise."""
@@ -220,7 +181,7 @@ class Job:
         if info.message:
             err = info.message[1]
             return f"raised {err['type']}: {err['message']}"
-        return f"died without raising ({_exit_text(info.exitcode)})"
+        return f"died without raising ({exit_text(info.exitcode)})"
 
     def _raise_failure(self, failures: list[_Rank]) -> None:
         first = failures[0]
@@ -237,7 +198,7 @@ class Job:
             err = first.message[1]
             phase = err.get("phase")
             tb, exc_type = format_traceback(err), err["type"]
-            exc = _load_exception(err)
+            exc = load_exception(err)
             lines += ["", f"Traceback of rank {first.rank}/{n}:", tb.rstrip()]
         else:
             lines.append("(a segfault, os._exit, or a kill from outside, e.g. the out-of-memory killer, "
@@ -316,23 +277,3 @@ class Job:
                 os.close(fd)
             info.chan.close()
         return False
-
-
-_CONSEQUENCES = ("closed by peer", "reset by peer", "broken pipe", "connection refused",
-                 "remote process exited", "socket timeout", "connectfullmesh")
-
-
-def _is_consequence(info: _Rank) -> bool:
-    """True for errors that a rank gets because *another* rank failed."""
-    if not info.message:
-        return False
-    return any(text in info.message[1]["message"].lower() for text in _CONSEQUENCES)
-
-
-def _load_exception(err: dict):
-    if err.get("pickled") is None:
-        return None
-    try:
-        return cloudpickle.loads(err["pickled"])
-    except Exception:  # noqa: BLE001 - the text is what matters
-        return None

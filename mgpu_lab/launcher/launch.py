@@ -35,7 +35,8 @@ import cloudpickle  # noqa: E402
 
 from mgpu_lab import dist  # noqa: E402
 from . import rank as _rank  # noqa: E402
-from .job import Job, LaunchError, LaunchTimeout  # noqa: E402
+from .errors import LaunchError, LaunchTimeout  # noqa: E402 (learners catch them as launch's)
+from .job import Job  # noqa: E402
 from mgpu_lab.devices import cpu_count  # noqa: E402
 
 __all__ = ["launch", "run", "LaunchError", "LaunchTimeout", "prewarm", "banner"]

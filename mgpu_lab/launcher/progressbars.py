@@ -36,7 +36,7 @@ def progress(iterable, total: int | None = None, desc: str = ""):
     if send is None:  # not in a launched rank
         from tqdm.auto import tqdm
 
-        from .dist import is_main_process
+        from mgpu_lab.dist import is_main_process
 
         yield from tqdm(iterable, total=total, desc=desc, disable=not is_main_process())
         return

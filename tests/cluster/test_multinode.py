@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from mgpu_lab.cluster import multinode, netns
+from mgpu_lab.cluster import multinode, netns, noderunner
 from mgpu_lab.cluster.multinode import PROBE_SCRIPT, SimCluster, probe_reports
 
 pytestmark = pytest.mark.timeout(300)
@@ -187,15 +187,15 @@ def test_a_run_is_stopped_at_its_timeout_and_leaves_no_process(isolated, request
 @needs_netns
 def test_processes_are_killed_when_a_run_raises_midway(monkeypatch):
     with SimCluster(2) as cluster:
-        real_spawn, started = cluster._spawn, []
+        real_spawn, started = noderunner.spawn, []
 
-        def spawn_then_fail(run, env, cwd):
+        def spawn_then_fail(run, env, cwd, net):
             if started:
                 raise OSError("simulated: cannot start node1")
-            started.append(real_spawn(run, env, cwd))
+            started.append(real_spawn(run, env, cwd, net))
             return started[-1]
 
-        monkeypatch.setattr(cluster, "_spawn", spawn_then_fail)
+        monkeypatch.setattr(noderunner, "spawn", spawn_then_fail)
         with pytest.raises(OSError, match="node1"):
             cluster.run([py(SLEEPER), py(SLEEPER)], delays=[0, 1.5], timeout=30, echo=False)
         assert started[0].poll() is not None
@@ -412,11 +412,11 @@ def test_doctor_reports_a_failed_node_check(monkeypatch, no_netns):
     """A node whose all_reduce never finishes gives FAILED with the log's key lines, not a crash."""
     import io
 
-    from mgpu_lab import doctor
+    from mgpu_lab import doctor, doctor_probes
 
     monkeypatch.setattr(multinode, "PROBE_SCRIPT", ROOT / "tests" / "no_such_script.py")
     out = io.StringIO()
-    monkeypatch.setattr(doctor, "_check", lambda backend, nprocs, timeout: (True, "OK (stand-in)"))
+    monkeypatch.setattr(doctor_probes, "check_backend", lambda backend, nprocs, timeout: (True, "OK (stand-in)"))
     code = doctor.run_doctor(backends=["gloo"], nodes=2, nprocs=1, out=out)
     text = out.getvalue()
     assert code == 1 and "nodes  FAILED" in text and "0 of 2 ranks finished" in text

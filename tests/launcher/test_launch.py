@@ -312,7 +312,7 @@ def test_gloo_ranks_share_one_gpu_and_a_kernel_that_touched_cuda_can_launch():
 def test_gloo_connection_race_during_init_is_retried_but_other_failures_are_not(monkeypatch, capsys):
     import sys
 
-    L = sys.modules["mgpu_lab.launch"]  # `import mgpu_lab.launcher.launch as L` gives the function
+    L = sys.modules["mgpu_lab.launcher.launch"]  # `import mgpu_lab.launcher.launch as L` gives the function
     calls = []
 
     def flaky(*args):

@@ -130,7 +130,7 @@ class Tester:
         (from :meth:`call`) fails the case with the error; NotImplementedError
         ends the whole check as "not attempted".
         """
-        from ..launch import LaunchError, LaunchTimeout
+        from mgpu_lab.launcher.errors import LaunchError, LaunchTimeout
 
         try:
             yield
@@ -191,7 +191,7 @@ class Tester:
                 instead of failing the case when ``fn`` raises.
             timeout: seconds before the call counts as hung (default ``CALL_TIMEOUT``).
         """
-        from ..launch import run
+        from mgpu_lab.launcher.launch import run
 
         self._skip_if_hung()
         timeout = CALL_TIMEOUT if timeout is None else timeout
@@ -204,7 +204,7 @@ class Tester:
         The backend is gloo unless asked otherwise: probes judge CPU evidence, and
         a check must behave the same on a laptop and on an 8-GPU node.
         """
-        from ..launch import run
+        from mgpu_lab.launcher.launch import run
 
         self._skip_if_hung()
         timeout = CALL_TIMEOUT if timeout is None else timeout

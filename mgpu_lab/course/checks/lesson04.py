@@ -4,39 +4,21 @@ The reference is always the real thing: ``DistributedSampler`` itself for
 shard_indices, single-process training with the global batch for ddp_train.
 ddp_train, download_once and global_mean run in real ranks; the evidence they
 leave (which samples each rank read, in which order; which rank called the
-download, and what it found on return) is what the cases judge.
+download, and what it found on return) is what the cases judge. What runs in
+the ranks is :mod:`.probes04`; this module judges, in the kernel.
 """
 from __future__ import annotations
 
 import os
 import shutil
 import tempfile
-import time
-
-import torch
-import torch.distributed as tdist
-from torch.utils.data import Dataset
 
 from mgpu_lab import ddp, sampler_view
-from mgpu_lab import dist as mdist
-from mgpu_lab.data import simulate_nodes, synthetic_classification
 from ._core import exercise
+from .probes04 import check_data, check_model, run_ddp_train, run_download_once, run_global_mean, shard_all
+
 
 # -- shard_indices -----------------------------------------------------------------------
-def _shard_all(shard_indices, combos):
-    out = []
-    for combo in combos:
-        try:
-            got = shard_indices(*combo)
-            got = got.tolist() if isinstance(got, torch.Tensor) else list(got)
-            out.append(("ok", [int(i) for i in got]))
-        except NotImplementedError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - judged per combination below
-            out.append(("raised", type(exc).__name__, str(exc)))
-    return out
-
-
 def _shard_case(t, results, combos, hint):
     for combo, got in zip(combos, results):
         n, rank, world, shuffle, seed, epoch, drop_last = combo
@@ -77,51 +59,15 @@ def _shard_indices(t, shard_indices):
     for name, group, hidden, hint in groups:
         with t.case(name, hidden=hidden, hint=hint):
             if results is None:
-                results = t.call(_shard_all, shard_indices, combos)
+                results = t.call(shard_all, shard_indices, combos)
             _shard_case(t, results[start:start + len(group)], group, hint)
         start += len(group)
 
 
 # -- ddp_train ---------------------------------------------------------------------------
-class Recorded(Dataset):
-    """A data set that appends every index it is asked for to a file (works in DataLoader workers too)."""
-
-    def __init__(self, inner, log_path: str):
-        self.inner, self.log_path = inner, log_path
-
-    def __len__(self):
-        return len(self.inner)
-
-    def __getitem__(self, i):
-        with open(self.log_path, "a") as f:
-            f.write(f"{int(i)}\n")
-        return self.inner[i]
-
-
-def check_model():
-    """The model the ddp_train check trains: the same initial weights in every process."""
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3))
-
-
-def _check_data(n):
-    return synthetic_classification(n, features=6, classes=3, seed=3)
-
-
-def run_ddp_train(ddp_train, n, epochs, batch_size, lr, log_dir):
-    """Probe: the learner's ddp_train in this rank, on a data set that records what it serves."""
-    log = os.path.join(log_dir, f"rank{tdist.get_rank()}.log")
-    state = ddp_train(check_model, Recorded(_check_data(n), log), epochs, batch_size, lr)
-    seen = [int(line) for line in open(log)] if os.path.exists(log) else []
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        return {"state": None, "type": type(state).__name__, "seen": seen}
-    state = {k.removeprefix("module."): v.detach().cpu().clone() for k, v in state.items()}
-    return {"state": state, "type": "dict", "seen": seen}
-
-
 def _diagnose(state, n, world, epochs, batch_size, lr) -> str:
     """Name the likely bug: the variant of the reference that the learner's weights match, if any."""
-    ds, big = _check_data(n), batch_size * world
+    ds, big = check_data(n), batch_size * world
     guesses = [
         (big, lr / world, True, f"your weights match lr / world_size = {lr / world:g}: use lr as given"),
         (big, lr * world, True, f"your weights match lr * world_size = {lr * world:g}: use lr as given"),
@@ -174,7 +120,7 @@ def _states(t, results):
 
 
 def _judge_weights(t, states, n, world, epochs, batch_size, lr):
-    ref = ddp.reference_train(check_model, _check_data(n), epochs, batch_size * world, lr)
+    ref = ddp.reference_train(check_model, check_data(n), epochs, batch_size * world, lr)
     worst = ddp.max_diff(states[0], ref)
     if worst > 1e-5:
         t.fail(_diagnose(states[0], n, world, epochs, batch_size, lr), "max difference <= 1e-05",
@@ -225,42 +171,6 @@ def _ddp_train(t, ddp_train):
 
 
 # -- download_once -----------------------------------------------------------------------
-PAYLOAD = bytes(range(256)) * 32
-
-
-def slow_fetch(root):
-    """The function the check decorates: logs its calls, writes data.bin slowly, skips a complete file."""
-    root = os.fspath(root)
-    with open(os.path.join(root, "calls.log"), "a") as f:
-        f.write(f"{os.environ.get('MGPU_LAB_CHECK_ROUND', '?')} {mdist.rank()}\n")
-    path = os.path.join(root, "data.bin")
-    if os.path.isfile(path) and os.path.getsize(path) == len(PAYLOAD):
-        return path
-    with open(os.path.join(root, "downloads.log"), "a") as f:
-        f.write(f"{os.environ.get('MGPU_LAB_CHECK_ROUND', '?')} {mdist.rank()}\n")
-    with open(path, "wb") as f:  # written in place, slowly: an early reader sees half a file
-        for i in range(0, len(PAYLOAD), 1024):  # 8 chunks over about 0.3 s
-            f.write(PAYLOAD[i:i + 1024])
-            f.flush()
-            time.sleep(0.04)
-    return path
-
-
-def run_download_once(download_once, roots, ranks_per_node, rounds=2):
-    """Probe: simulate the node layout, call the decorated slow_fetch ``rounds`` times."""
-    node = simulate_nodes(ranks_per_node)
-    fetch = download_once(slow_fetch)
-    out = []
-    for k in range(rounds):
-        os.environ["MGPU_LAB_CHECK_ROUND"] = str(k)
-        path = fetch(roots[node])
-        ok = isinstance(path, (str, os.PathLike)) and os.path.isfile(path)
-        complete = ok and open(path, "rb").read() == PAYLOAD
-        out.append({"path": os.fspath(path) if ok else repr(path), "complete": complete})
-        tdist.barrier()
-    return {"node": node, "rounds": out}
-
-
 def _log_counts(roots, name, round_):
     counts = []
     for root in roots:
@@ -326,12 +236,6 @@ def _download_once(t, download_once):
 
 
 # -- global_mean -------------------------------------------------------------------------
-def run_global_mean(global_mean, sums, counts):
-    """Probe: this rank's (value, type name) of the learner's global_mean."""
-    value = global_mean(sums[tdist.get_rank()], counts[tdist.get_rank()])
-    return (value.item() if isinstance(value, torch.Tensor) else value), type(value).__name__
-
-
 @exercise("04.global_mean", points=4, description="global_mean(local_sum, local_count): the mean over every "
           "rank's samples, counts differing per rank, via all_reduce")
 def _global_mean(t, global_mean):

@@ -10,17 +10,17 @@
   number of batches per rank, followed by a barrier (as before a checkpoint):
   without Join the rank that runs out waits in the barrier while the others
   wait in the gradient all-reduce, and the launch times out in bounded time.
+
+What runs in those processes is :mod:`.probes05`; this module judges, in the kernel.
 """
 from __future__ import annotations
 
 import math
-import operator
-import random
 
-import numpy as np
 import torch
 
 from ._core import exercise
+from .probes05 import join_batches, join_model, probe_join, probe_sampler, probe_sampler_ranks
 
 BALANCE_TOL = 1.05  # max/mean of the ranks' total costs a balanced sampler must reach
 JOIN_TIMEOUT = 20.0  # seconds: a right answer takes about one
@@ -29,60 +29,6 @@ SAMPLER_HINT = ("sort the (shuffled) indices costliest first and give each to th
 
 
 # -- BalancedDistributedSampler -----------------------------------------------------
-def _reseed(value: int) -> None:
-    random.seed(value)
-    np.random.seed(value)
-    torch.manual_seed(value)
-
-
-def sampler_lists(cls, cfg: dict) -> dict:
-    """Build the learner's sampler for every rank of one configuration; return what it yields."""
-    world = cfg["num_replicas"]
-    out = {"is_sampler": [], "len": [], "epochs": [(e, []) for e in cfg["epochs"]]}
-    for r in range(world):
-        _reseed(1000 + 17 * r)  # separate processes have separate global random states
-        s = cls(cfg["costs"], world, r, shuffle=cfg["shuffle"], seed=cfg["seed"], drop_last=cfg["drop_last"])
-        out["is_sampler"].append(isinstance(s, torch.utils.data.Sampler))
-        out["len"].append(len(s))
-        for e, lists in out["epochs"]:
-            s.set_epoch(e)
-            lists.append([operator.index(i) for i in s])
-    return out
-
-
-def probe_sampler(cls, configs: list) -> list:
-    """Every configuration's lists, or ("raised", type, message) for the ones that raise."""
-    results = []
-    for cfg in configs:
-        try:
-            results.append(("ok", sampler_lists(cls, cfg)))
-        except NotImplementedError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the checker reports it per case
-            results.append(("raised", type(exc).__name__, str(exc)[:300]))
-    return results
-
-
-def probe_sampler_ranks(cls, costs: list, seed: int, epochs: tuple) -> dict:
-    """In a real rank: this rank's own lists, and (on rank 0) every rank's lists as rank 0 computes them."""
-    import torch.distributed as tdist
-
-    rank, world = tdist.get_rank(), tdist.get_world_size()
-    _reseed(5000 + 31 * rank)
-    own = cls(costs, world, rank, seed=seed)
-    mine = {}
-    for e in epochs:
-        own.set_epoch(e)
-        mine[e] = [operator.index(i) for i in own]
-    seen = {}
-    if rank == 0:
-        for r in range(world):
-            other = cls(costs, world, r, seed=seed)
-            other.set_epoch(epochs[-1])
-            seen[r] = [operator.index(i) for i in other]
-    return {"mine": mine, "seen": seen}
-
-
 def _cfg(costs, world, drop_last=False, shuffle=True, seed=0, epochs=(0,)):
     return {"costs": list(costs), "num_replicas": world, "drop_last": drop_last, "shuffle": shuffle,
             "seed": seed, "epochs": tuple(epochs)}
@@ -142,7 +88,7 @@ def _balance(lists, costs) -> float:
 
 
 def _ds_balance(costs, world) -> float:
-    from mgpu_lab.samplers import distributed_sampler_lists
+    from mgpu_lab.workload import distributed_sampler_lists
 
     return _balance(distributed_sampler_lists(len(costs), world).tolist(), costs)
 
@@ -239,36 +185,12 @@ def _balanced(t, BalancedDistributedSampler):
 
 
 # -- train_with_join ------------------------------------------------------------------
-def _join_model(seed: int):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-
-
-def _join_batches(seed: int, rank: int, count: int) -> list:
-    g = torch.Generator().manual_seed(1000 * seed + rank)
-    return [(torch.randn(6, 4, generator=g), torch.randn(6, 1, generator=g)) for _ in range(count)]
-
-
-def probe_join(train_with_join, counts: tuple, seed: int) -> dict:
-    """In a real rank: a DDP model, this rank's batches; the learner's loop, then a barrier."""
-    import torch.distributed as tdist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    rank = tdist.get_rank()
-    model = DDP(_join_model(seed))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    steps = train_with_join(model, _join_batches(seed, rank, counts[rank]), optimizer)
-    tdist.barrier()  # as before saving a checkpoint: hangs if a rank is still in a gradient all-reduce
-    return {"steps": steps if isinstance(steps, int) else repr(steps)[:100],
-            "weights": [p.detach().clone() for p in model.module.parameters()]}
-
-
 def join_reference(counts: tuple, seed: int) -> list:
     """The weights Join gives: each step averages the gradients of the ranks that still have a
     batch, zeros from the others, divided by the world size; every rank ends with the same model."""
-    model = _join_model(seed)
+    model = join_model(seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    batches = [_join_batches(seed, r, c) for r, c in enumerate(counts)]
+    batches = [join_batches(seed, r, c) for r, c in enumerate(counts)]
     for k in range(max(counts)):
         total = [torch.zeros_like(p) for p in model.parameters()]
         for r in range(len(counts)):

@@ -210,7 +210,7 @@ def test_download_once_solution_gets_full_marks():
 
 
 def test_download_once_library_version_gets_full_marks():
-    from mgpu_lab.data import download_once as library
+    from mgpu_lab.download import download_once as library
 
     assert check("04.download_once", library).passed
 

@@ -11,7 +11,8 @@ from torch.utils.data import DistributedSampler, Sampler
 
 from mgpu_lab import check
 from mgpu_lab.course.checks import _core, lesson05
-from mgpu_lab.samplers import BalancedDistributedSampler, distributed_sampler_lists, plan_balanced
+from mgpu_lab.samplers import BalancedDistributedSampler, plan_balanced
+from mgpu_lab.workload import distributed_sampler_lists
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -1,0 +1,224 @@
+"""One run on simulated nodes: start each node's command on time, relay its output, stop everything.
+
+The machinery under :meth:`mgpu_lab.cluster.multinode.SimCluster.run`, which
+checks the arguments and then hands over here. :func:`run_nodes` starts one
+command per node (inside the node's network namespace and with its host name,
+or on 127.0.0.1), some of them late or once another node has exited; relays
+every node's output live, prefixed ``[nodeI]``, into its :class:`NodeRun` log;
+and stops the run at its timeout, or soon after a node has failed. Whatever the
+run started, whole process trees included, is killed before it returns, also
+when it raises (see :func:`stop`).
+
+Example:
+    >>> runs = [NodeRun(node, ["python", "-c", "print('hi')"], {}) for node in cluster.nodes]  # doctest: +SKIP
+    >>> result = run_nodes(runs, [{}] * len(runs), parse_starts(None, len(runs)), timeout=30,
+    ...                    after_failure=None, echo=True, cwd=None, net=None, owned=set())  # doctest: +SKIP
+    [node0] hi
+    [node1] hi
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import selectors
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from . import netns
+from .nodelogs import NOISE, Condense, NodeRun, RunResult
+
+__all__ = ["run_nodes", "parse_starts", "environment", "spawn", "stop"]
+
+# Variables a node must not inherit from the notebook: each run says what it wants.
+_SCRUB = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
+          "MASTER_PORT", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NCCL_DEBUG", "NCCL_DEBUG_SUBSYS",
+          "MGPU_LAB_IN_RANK", "MGPU_LAB_DEVICE", "MGPU_LAB_BACKEND")
+# Run inside a node's namespace: a UTS namespace of its own with the node's host name, then exec.
+_SET_HOSTNAME = ("import ctypes, os, socket, sys\n"
+                 "if ctypes.CDLL(None, use_errno=True).unshare(0x04000000):\n"
+                 "    sys.exit('mgpu_lab.cluster.multinode: cannot unshare the UTS namespace: ' + os.strerror(ctypes.get_errno()))\n"
+                 "socket.sethostname(sys.argv[1])\n"
+                 "os.execvp(sys.argv[2], sys.argv[2:])\n")
+
+
+def parse_starts(delays, n: int) -> list:
+    """Each of ``n`` nodes' start: a float (seconds) or an int (the node whose exit it waits for).
+
+    Args:
+        delays: None (all at once), or one per node: seconds >= 0 or ``"after nodeJ"``.
+        n: the number of nodes.
+
+    Raises:
+        ValueError: a bad ``delays``, with what each entry may be.
+    """
+    delays = [0.0] * n if delays is None else list(delays)
+    out = []
+    for i, d in enumerate(delays):
+        match = re.fullmatch(r"after node(\d+)", d) if isinstance(d, str) else None
+        if match and int(match.group(1)) < n and int(match.group(1)) != i:
+            out.append(int(match.group(1)))
+        elif isinstance(d, (int, float)) and not isinstance(d, bool) and d >= 0:
+            out.append(float(d))
+        else:
+            out = None
+            break
+    if out is None or len(out) != n:
+        raise ValueError(f"delays={delays!r}: give one per node ({n}), each seconds >= 0 or "
+                         "'after nodeJ' (start once node J has exited)")
+    return out
+
+
+def environment(extra: dict) -> dict[str, str]:
+    """A node's environment: this one without rank variables, this Python's first on PATH, then ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k not in _SCRUB and not k.startswith("TORCHELASTIC_")}
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
+    for key, value in extra.items():
+        if value is None:
+            env.pop(str(key), None)
+        else:
+            env[str(key)] = str(value)
+    return env
+
+
+def spawn(run: NodeRun, env: dict, cwd, net: netns.Network | None) -> subprocess.Popen:
+    """Start one node's command, in its namespace under its host name when ``net`` is given."""
+    argv = list(run.argv)
+    if argv[0] == "torchrun":
+        local = Path(sys.executable).with_name("torchrun")
+        argv[0] = str(local) if local.exists() else (shutil.which("torchrun") or "torchrun")
+    elif argv[0] in ("python", "python3"):
+        argv[0] = sys.executable
+    if net is not None:
+        argv = [*net.exec_prefix(run.node.rank), sys.executable, "-c", _SET_HOSTNAME, run.node.hostname, *argv]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env=environment(env), cwd=cwd, start_new_session=True)
+
+
+def run_nodes(runs: list[NodeRun], envs: list[dict], starts: list, *, timeout: float, after_failure: float | None,
+              echo: bool, cwd, net: netns.Network | None, owned: set[psutil.Process]) -> RunResult:
+    """Run every node's command until all have exited, the timeout, or ``after_failure`` s after a failure.
+
+    Args:
+        runs: one :class:`NodeRun` per node, filled in as the run goes.
+        envs: each node's variables to add (a value None unsets one).
+        starts: each node's start, as :func:`parse_starts` returns it.
+        timeout, after_failure, echo, cwd: as :meth:`SimCluster.run` takes them.
+        net: the nodes' namespaces, or None when every node is on 127.0.0.1.
+        owned: the cluster's set of processes to kill when it closes; every
+            process of the run is in it while the run goes, so that a run
+            interrupted in any way leaves nothing behind.
+
+    Returns:
+        The :class:`RunResult`. Nothing started by the run is left running.
+    """
+    sel = selectors.DefaultSelector()
+    procs: dict[int, subprocess.Popen] = {}
+    began: dict[int, float] = {}
+    ended: dict[int, float] = {}
+    family: set[psutil.Process] = set()
+    partial = {i: b"" for i in range(len(runs))}
+    t0 = time.monotonic()
+    deadline, stopped, all_done_at = t0 + timeout, f"at the {timeout:g} s timeout", None
+
+    condense = [Condense() for _ in runs]
+
+    def emit(i: int, data: bytes, final: bool = False) -> None:
+        *complete, partial[i] = (partial[i] + data).split(b"\n")
+        if final and partial[i]:
+            complete, partial[i] = complete + [partial[i]], b""
+        for raw in complete:
+            line = raw.decode(errors="replace").rstrip("\r")
+            runs[i].lines.append(line)
+            if echo and not NOISE.search(line):
+                for shown in condense[i](line):
+                    print(f"[node{i}] {shown}", flush=True)
+
+    def adopt(pid: int, recursive: bool) -> None:
+        with contextlib.suppress(psutil.Error):
+            root = psutil.Process(pid)
+            found = set(root.children(recursive=True)) if recursive else {root}
+            family.update(found)
+            owned.update(found)
+
+    def due(i: int, now: float) -> bool:
+        when = starts[i]
+        return now - t0 >= when if isinstance(when, float) else when in ended
+
+    try:
+        while True:
+            now = time.monotonic()
+            for i, run in enumerate(runs):
+                if i not in procs and due(i, now):
+                    procs[i] = proc = spawn(run, envs[i], cwd, net)
+                    began[i], run.started = now, True
+                    adopt(proc.pid, recursive=False)
+                    os.set_blocking(proc.stdout.fileno(), False)
+                    sel.register(proc.stdout, selectors.EVENT_READ, i)
+            for i, proc in procs.items():
+                if proc.poll() is None:
+                    adopt(proc.pid, recursive=True)  # torchrun's workers run in sessions of their own
+                elif i not in ended:
+                    ended[i] = now
+                    runs[i].returncode, runs[i].seconds = proc.returncode, now - began[i]
+            if len(ended) == len(runs):
+                stopped = ""
+                all_done_at = all_done_at or now
+                if not sel.get_map() or now - all_done_at > 2.0:  # a pipe held by an orphan
+                    break
+            elif now >= deadline:
+                break
+            failed = sorted((ended[i], i) for i, r in enumerate(runs) if r.returncode)
+            if after_failure is not None and failed and failed[0][0] + after_failure < deadline:
+                deadline = failed[0][0] + after_failure
+                stopped = f"{after_failure:g} s after node{failed[0][1]} failed"
+            pending = [t0 + w for i, w in enumerate(starts) if i not in procs and isinstance(w, float)]
+            wait = max(0.0, min([deadline, now + 0.2, *pending]) - now)
+            if not sel.get_map():
+                time.sleep(wait)
+            for key, _ in sel.select(wait) if sel.get_map() else ():
+                with contextlib.suppress(BlockingIOError):
+                    data = os.read(key.fileobj.fileno(), 65536)
+                    if data:
+                        emit(key.data, data)
+                    else:
+                        sel.unregister(key.fileobj)
+    finally:
+        stop(procs, family, net, owned)
+        for key in list(sel.get_map().values()):
+            with contextlib.suppress(OSError):
+                while data := os.read(key.fileobj.fileno(), 65536):
+                    emit(key.data, data)
+            sel.unregister(key.fileobj)
+        for i, proc in procs.items():
+            emit(i, b"", final=True)
+            proc.stdout.close()
+        sel.close()
+    end = time.monotonic()
+    for i, run in enumerate(runs):
+        if run.returncode is None:
+            run.seconds, run.stopped = (end - began[i] if i in began else 0.0), stopped
+    result = RunResult(runs, timeout, end - t0, net is not None, stopped)
+    if echo:
+        print(result.summary(), flush=True)
+    return result
+
+
+def stop(procs: dict, family: set, net: netns.Network | None, owned: set) -> None:
+    """Kill what is left of a run: every process tree, then whatever is still in the namespaces."""
+    for proc in procs.values():
+        with contextlib.suppress(psutil.Error):
+            family |= set(psutil.Process(proc.pid).children(recursive=True))
+    netns.kill(family)
+    if net is not None:
+        net.sweep()
+    for proc in procs.values():
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
+    owned.difference_update(family)
