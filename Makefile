@@ -29,7 +29,7 @@ NBVAL       ?= --nbval-lax
 SOLUTION_NOTEBOOKS := $(sort $(wildcard solutions/*.ipynb))
 
 .DEFAULT_GOAL := help
-.PHONY: help install lab test bench clean chromium
+.PHONY: help install lab test bench clean chromium slurm
 
 help:
 	@echo "make lab     set up .venv and start JupyterLab on $(LAB_DIR)/ (LAB_IP=$(LAB_IP), LAB_ARGS=...)"
@@ -58,7 +58,15 @@ chromium:
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium </dev/null; \
 	  else echo "make: no chromium and not root: the browser tests will skip (apt-get install chromium)"; fi; }
 
-test: $(STAMP) chromium
+# The local SLURM cluster (mgpu-lab slurm up; tests/cluster/test_slurm_local.py) needs Debian's
+# slurm-wlm and munge; installed when missing and we are root, otherwise those tests skip and say why.
+slurm:
+	@{ command -v slurmctld >/dev/null 2>&1 && command -v munged >/dev/null 2>&1; } || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends slurm-wlm munge </dev/null; \
+	  else echo "make: no slurm-wlm/munge and not root: the SLURM tests will skip (apt-get install slurm-wlm munge)"; fi; }
+
+test: $(STAMP) chromium slurm
 	$(PY) -m pytest $(PYTEST_ARGS) tests $(if $(SOLUTION_NOTEBOOKS),$(NBVAL) $(SOLUTION_NOTEBOOKS))
 
 bench: $(STAMP)

@@ -7,6 +7,7 @@ Example:
     $ mgpu-lab doctor
     $ mgpu-lab doctor --backend gloo --nprocs 4 --timeout 60
     $ mgpu-lab doctor --nodes 2
+    $ mgpu-lab slurm up --nodes 2; mgpu-lab slurm run -- sinfo; mgpu-lab slurm down
     $ python -m mgpu_lab doctor
 """
 
@@ -139,6 +140,47 @@ def _grade(args) -> int:
     return 0
 
 
+def _add_slurm(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "slurm", help="a real SLURM cluster on this machine (root, Linux): up, down, status, run",
+        description="Start or stop a local SLURM cluster (slurmctld, one slurmd per node, munge), every node a "
+                    "network namespace; run SLURM commands on its login node. Needs root and the Debian "
+                    "packages slurm-wlm and munge.")
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    start = actions.add_parser("up", help="start the cluster and wait until its nodes are idle")
+    start.add_argument("--nodes", type=int, default=2, metavar="N", help="compute nodes (1..8, default 2)")
+    actions.add_parser("down", help="stop the cluster and remove everything it made (also after a crash)")
+    actions.add_parser("status", help="sinfo of the running cluster")
+    runner = actions.add_parser("run", help="run a SLURM command on the login node, e.g. `run -- sbatch job.sh`")
+    runner.add_argument("argv", nargs=argparse.REMAINDER, help="the command and its arguments")
+    parser.set_defaults(handler=_slurm)
+
+
+def _slurm(args) -> int:
+    from mgpu_lab.cluster import slurm_local
+
+    try:
+        if args.action == "up":
+            slurm_local.up(args.nodes)
+        elif args.action == "down":
+            slurm_local.down()
+        elif args.action == "status":
+            print(slurm_local.status(), end="")
+        else:
+            argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+            if not argv:
+                print("mgpu-lab slurm run: name a command, e.g. mgpu-lab slurm run -- squeue", file=sys.stderr)
+                return 2
+            proc = slurm_local.run(argv, cwd=Path.cwd(), check=False, timeout=None)
+            sys.stdout.write(proc.stdout)
+            sys.stderr.write(proc.stderr)
+            return proc.returncode
+    except RuntimeError as err:
+        print(f"mgpu-lab slurm {args.action}: {str(err).removeprefix('slurm: ')}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``mgpu-lab`` argument parser, one subparser per subcommand.
 
@@ -159,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_assign(subparsers)
     _add_refresh(subparsers)
     _add_grade(subparsers)
+    _add_slurm(subparsers)
     return parser
 
 
