@@ -5,7 +5,8 @@
 ``LaunchTimeout`` and the wording of a rank's failure), ``rank`` (what runs
 inside each rank), ``procs`` (the forkserver and process-tree clean-up),
 ``lifetime`` (nothing of a launch outlives it: the lifeline, each rank's
-process group and guard, Ctrl-C held back during start-up), ``relay`` (rank
+process group and guard, Ctrl-C held back during start-up), ``server``
+(preloaded by the forkserver only: its quick exit), ``relay`` (rank
 output, prefixed and live) and ``progressbars`` (per-rank progress bars).
 
 Kept empty on purpose: ranks import ``mgpu_lab.launcher.rank`` without starting

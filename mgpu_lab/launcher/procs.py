@@ -15,8 +15,9 @@ from multiprocessing import context, forkserver, popen_forkserver, spawn
 
 import psutil
 
-# torchvision too: the data lessons use it in every rank (a missing one is skipped).
-_PRELOAD = ["mgpu_lab.launcher.rank", "torchvision"]
+# server first (the forkserver's own quick exit); torchvision too: the data lessons
+# use it in every rank (a missing one is skipped).
+_PRELOAD = ["mgpu_lab.launcher.server", "mgpu_lab.launcher.rank", "torchvision"]
 _lock = threading.Lock()
 
 
