@@ -98,9 +98,10 @@ def serve(directory: str | os.PathLike, delay: float = 0.0):
 def fetch_archive(url: str, root: str | os.PathLike, md5: str, progress: bool = False) -> str:
     """Download a ``.tar.gz`` into ``root`` unless it is there already, and extract it.
 
-    The download goes to a temporary name, torchvision checks its MD5, and only
-    then is it renamed: another process never sees half a file under the final
-    name. Not safe to run on several ranks of one node at once; wrap the caller
+    The download goes to a private temporary file in ``root`` (``tempfile.mkstemp``:
+    a random name, created exclusively, so nothing planted there is followed),
+    torchvision checks its MD5, and only then is it renamed: another process never
+    sees half a file under the final name. Not safe to run on several ranks of one node at once; wrap the caller
     with :func:`download_once`.
 
     Args:
@@ -122,23 +123,30 @@ def fetch_archive(url: str, root: str | os.PathLike, md5: str, progress: bool = 
     from unittest import mock
 
     from torchvision.datasets import utils as tv_utils
-    from torchvision.datasets.utils import check_integrity, download_url, extract_archive
+    from torchvision.datasets.utils import check_integrity, extract_archive
 
     root = Path(root)
     filename = Path(urllib.parse.urlparse(url).path).name  # without any ?query
     final = root / filename
     out = root / filename.removesuffix(".tar.gz")
     if not check_integrity(final, md5):
-        tmp = root / f"{filename}.part-{os.getpid()}"
+        root.mkdir(parents=True, exist_ok=True)
+        # A new file with a random name, created exclusively (mkstemp): no other user can
+        # predict it or plant a symlink there for the download to write through.
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{filename}.", suffix=".part", dir=root)
+        os.close(fd)
+        tmp = Path(tmp_name)
         try:
             with mock.patch.object(tv_utils, "tqdm", tv_utils.tqdm if progress else _NoBar):
-                download_url(url, os.fspath(root), tmp.name, md5)
+                tv_utils.download_url(url, os.fspath(root), tmp.name, md5)
+            os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 would hide the data from the node's other users
+            os.replace(tmp, final)  # atomic: the final name only ever holds a complete, verified file
         except RuntimeError:  # torchvision's "File not found or corrupted."
             got = md5sum(tmp) if tmp.is_file() else "no file"
-            tmp.unlink(missing_ok=True)
             raise RuntimeError(f"downloaded {url} but its MD5 is {got}, expected md5={md5!r}; pass the "
                                "archive's real checksum (data.md5sum on the server side)") from None
-        os.replace(tmp, final)  # atomic: the final name only ever holds a complete, verified file
+        finally:
+            tmp.unlink(missing_ok=True)
     if not (out / "tensors.pt").is_file():
         # Extract beside the target and rename: a reader never sees half a directory.
         staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=root))
@@ -154,6 +162,15 @@ def fetch_archive(url: str, root: str | os.PathLike, md5: str, progress: bool = 
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return os.fspath(out)
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (Linux); the usual 022 elsewhere."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        return 0o022
 
 
 def download_once(fn):

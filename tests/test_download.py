@@ -32,6 +32,45 @@ def test_fetch_archive_downloads_once_verifies_and_leaves_no_temporary_files(tmp
     assert os.listdir(tmp_path / "bad") == []  # the corrupt download was removed
 
 
+def test_fetch_archive_writes_through_a_private_temporary_file_never_a_planted_symlink(tmp_path, monkeypatch):
+    import stat
+
+    from torchvision.datasets import utils as tv_utils
+
+    md5 = data.write_archive(data.synthetic_classification(40), tmp_path / "served" / "blobs.tar.gz")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    roots = [tmp_path / "root", tmp_path / "other"]
+    planted = [f"blobs.tar.gz.part-{os.getpid()}", "blobs.tar.gz.part", "blobs.tar.gz.tmp", ".blobs.tar.gz.part"]
+    for root in roots:
+        root.mkdir()
+        for name in planted:  # names another local user could predict and plant
+            (root / name).symlink_to(victim)
+    given, real = [], tv_utils.download_url
+
+    def spy(url, root, filename=None, md5=None, **kwargs):
+        st = os.lstat(os.path.join(root, filename))  # what torchvision is about to write into
+        given.append((os.path.dirname(os.path.join(root, filename)), filename, stat.S_ISREG(st.st_mode),
+                      stat.S_IMODE(st.st_mode), st.st_size))
+        return real(url, root, filename, md5, **kwargs)
+
+    monkeypatch.setattr(tv_utils, "download_url", spy)
+    umask = os.umask(0o022)
+    os.umask(umask)
+    with download.serve(tmp_path / "served") as server:
+        paths = [download.fetch_archive(server.url + "blobs.tar.gz", root, md5) for root in roots]
+    assert victim.read_bytes() == b"precious", "the download was written through a planted symlink"
+    assert [len(data.load_archive_dir(p)) for p in paths] == [40, 40]
+    for (where, name, regular, mode, size), root in zip(given, roots):
+        # made beforehand by mkstemp in the same directory: a new, empty, private regular file
+        assert where == str(root) and name not in planted and regular and mode == 0o600 and size == 0
+    assert given[0][1] != given[1][1]  # a random name, not one derived from the file or the pid
+    for root in roots:
+        assert all((root / name).is_symlink() for name in planted)  # others' files are left alone
+        assert sorted(os.listdir(root)) == sorted(["blobs", "blobs.tar.gz", *planted])
+        assert stat.S_IMODE(os.stat(root / "blobs.tar.gz").st_mode) == 0o666 & ~umask
+
+
 def test_serve_shuts_down_and_counts_queries_apart(tmp_path):
     (tmp_path / "f.txt").write_text("hello")
     with download.serve(tmp_path, delay=0.01) as server:

@@ -4,8 +4,10 @@
 (one launch: ranks, pipes, failures, hangs), ``errors`` (``LaunchError``,
 ``LaunchTimeout`` and the wording of a rank's failure), ``rank`` (what runs
 inside each rank), ``procs`` (the forkserver and process-tree clean-up),
-``relay`` (rank output, prefixed and live) and ``progressbars`` (per-rank
-progress bars).
+``lifetime`` (nothing of a launch outlives it: the lifeline, each rank's
+process group and guard, Ctrl-C held back during start-up), ``server``
+(preloaded by the forkserver only: its quick exit), ``relay`` (rank
+output, prefixed and live) and ``progressbars`` (per-rank progress bars).
 
 Kept empty on purpose: ranks import ``mgpu_lab.launcher.rank`` without starting
 the forkserver that importing ``mgpu_lab.launcher.launch`` starts.

@@ -3,7 +3,10 @@
 The loop runs in the caller's main thread (so Ctrl-C / a kernel interrupt
 reaches it), relays output as it arrives, and decides when the job is done,
 has failed, or hangs. Whatever happens, :meth:`Job.__exit__` kills what is
-still running and closes every pipe.
+still running and closes every pipe; the lifeline (see :mod:`.lifetime`) takes
+the ranks down with the launching process if that dies first. The job's
+resources are made only in :meth:`Job.start_rank`, which the launcher calls
+with Ctrl-C held back, so that an interrupt never finds half a rank.
 """
 from __future__ import annotations
 
@@ -18,9 +21,10 @@ from multiprocessing.connection import Connection
 import cloudpickle
 
 from . import procs
-from .errors import LaunchError, LaunchTimeout, exit_text, is_consequence, load_exception
+from .errors import LaunchError, failure_error, is_consequence, timeout_error
+from .lifetime import Lifeline, interrupts_deferred
 from .progressbars import ProgressBoard
-from .relay import LineRelay, format_stack_dump, format_traceback, prefix, stderr, stdout
+from .relay import LineRelay, format_stack_dump, stderr, stdout
 
 GRACE_AFTER_FAILURE = 1.0  # seconds to collect the other ranks' own errors
 STACK_WAIT = 1.5  # seconds to wait for stack dumps of hung ranks
@@ -33,13 +37,13 @@ class _Rank:
         self.proc = None
         self.fds = {}  # stream name -> read fd
         self.chan = None
+        self.killed = False  # stopped by the launcher, not a failure of its own
         out, err = (stdout, stderr) if capture is None else (lambda: capture, lambda: capture)
         self.relays = {"out": LineRelay(rank, world_size, out), "err": LineRelay(rank, world_size, err)}
         self.message = None  # ("ok", blob) or ("error", info)
         self.chan_open = True
         self.exitcode = None
         self.stack = b""
-        self.killed = False  # stopped by the launcher, not a failure of its own
         self.died_at = None
 
     @property
@@ -50,33 +54,47 @@ class _Rank:
 class Job:
     """Starts the ranks of one launch and waits for them; a context manager."""
 
-    def __init__(self, world_size: int, timeout: float, echo: bool = True):
-        self.world_size, self.timeout = world_size, timeout
+    def __init__(self, world_size: int, timeout: float, echo: bool = True, init: bool = True):
+        self.world_size, self.timeout, self.init = world_size, timeout, init
         # echo=False keeps the ranks' output out of the caller's streams (checks):
         # it is kept here and attached to a LaunchError as `output`.
         self.captured = None if echo else io.StringIO()
         self.ranks: list[_Rank] = []
-        self.sel = selectors.DefaultSelector()
+        self.sel = None  # made with the first rank, like every resource of the job
+        self.lifeline = None
+        self.store = None  # the rendezvous store, released when the job ends
         self.board = None  # per-rank progress bars, made on the first update
 
+    def keep_store(self, store) -> int:
+        """Hold the rendezvous store until the job ends; return its port."""
+        self.store = store
+        return store.port
+
     def start_rank(self, r: int, target, payload: bytes, spec: dict) -> None:
+        """Start rank ``r``: ``target(payload, spec, out, err, stack, chan, lifeline)`` in a new process."""
+        if self.sel is None:
+            self.sel, self.lifeline = selectors.DefaultSelector(), Lifeline()
         info = _Rank(r, self.world_size, self.captured)
-        self.ranks.append(info)
         ends = {}
-        for name in ("out", "err", "stack"):
-            read, write = os.pipe()
-            os.set_blocking(read, False)
-            info.fds[name] = read
-            ends[name] = Connection(write, readable=False)
-        info.chan, chan_w = Pipe(duplex=False)
         try:
+            for name in ("out", "err", "stack"):
+                read, write = os.pipe()
+                os.set_blocking(read, False)
+                info.fds[name] = read
+                ends[name] = Connection(write, readable=False)
+            info.chan, ends["chan"] = Pipe(duplex=False)
             info.proc = procs.start(
-                target, (payload, spec, ends["out"], ends["err"], ends["stack"], chan_w),
+                target, (payload, spec, ends["out"], ends["err"], ends["stack"], ends["chan"],
+                         self.lifeline.reader),
                 name=f"mgpu-lab rank {r}/{self.world_size}",
             )
+        except BaseException:
+            self._close_rank(info)
+            raise
         finally:
-            for end in (*ends.values(), chan_w):
+            for end in ends.values():
                 end.close()  # the rank holds its own copies now
+        self.ranks.append(info)
         for name in ("out", "err"):
             self.sel.register(info.fds[name], selectors.EVENT_READ, (info, name))
         self.sel.register(info.chan.fileno(), selectors.EVENT_READ, (info, "chan"))
@@ -127,8 +145,9 @@ class Job:
             self.sel.unregister(info.chan.fileno())
 
     def _failures(self) -> list[_Rank]:
+        # exit code 0 without a word (os._exit(0)) is a rank that finished, as under torchrun
         bad = [i for i in self.ranks if (i.message and i.message[0] == "error")
-               or (i.done and i.message is None and not i.killed)]
+               or (i.done and i.message is None and not i.killed and i.exitcode != 0)]
 
         def when(i):
             return i.message[1]["time"] if i.message else (i.died_at or float("inf"))
@@ -159,6 +178,8 @@ class Job:
         return [self._result(i) for i in self.ranks]
 
     def _result(self, info: _Rank):
+        if info.message is None:  # ended with exit code 0 without returning
+            return None
         try:
             return cloudpickle.loads(info.message[1])
         except Exception as exc:  # noqa: BLE001
@@ -177,36 +198,11 @@ class Job:
                 relay.close()
 
     # -- failure paths ----------------------------------------------------
-    def _summary(self, info: _Rank) -> str:
-        if info.message:
-            err = info.message[1]
-            return f"raised {err['type']}: {err['message']}"
-        return f"died without raising ({exit_text(info.exitcode)})"
+    def _output(self) -> str:
+        return self.captured.getvalue() if self.captured else ""
 
     def _raise_failure(self, failures: list[_Rank]) -> None:
-        first = failures[0]
-        n = self.world_size
-        lines = [f"rank {first.rank}/{n} {self._summary(first)}"]
-        others = [f"rank {i.rank}/{n} {self._summary(i)}" for i in failures[1:]]
-        if others:
-            lines.append("after it: " + "; ".join(others))
-        stopped = [i.rank for i in self.ranks if i.killed and i.message is None]
-        if stopped:
-            lines.append(f"stopped by the launcher: ranks {', '.join(map(str, stopped))}")
-        tb, exc, exc_type, phase = "", None, None, None
-        if first.message:
-            err = first.message[1]
-            phase = err.get("phase")
-            tb, exc_type = format_traceback(err), err["type"]
-            exc = load_exception(err)
-            lines += ["", f"Traceback of rank {first.rank}/{n}:", tb.rstrip()]
-        else:
-            lines.append("(a segfault, os._exit, or a kill from outside, e.g. the out-of-memory killer, "
-                         "ends a process without a Python exception; its stderr is above)")
-        raise LaunchError("\n".join(lines), rank=first.rank, world_size=n, exitcode=first.exitcode,
-                          output=self.captured.getvalue() if self.captured else "",
-                          exc_type=exc_type, exception=exc, traceback=tb, phase=phase,
-                          failures={i.rank: self._summary(i) for i in failures})
+        raise failure_error(self.ranks, failures, self.world_size, self.init, self._output())
 
     def _raise_timeout(self) -> None:
         hung = [i for i in self.ranks if i.exitcode is None]
@@ -227,23 +223,8 @@ class Job:
                 break
         self._kill_all()
         self._drain()
-        n = self.world_size
         stacks = {i.rank: format_stack_dump(i.stack.decode(errors="replace")) for i in hung}
-        finished = [str(i.rank) for i in self.ranks if i not in hung]
-        lines = [
-            f"launch timed out after {self.timeout:g} s: rank(s) {', '.join(str(i.rank) for i in hung)} "
-            f"of {n} still running" + (f" (rank(s) {', '.join(finished)} had finished)" if finished else ""),
-            "A hang usually means mismatched collectives: one rank waits in all_reduce/barrier/... "
-            "that another rank never calls (e.g. different numbers of batches per rank, or a "
-            "collective inside `if rank == 0`). Raise timeout= if the work is simply slow.",
-            "Python stack of every rank still running (most recent call first):",
-        ]
-        for r, text in stacks.items():
-            body = "\n".join(prefix(r, n) + line for line in (text or "(no stack received)").splitlines())
-            lines.append(body)
-        raise LaunchTimeout("\n".join(lines), rank=hung[0].rank if hung else None, world_size=n,
-                            output=self.captured.getvalue() if self.captured else "",
-                            stacks=stacks)
+        raise timeout_error(self.ranks, hung, stacks, self.timeout, self.world_size, self._output())
 
     def _kill_all(self) -> None:
         for info in self.ranks:
@@ -260,20 +241,45 @@ class Job:
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        if exc_type is KeyboardInterrupt:
+        with interrupts_deferred():  # a second Ctrl-C must not cut the clean-up short
+            if exc_type is KeyboardInterrupt:
+                self._kill_all()
+                if self.sel is not None:
+                    self._drain()
+                print(self._interrupted(), flush=True)
             self._kill_all()
-            self._drain()
-            print(f"launch interrupted: stopped all {self.world_size} ranks", flush=True)
-        self._kill_all()
-        self.sel.close()
-        for info in self.ranks:
-            if info.proc is not None:
-                info.proc.join(5)
-                try:
-                    info.proc.close()
-                except ValueError:
-                    pass
-            for fd in info.fds.values():
-                os.close(fd)
-            info.chan.close()
+            if self.sel is not None:
+                self.sel.close()
+            for info in self.ranks:
+                self._close_rank(info)
+            if self.lifeline is not None:
+                self.lifeline.close()  # any guard still waiting kills what is left of its rank
+            self.store = None
         return False
+
+    def _interrupted(self) -> str:
+        """What an interrupt stopped, as it is: only ranks seen to exit count as stopped."""
+        n = len(self.ranks)
+        running = [i for i in self.ranks if i.exitcode is None]
+        if not n:
+            return "launch interrupted before any rank started"
+        if running:
+            pids = ", ".join(f"rank {i.rank} (pid {i.proc.pid})" for i in running)
+            return f"launch interrupted: {n - len(running)} of {n} ranks stopped; still running: {pids}"
+        if n == self.world_size:
+            return f"launch interrupted: stopped all {n} ranks"
+        return f"launch interrupted during start-up: stopped the {n} rank(s) started so far, of {self.world_size}"
+
+    @staticmethod
+    def _close_rank(info: _Rank) -> None:
+        if info.proc is not None:
+            info.proc.join(5)
+            try:
+                info.proc.close()
+            except ValueError:  # still running: its guard ends it when the lifeline is cut
+                pass
+        for fd in info.fds.values():
+            os.close(fd)
+        info.fds = {}
+        if info.chan is not None:
+            info.chan.close()

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing
+import numbers
 import os
+import socket
 
 from . import procs
 
@@ -37,30 +39,79 @@ from mgpu_lab import dist  # noqa: E402
 from . import rank as _rank  # noqa: E402
 from .errors import LaunchError, LaunchTimeout  # noqa: E402 (learners catch them as launch's)
 from .job import Job  # noqa: E402
+from .lifetime import interrupts_deferred  # noqa: E402
 from mgpu_lab.devices import cpu_count  # noqa: E402
 
 __all__ = ["launch", "run", "LaunchError", "LaunchTimeout", "prewarm", "banner"]
 
-DEFAULT_TIMEOUT = float(os.environ.get("MGPU_LAB_TIMEOUT", "300"))
+MAX_TIMEOUT = 365 * 24 * 3600  # seconds: a year; longer ones overflow torch's timers (timedelta, ms)
 INIT_ATTEMPTS = 3  # gloo's loopback set-up fails about once in 150 launches here: retry it
 prewarm = procs.prewarm
 
 
-def _validate(fn, nprocs, timeout) -> None:
+def _timeout_from_env() -> float:
+    raw = os.environ.get("MGPU_LAB_TIMEOUT")
+    if raw is None:
+        return 300.0
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= MAX_TIMEOUT:  # also false for nan
+        raise ValueError(
+            f"MGPU_LAB_TIMEOUT={raw!r} is not a number of seconds above 0 and at most {MAX_TIMEOUT:g} "
+            "(the default timeout of every launch); set it to e.g. 300, or unset it"
+        )
+    return value
+
+
+DEFAULT_TIMEOUT = _timeout_from_env()
+
+
+def _validate(fn, nprocs, timeout, init) -> tuple[int, float]:
+    """Check launch's arguments; return nprocs and timeout as plain numbers."""
     if not callable(fn):
         raise TypeError(f"launch needs a function to run in every rank, got {fn!r} of type {type(fn).__name__}")
-    if isinstance(nprocs, bool) or not isinstance(nprocs, int):
-        raise TypeError(f"nprocs must be an int (the number of ranks), got {nprocs!r}")
+    # numbers.Integral/Real: NumPy's integers and floats count, bool (an int to Python) does not
+    if isinstance(nprocs, bool) or not isinstance(nprocs, numbers.Integral):
+        raise TypeError(f"nprocs must be an int (the number of ranks), got {nprocs!r} of type "
+                        f"{type(nprocs).__name__}; pass e.g. nprocs=2")
     if nprocs < 1:
         raise ValueError(
             f"nprocs={nprocs}: launch needs at least one rank; pass the number of "
             "processes to start, e.g. nprocs=2"
         )
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise TypeError(f"timeout={timeout!r}: pass the number of seconds after which a hung launch "
+                        "is stopped, e.g. timeout=60")
+    if not 0 < float(timeout) <= MAX_TIMEOUT:  # also false for nan
         raise ValueError(
-            f"timeout={timeout!r}: pass the number of seconds after which a hung "
-            "launch is stopped, e.g. timeout=60"
+            f"timeout={timeout!r}: pass a number of seconds above 0 and at most {MAX_TIMEOUT:g} (a year) "
+            "after which a hung launch is stopped, e.g. timeout=60"
         )
+    if not isinstance(init, bool):
+        raise TypeError(
+            f"init={init!r}: pass init=True (launch initialises the process group before fn runs, "
+            "the default) or init=False (fn calls init_process_group itself)"
+        )
+    return int(nprocs), float(timeout)
+
+
+def _check_working_directory() -> None:
+    # Ranks start in the caller's working directory; multiprocessing would fail on it
+    # with a bare FileNotFoundError that names nothing.
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        try:
+            where = os.readlink("/proc/self/cwd").removesuffix(" (deleted)")
+        except OSError:
+            where = os.environ.get("PWD", "(unknown)")
+        raise RuntimeError(
+            f"the working directory {where} no longer exists (it was deleted or renamed after this "
+            "process entered it), and ranks start in the caller's working directory; change to one "
+            "that exists first, e.g. os.chdir(os.path.expanduser('~'))"
+        ) from None
 
 
 def banner(nprocs: int, backend: str, devices: list[str], init: bool = True) -> str:
@@ -110,23 +161,31 @@ def launch(fn, nprocs: int, *args, backend: str | None = None,
 
     Args:
         fn: the function every rank runs; may be defined in a notebook cell.
-        nprocs: number of ranks.
+        nprocs: number of ranks (any integral number, NumPy's included).
         *args: positional arguments for ``fn`` (pickled with cloudpickle).
         backend: ``None`` (NCCL with one GPU per rank when enough GPUs are
             visible, else gloo), ``"nccl"`` or ``"gloo"``.
-        timeout: seconds before a hung launch is stopped with every rank's stack.
-        init: ``False`` leaves ``init_process_group`` to ``fn``.
+        timeout: seconds (above 0, at most :data:`MAX_TIMEOUT`, a year) before a
+            hung launch is stopped with every rank's stack; the default is
+            ``MGPU_LAB_TIMEOUT`` or 300.
+        init: ``True`` initialises the process group before ``fn`` runs;
+            ``False`` leaves ``init_process_group`` to ``fn``.
         **kwargs: keyword arguments for ``fn``.
 
     Returns:
-        The return values in rank order (tensors come back on the CPU).
+        The return values in rank order (tensors come back on the CPU). A rank
+        that ends with exit code 0 instead of returning (``sys.exit()``,
+        ``sys.exit(0)``, ``os._exit(0)``) has finished, as under torchrun; its
+        result is None.
 
     Raises:
         ValueError, TypeError: bad arguments, NCCL without one GPU per rank, or
             arguments that cannot be pickled.
-        LaunchError: a rank raised or died (message: its rank and traceback).
+        RuntimeError: the working directory no longer exists.
+        LaunchError: a rank raised, died, or called ``sys.exit`` with another
+            code (message: its rank and traceback; ``exitcode``: its exit code).
         LaunchTimeout: the ranks did not finish within ``timeout``.
-        KeyboardInterrupt: interrupted; every rank has been stopped.
+        KeyboardInterrupt: interrupted; every rank that had started has been stopped.
 
     Example:
         >>> launch(lambda: dist.get_rank(), 2)
@@ -146,7 +205,8 @@ def run(fn, nprocs: int, args: tuple = (), kwargs: dict | None = None, *, backen
     carries it as ``output``).
     """
     kwargs = kwargs or {}
-    _validate(fn, nprocs, timeout)
+    nprocs, timeout = _validate(fn, nprocs, timeout, init)
+    _check_working_directory()
     backend, devices = dist.choose(nprocs, backend)
     try:
         payload = cloudpickle.dumps((fn, args, kwargs))
@@ -174,21 +234,41 @@ def _is_gloo_connect_race(exc: LaunchError) -> bool:
     return exc.phase == "init" and "connectFullMesh" in str(exc)
 
 
-def _run(payload, nprocs, backend, devices, timeout, init, echo=True) -> list:
+def _open_store(nprocs: int, timeout: float):
+    """The rendezvous store, listening on 127.0.0.1 only.
+
+    ``TCPStore(is_master=True)`` alone listens on every interface, without
+    authentication: from another host anyone could read and set its keys (the
+    ranks' gloo addresses among them). A socket bound here is handed over instead.
+    """
     from torch.distributed import TCPStore
 
-    store = TCPStore("127.0.0.1", 0, nprocs, is_master=True, wait_for_workers=False,
-                     timeout=datetime.timedelta(seconds=timeout + 60))
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+        port = sock.getsockname()[1]
+        fd = sock.detach()  # the store owns the socket from here on
     try:
-        with Job(nprocs, timeout, echo) as job:
+        return TCPStore("127.0.0.1", port, nprocs, is_master=True, wait_for_workers=False,
+                        timeout=datetime.timedelta(seconds=timeout + 60), master_listen_fd=fd)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _run(payload, nprocs, backend, devices, timeout, init, echo=True) -> list:
+    with Job(nprocs, timeout, echo, init) as job:
+        # Ctrl-C while ranks start is held back until all have started, so that the
+        # job knows every rank it must stop (see Job.__exit__).
+        with interrupts_deferred():
+            port = job.keep_store(_open_store(nprocs, timeout))
             for r in range(nprocs):
                 spec = {
                     "rank": r, "world_size": nprocs, "backend": backend, "device": devices[r],
                     "init": init, "pg_timeout": timeout + 30,
-                    "start_method": multiprocessing.get_start_method(),
-                    "env": _rank_env(r, nprocs, store.port, backend, devices[r]),
+                    # None: the caller has not chosen one (and asking must not choose it)
+                    "start_method": multiprocessing.get_start_method(allow_none=True),
+                    "env": _rank_env(r, nprocs, port, backend, devices[r]),
                 }
                 job.start_rank(r, _rank.rank_main, payload, spec)
-            return job.wait()
-    finally:
-        del store
+        return job.wait()

@@ -6,14 +6,18 @@ still launch, and each rank starts in milliseconds with torch already imported.
 """
 from __future__ import annotations
 
+import multiprocessing
 import os
+import signal
 import threading
+from contextlib import contextmanager
 from multiprocessing import context, forkserver, popen_forkserver, spawn
 
 import psutil
 
-# torchvision too: the data lessons use it in every rank (a missing one is skipped).
-_PRELOAD = ["mgpu_lab.launcher.rank", "torchvision"]
+# server first (the forkserver's own quick exit); torchvision too: the data lessons
+# use it in every rank (a missing one is skipped).
+_PRELOAD = ["mgpu_lab.launcher.server", "mgpu_lab.launcher.rank", "torchvision"]
 _lock = threading.Lock()
 
 
@@ -32,9 +36,25 @@ def prewarm() -> None:
         >>> from mgpu_lab.launcher.launch import prewarm
         >>> prewarm()
     """
-    with _lock:
+    with _lock, _start_method_untouched():
         forkserver.set_forkserver_preload(preload_modules())
         forkserver.ensure_running()
+
+
+@contextmanager
+def _start_method_untouched():
+    """Leave multiprocessing's start method unset if the caller has not set it.
+
+    multiprocessing fixes it whenever it is asked for it (``spawn.get_preparation_data``
+    asks while starting the forkserver and every process); a learner's later
+    ``set_start_method("spawn")`` would then raise "context has already been set".
+    """
+    before = multiprocessing.get_start_method(allow_none=True)
+    try:
+        yield
+    finally:
+        if before is None:
+            multiprocessing.set_start_method(None, force=True)  # documented: back to unset
 
 
 class _Popen(popen_forkserver.Popen):
@@ -50,7 +70,7 @@ class _Popen(popen_forkserver.Popen):
             data.pop("init_main_from_path", None)
             return data
 
-        with _lock:
+        with _lock, _start_method_untouched():
             spawn.get_preparation_data = without_main
             try:
                 super()._launch(process_obj)
@@ -97,12 +117,29 @@ def kill_descendants(pid: int, include_self: bool = False, wait: float = 0.0) ->
 
 
 def kill_tree(proc: RankProcess) -> None:
-    """SIGKILL a rank and every process it started (DataLoader workers included)."""
+    """SIGKILL a rank and every process it started (DataLoader workers included).
+
+    The rank leads its own process group (see :mod:`.lifetime`): one signal to the
+    group reaches the rank, its guard and all it started at once; descendants that
+    left the group (``setsid``) are found below the rank, a child subreaper.
+    """
     if proc.pid is None:
         return
-    kill_descendants(proc.pid)
+    try:
+        escaped = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        escaped = []
     if proc.exitcode is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):  # not its group yet, or gone
+            pass
         try:
             proc.kill()
         except (OSError, ValueError):
+            pass
+    for victim in escaped:
+        try:
+            victim.kill()
+        except psutil.Error:
             pass

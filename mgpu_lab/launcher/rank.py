@@ -7,7 +7,6 @@ function and sends back its return value or its traceback.
 """
 from __future__ import annotations
 
-import ctypes
 import datetime
 import faulthandler
 import multiprocessing
@@ -26,18 +25,9 @@ import torch._dynamo  # noqa: F401  (the first optimizer of a process imports it
 import torch.nn.parallel  # noqa: F401  (preloaded: most lessons wrap with DDP)
 
 from . import procs
+from .lifetime import bind_rank
 
-_PR_SET_PDEATHSIG = 1
 report = None  # in a launched rank: report(kind, data) sends a message to the launcher
-
-
-def _die_with_parent() -> None:
-    # The forkserver exits when the launching process dies; take the rank with it.
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
 
 
 def _wire_output(out, err, stacks) -> None:
@@ -91,7 +81,21 @@ def describe_exception(exc: BaseException) -> dict:
     }
 
 
-def rank_main(payload: bytes, spec: dict, out, err, stacks, chan) -> None:
+def exit_status(code) -> int:
+    """The exit status a process gets from ``sys.exit(code)``, as Python computes it.
+
+    Example:
+        >>> exit_status(None), exit_status(3), exit_status(256), exit_status("bye")
+        (0, 3, 0, 1)
+    """
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    return 1
+
+
+def rank_main(payload: bytes, spec: dict, out, err, stacks, chan, lifeline) -> None:
     """Entry point of one rank (runs in the forked child).
 
     Args:
@@ -99,8 +103,9 @@ def rank_main(payload: bytes, spec: dict, out, err, stacks, chan) -> None:
         spec: rank, world size, environment, backend, device, init flag, timeout.
         out, err, stacks: write ends of the launcher's pipes (stdout, stderr, stack dumps).
         chan: message connection back to the launcher.
+        lifeline: read end of the launch's lifeline (see :mod:`.lifetime`).
     """
-    _die_with_parent()
+    bind_rank(lifeline)  # first: from here on nothing this rank starts outlives the launch
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher stops ranks on Ctrl-C
     _wire_output(out, err, stacks)
     global report
@@ -114,8 +119,9 @@ def rank_main(payload: bytes, spec: dict, out, err, stacks, chan) -> None:
     os.environ.update(spec["env"])
     _fresh_random_state()
     # multiprocessing made this process's start method "forkserver"; DataLoader
-    # workers of the rank should start as the caller's (and torchrun's) would.
-    multiprocessing.set_start_method(spec.get("start_method", "fork"), force=True)
+    # workers of the rank should start as the caller's (and torchrun's) would
+    # (None: unset, the platform's default).
+    multiprocessing.set_start_method(spec.get("start_method"), force=True)
     code, phase = 0, "start"
     try:
         phase = "init"
@@ -143,7 +149,18 @@ def rank_main(payload: bytes, spec: dict, out, err, stacks, chan) -> None:
         if tdist.is_available() and tdist.is_initialized():
             tdist.destroy_process_group()
         msg = ("ok", blob)
-    except BaseException as exc:  # noqa: BLE001 - report everything, SystemExit included
+    except SystemExit as exc:
+        code = exit_status(exc.code)
+        if code == 0:  # sys.exit(0) or sys.exit(): the rank finished, as under torchrun
+            if tdist.is_available() and tdist.is_initialized():
+                tdist.destroy_process_group()
+            msg = ("ok", cloudpickle.dumps(None))
+        else:
+            if not isinstance(exc.code, int):
+                print(exc.code, file=sys.stderr)  # as Python prints sys.exit("message")
+            msg = ("error", dict(describe_exception(exc), phase=phase,
+                                 exit={"arg": repr(exc.code), "status": code}))
+    except BaseException as exc:  # noqa: BLE001 - report everything
         # Report before any teardown: the other ranks may be stuck waiting for this one.
         msg = ("error", dict(describe_exception(exc), phase=phase))
         code = 1
@@ -152,7 +169,8 @@ def rank_main(payload: bytes, spec: dict, out, err, stacks, chan) -> None:
     with lock:
         chan.send(msg)
     chan.close()
-    # DataLoader workers and other children of the rank must not outlive it.
+    # DataLoader workers and other children of the rank (its guard, and orphans it
+    # adopted as a subreaper: a shell's `cmd &`) must not outlive it.
     procs.kill_descendants(os.getpid(), wait=2)
     try:  # unregister semaphores etc. (tqdm's locks) that os._exit would leave behind
         multiprocessing.util._run_finalizers(0)

@@ -2,7 +2,8 @@
 
 Each rank's stdout and stderr arrive on pipes; :class:`LineRelay` cuts them
 into lines, keeps only the last state of ``\\r``-updated lines (progress bars),
-and writes each line prefixed ``[rank r/w]`` to the caller's matching stream.
+and writes each line prefixed ``[rank r/w]`` to the caller's matching stream,
+in time linear in the output and bounded memory, however long a line gets.
 """
 from __future__ import annotations
 
@@ -19,34 +20,80 @@ def prefix(rank: int, world_size: int) -> str:
     return f"[rank {rank}/{world_size}] "
 
 
+MAX_LINE = 1 << 20  # characters of one line kept before it is written out in pieces
+
+
 class LineRelay:
-    """Turns one rank stream's bytes into prefixed lines on ``target()``."""
+    """Turns one rank stream's bytes into prefixed lines on ``target()``.
+
+    Linear in the output and bounded in memory: a line is kept as a list of
+    pieces (never re-concatenated as bytes arrive), a line longer than
+    :data:`MAX_LINE` characters is written out in pieces of that size, and of a
+    line redrawn with ``\\r`` (a progress bar) only the last state is kept, as a
+    terminal shows it.
+    """
 
     def __init__(self, rank: int, world_size: int, target):
         self._prefix = prefix(rank, world_size)
         self._target = target  # callable: the stream is looked up at write time
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._pending = ""
+        self._parts: list[str] = []  # the line's text after its last carriage return
+        self._size = 0
+        self._shown = ""  # the last non-empty text before a carriage return: shown if nothing follows
 
     def feed(self, data: bytes) -> None:
         """Add bytes read from the pipe; complete lines are written at once."""
-        text = self._pending + self._decoder.decode(data)
-        *lines, self._pending = text.split("\n")
+        *done, rest = self._decoder.decode(data).split("\n")
+        lines = []
+        for piece in done:
+            self._add(piece, lines)
+            lines.append(self._take())
+        self._add(rest, lines)
         if lines:
             self._write(lines)
 
     def close(self) -> None:
         """Flush a last line that had no newline."""
-        tail = self._pending + self._decoder.decode(b"", final=True)
-        self._pending = ""
-        if tail:
-            self._write([tail])
+        lines: list[str] = []
+        self._add(self._decoder.decode(b"", final=True), lines)
+        if self._size or self._shown:
+            lines.append(self._take())
+        if lines:
+            self._write(lines)
+
+    def _add(self, text: str, lines: list[str]) -> None:
+        if "\r" in text:
+            first, *finished, text = text.split("\r")
+            self._append(first, lines)
+            if self._size:
+                self._shown = "".join(self._parts)
+            for seg in reversed(finished):  # a terminal shows the last non-empty state
+                if seg:
+                    self._shown = seg
+                    break
+            self._parts, self._size = [], 0
+        self._append(text, lines)
+
+    def _append(self, text: str, lines: list[str]) -> None:
+        if not text:
+            return
+        self._parts.append(text)
+        self._size += len(text)
+        if self._size >= MAX_LINE:  # bounded: write the full pieces out as lines now
+            whole = "".join(self._parts)
+            cut = len(whole) - len(whole) % MAX_LINE
+            lines.extend(whole[i:i + MAX_LINE] for i in range(0, cut, MAX_LINE))
+            rest = whole[cut:]
+            self._parts, self._size, self._shown = ([rest] if rest else []), len(rest), ""
+
+    def _take(self) -> str:
+        line = "".join(self._parts) if self._size else self._shown
+        self._parts, self._size, self._shown = [], 0, ""
+        return line
 
     def _write(self, lines: list[str]) -> None:
         stream = self._target()
-        # A carriage return redraws the line in a terminal: keep what a terminal shows.
-        out = "".join(f"{self._prefix}{line.rsplit(chr(13), 1)[-1]}\n" for line in lines)
-        stream.write(out)
+        stream.write("".join(f"{self._prefix}{line}\n" for line in lines))
         stream.flush()
 
 
