@@ -13,21 +13,8 @@ import torch
 
 from ._core import exercise
 from .probes06 import evaluate, run_pipelined, run_two_stage
-
-SAME_DEVICE = "on two GPUs this raises 'Expected all tensors to be on the same device'"
-
-
-# -- TwoStageNet --------------------------------------------------------------------
-def _inputs(run, stage):
-    return [(tag, dev) for name, event, *rest in run.get("stage_log", []) if name == stage and event == "input"
-            for tag, dev in [rest[:2]]]
-
-
-def _started(t, run) -> None:
-    if "raised" in run:
-        t.fail("fix the error first", "", "your code raised " + run["raised"])
-    if not run.get("module"):
-        t.fail("the first case did not finish")
+from .verdicts06 import (SAME_DEVICE, judge_activations, judge_input, judge_output, judge_stages,
+                         placement_problem, started)
 
 
 @exercise("06.TwoStageNet", points=8, description="TwoStageNet(stage1, stage2, dev1, dev2): each stage on its "
@@ -59,87 +46,39 @@ def _two_stage(t, TwoStageNet):
     run = runs[0]
     with t.case("forward gives the same output as the unsplit model nn.Sequential(stage1, stage2)",
                 hint="forward is stage2(stage1(x)) with a move in between; return the output of stage2"):
-        _started(t, run)
+        started(t, run)
         if run["output_type"] != "Tensor":
             t.fail("forward must return the output tensor", "a Tensor", run["output_type"])
         t.equal(run["same_output"], True)
     with t.case("backward gives both stages the same gradients as the unsplit model",
                 hint="do not detach the activations or wrap forward in torch.no_grad(): .to(dev2) keeps the "
                      "graph, so the gradient flows back to stage1"):
-        _started(t, run)
+        started(t, run)
         if not run.get("same_output"):
             t.fail("needs the same output first")
         t.equal(run["same_grads"], True)
     with t.case("puts stage1 on dev1 and stage2 on dev2 (given cuda:2 and cuda:3: GPUs the check simulates, "
                 "recording every move)", hint="in __init__: self.stage1 = stage1.to(dev1); self.stage2 = "
                                              "stage2.to(dev2)"):
-        _judge_stages(t, run)
+        judge_stages(t, run)
     with t.case("moves the input x (on the CPU, as a DataLoader gives it) to dev1 before stage1",
                 hint=f"forward starts with self.stage1(x.to(self.dev1)): stage1's weights are on dev1, and "
                      f"{SAME_DEVICE}"):
-        _judge_input(t, run)
+        judge_input(t, run)
     with t.case("moves the activations to dev2 before stage2, and gives stage2 the moved copy",
                 hint=f"h = self.stage1(...); return self.stage2(h.to(self.dev2)): {SAME_DEVICE}"):
-        _judge_activations(t, run)
+        judge_activations(t, run)
     with t.case("returns the output of stage2 where it is, on dev2",
                 hint="return stage2's output as it is: moving it (.to(dev1), .cpu()) costs a copy, and the loss "
                      "belongs on dev2, with the labels moved there"):
-        _judge_output(t, run)
+        judge_output(t, run)
     with t.case("conv stages, devices passed as strings ('cuda:1', 'cuda:0'): all of the above", hidden=True):
         again = runs[1]
-        for judge in (_judge_stages, _judge_input, _judge_activations, _judge_output):
+        for judge in (judge_stages, judge_input, judge_activations, judge_output):
             judge(t, again)
         if not again.get("same_grads"):
             t.fail("conv stages: different outputs or gradients")
 
-
-def _judge_stages(t, run) -> None:
-    _started(t, run)
-    for name, dev in (("stage1", run["dev1"]), ("stage2", run["dev2"])):
-        placed = run["placed"].get(name)
-        if placed != dev:
-            moves = [rest[0] for who, event, *rest in run["stage_log"] if who == name and event == "to"]
-            t.fail(f"{name} is on {placed or 'no device'}, not on {dev}: "
-                   + ("it was never moved" if not moves else f"it was moved to {moves[-1]}"),
-                   f"{name}.to({dev})", f"moves of {name}: {moves or 'none'}")
-
-
-def _judge_input(t, run) -> None:
-    _started(t, run)
-    seen = _inputs(run, "stage1")
-    if not seen:
-        t.fail("stage1 never ran")
-    wrong = [dev for _, dev in seen if dev != run["dev1"]]
-    if wrong:
-        how = "never moved" if not [m for m in run["moves"] if m[0] == "inputs"] else \
-            "moved to " + ", ".join(sorted({m[2] for m in run["moves"] if m[0] == "inputs"}))
-        t.fail(f"x reached stage1 on {wrong[0]} ({how}), but stage1 is on dev1 = {run['dev1']}: move it with "
-               f"x.to(self.dev1), not to a fixed device; {SAME_DEVICE}", f"x on {run['dev1']}", f"x on {wrong[0]}")
-
-
-def _judge_activations(t, run) -> None:
-    _started(t, run)
-    seen = _inputs(run, "stage2")
-    if not seen:
-        t.fail("stage2 never ran")
-    wrong = [(tag, dev) for tag, dev in seen if dev != run["dev2"]]
-    if wrong:
-        moved = [m[2] for m in run["moves"] if m[0] == "activations"]
-        if run["dev2"] in moved:
-            t.fail(".to() returns a moved copy and leaves the tensor where it was: pass the copy to stage2",
-                   "stage2 gets the moved activations", f"stage2 got the activations on {wrong[0][1]}")
-        t.fail(f"the activations reached stage2 on {wrong[0][1]}, but stage2 is on dev2 = {run['dev2']}: "
-               f"{SAME_DEVICE}; move them with h.to(self.dev2)", f"activations.to({run['dev2']})",
-               f"moves of the activations: {moved or 'none'}")
-
-
-def _judge_output(t, run) -> None:
-    _started(t, run)
-    if run.get("output_type") != "Tensor":
-        t.fail("forward must return the output tensor")
-    away = [m[2] for m in run["moves"] if m[0] == "output"]
-    if away or run["out_device"] != run["dev2"]:
-        t.fail("", f"the output left on {run['dev2']}", f"output moved to {away[-1] if away else run['out_device']}")
 
 
 # -- pipelined_step -----------------------------------------------------------------
@@ -187,25 +126,6 @@ def _judge_loss(t, run) -> None:
                                                "len(x_i) / len(x): the mean loss over the batch")
 
 
-def _placement(run) -> str:
-    """What went to the wrong device in one run, in words ("" if nothing)."""
-    d1, d2 = run["devices"]
-    moved = [f"{name}.to({rest[0]})" for name, event, *rest in run["stage_log"] if event == "to"]
-    if moved:
-        return (f"your code moved a stage ({moved[0]}): the stages are already on their devices ({d1}, {d2}); "
-                "read the devices from their parameters, next(stage1.parameters()).device, and move the tensors")
-    for name, event, *rest in run["stage_log"]:
-        if event == "input" and rest[1] != rest[2]:
-            what = "a micro-batch" if name == "stage1" else "the activations"
-            fix = "xs.to(d1) with d1 = next(stage1.parameters()).device" if name == "stage1" else \
-                "h.to(d2) with d2 = next(stage2.parameters()).device"
-            return f"{what} reached {name} on {rest[1]}, but {name} is on {rest[2]}: {SAME_DEVICE}; move with {fix}"
-    for out_dev, labels_dev, _ in run["loss_log"]:
-        if out_dev != labels_dev:
-            return (f"the labels reached the loss on {labels_dev}, the output is on {out_dev}: move each "
-                    f"micro-batch's labels to the output's device, ys.to(out.device)")
-    return ""
-
 
 @exercise("06.pipelined_step", points=8, description="pipelined_step(stage1, stage2, x, y, loss_fn, n_micro): "
           "forward and backward over n_micro micro-batches placed on the stages' devices; the gradients of the "
@@ -247,7 +167,7 @@ def _pipelined(t, pipelined_step):
                 hint=PLACES):
         if runs[0] is None:
             t.fail("the first case did not finish")
-        problems = [p for run in runs if "stage_log" in run for p in [_placement(run)] if p]
+        problems = [p for run in runs if "stage_log" in run for p in [placement_problem(run)] if p]
         if problems:
             t.fail(problems[0], "every tensor on the device of the stage that uses it", problems[0].split(": ")[0])
     with t.case("n_micro=1 is the plain step", hint=STEP_HINT):
