@@ -29,7 +29,8 @@ TWO_STAGE = ExerciseMutants("06.TwoStageNet", NOTEBOOK, ("TwoStageNet",), mutant
     Mutant("activations never moved to dev2", replace("self.stage2(h.to(self.dev2))", "self.stage2(h)"),
            ("activations reached stage2", "h.to(self.dev2)")),
     Mutant("the moved activations thrown away",
-           replace("        return self.stage2(h.to(self.dev2))", "        h.to(self.dev2)\n        return self.stage2(h)"),
+           replace("        return self.stage2(h.to(self.dev2))",
+                   "        h.to(self.dev2)\n        return self.stage2(h)"),
            ".to() returns a moved copy"),
     Mutant("activations detached", replace("h.to(self.dev2)", "h.detach().to(self.dev2)"), "do not detach"),
     Mutant("stages on each other's device",
@@ -139,7 +140,8 @@ def pipelined_step(stage1, stage2, x, y, loss_fn, n_micro):
 
 BUBBLE = ExerciseMutants("06.bubble_fraction", NOTEBOOK, ("bubble_fraction",), mutants=[
     Mutant("stages and micro-batches swapped in the numerator",
-           replace("return (n_stages - 1) / (n_micro + n_stages - 1)", "return (n_micro - 1) / (n_micro + n_stages - 1)"),
+           replace("return (n_stages - 1) / (n_micro + n_stages - 1)",
+                   "return (n_micro - 1) / (n_micro + n_stages - 1)"),
            "(n_stages - 1) / (n_micro + n_stages - 1)"),
     Mutant("off by one in the denominator", replace("(n_micro + n_stages - 1)", "(n_micro + n_stages)"),
            ("bubble_fraction(2, 1) is 0.5", "p - 1 slots to fill the pipe")),

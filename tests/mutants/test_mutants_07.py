@@ -133,9 +133,9 @@ def node_env(interface, debug=False):
     env = dict.fromkeys(("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"), str(interface))
     return {**env, "NCCL_DEBUG": "INFO"} if debug else env
 '''),
-    Variant("NCCL_DEBUG=WARN when not debugging, IB explicitly on", '''
+    Variant("NCCL's exact-name syntax (=eth0), NCCL_DEBUG=WARN when not debugging, IB explicitly on", '''
 def node_env(interface: str, debug: bool = False) -> dict:
-    return {"GLOO_SOCKET_IFNAME": interface, "NCCL_SOCKET_IFNAME": interface, "NCCL_IB_DISABLE": "0",
+    return {"GLOO_SOCKET_IFNAME": interface, "NCCL_SOCKET_IFNAME": "=" + interface, "NCCL_IB_DISABLE": "0",
             "NCCL_DEBUG": "INFO" if debug else "WARN"}
 '''),
 ])

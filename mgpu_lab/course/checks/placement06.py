@@ -188,7 +188,8 @@ class PlacedLoss(nn.Module):
         self.loss_fn = loss_fn
 
     def forward(self, output, target):
-        PlacedLoss.log.append((str(where(output)), str(where(target)), target.tag if isinstance(target, Placed) else "a tensor your code made"))
+        tag = target.tag if isinstance(target, Placed) else "a tensor your code made"
+        PlacedLoss.log.append((str(where(output)), str(where(target)), tag))
         return place(self.loss_fn(plain(output), plain(target)), "loss", where(output))
 
 
