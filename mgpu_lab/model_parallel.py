@@ -27,7 +27,7 @@ import numbers
 import torch
 from torch import nn
 
-from .timeline import Timeline
+from .timeline import Timeline, gpipe_schedule
 
 __all__ = ["TwoStageNet", "pipelined_step", "bubble_fraction", "mlp", "split", "stage_devices",
            "replica_devices", "Timeline", "ideal_timeline", "timed_step"]
@@ -211,13 +211,7 @@ def ideal_timeline(n_stages: int, n_micro: int, t_forward: float = 1.0, t_backwa
         0.2
     """
     p, m = _positive_int("n_stages", n_stages), _positive_int("n_micro", n_micro)
-    tl = Timeline()
-    for s in range(p):
-        for i in range(m):
-            tl.add(f"stage {s + 1}", f"F{i}", (s + i) * t_forward, (s + i + 1) * t_forward)
-            start = (m + p - 1) * t_forward + (p - 1 - s + i) * t_backward
-            tl.add(f"stage {s + 1}", f"B{i}", start, start + t_backward)
-    return tl
+    return gpipe_schedule([t_forward] * p, [t_backward] * p, m)
 
 
 def timed_step(stages, devices, x, y, loss_fn, n_micro: int, timeline: Timeline | None = None) -> float:

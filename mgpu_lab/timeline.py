@@ -5,6 +5,10 @@ process of a machine, so spans recorded in different ranks line up; spans on a
 CUDA device are timed with CUDA events, so recording never makes the host wait
 for the GPU.
 
+:func:`gpipe_schedule` draws GPipe's schedule from stage times, a transfer time
+and an overhead; :func:`fit_gpipe` reads those numbers off a measured step, so
+the model says how much of the measured bubble each one causes.
+
 Example:
     >>> tl = Timeline()
     >>> with tl.span("cpu", "F0"):
@@ -16,10 +20,11 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Timeline"]
+__all__ = ["Timeline", "gpipe_schedule", "GPipeFit", "fit_gpipe"]
 
 
 class Timeline:
@@ -139,3 +144,130 @@ class Timeline:
         ax.set_xlabel("time (ms)" if unit == 1e3 else "time")
         ax.set_title(title or f"idle {self.idle_fraction():.0%}", fontsize=9)
         return ax
+
+
+# -- GPipe's schedule, and a model of it fitted to a measurement ------------------------
+def gpipe_schedule(forward, backward, n_micro: int, transfer: float = 0.0, overhead: float = 0.0,
+                   lanes=None) -> Timeline:
+    """GPipe's schedule with the given durations: every forward, then every backward, in micro-batch order.
+
+    A stage starts a micro-batch once it has finished its previous span (plus
+    ``overhead``, the host's work between two spans) and once the stage it
+    depends on has finished that micro-batch (plus ``transfer``, the time the
+    activations, or in backward the gradients, take to arrive).
+
+    Args:
+        forward, backward: seconds of one micro-batch's forward and backward on each stage.
+        n_micro: micro-batches per step.
+        transfer: seconds from the end of a span to the start of the span of the
+            next stage (forward) or previous stage (backward) that needs its result.
+        overhead: seconds between two consecutive spans of one stage.
+        lanes: the stages' lane names (default ``"stage 1"``, ``"stage 2"``, ...).
+
+    Returns:
+        A :class:`Timeline`, spans labelled ``F{i}``/``B{i}``, starting at 0. With
+        equal stages and ``transfer = overhead = 0`` its idle fraction is
+        ``(p - 1) / (m + p - 1)``, GPipe's formula.
+
+    Example:
+        >>> round(gpipe_schedule([1, 1], [2, 2], 4).idle_fraction(), 6)
+        0.2
+    """
+    forward, backward = [float(v) for v in forward], [float(v) for v in backward]
+    p, m = len(forward), int(n_micro)
+    if p < 1 or len(backward) != p or m < 1:
+        raise ValueError(f"forward and backward need one duration per stage (got {len(forward)} and "
+                         f"{len(backward)}) and n_micro={n_micro!r} must be >= 1")
+    lanes = list(lanes) if lanes is not None else [f"stage {s + 1}" for s in range(p)]
+    tl, free = Timeline(), [None] * p  # free[s]: when stage s ended its last span
+    ends = {}
+    for phase, order, durations in (("F", range(p), forward), ("B", range(p - 1, -1, -1), backward)):
+        for i in range(m):
+            for s in order:
+                ready = 0.0 if free[s] is None else free[s] + overhead
+                before = s - 1 if phase == "F" else s + 1
+                if (phase, before, i) in ends:
+                    ready = max(ready, ends[phase, before, i] + transfer)
+                ends[phase, s, i] = free[s] = ready + durations[s]
+                tl.add(lanes[s], f"{phase}{i}", ready, free[s])
+    return tl
+
+
+@dataclass(frozen=True)
+class GPipeFit:
+    """A GPipe step described by a few numbers, measured from a timeline (see :func:`fit_gpipe`).
+
+    Attributes:
+        forward, backward: mean seconds of one micro-batch's forward and backward, per stage.
+        transfer: mean seconds from the end of a span to the start of the span that waited for its result.
+        overhead: mean seconds between two spans of one stage that waited for no message.
+        n_micro: micro-batches per step.
+        lanes: the stages' lane names.
+    """
+
+    forward: tuple
+    backward: tuple
+    transfer: float
+    overhead: float
+    n_micro: int
+    lanes: tuple
+
+    def timeline(self, transfer: float | None = None, overhead: float | None = None) -> Timeline:
+        """The modelled step; ``transfer=0, overhead=0`` leaves only the stages' own times."""
+        return gpipe_schedule(self.forward, self.backward, self.n_micro,
+                              self.transfer if transfer is None else transfer,
+                              self.overhead if overhead is None else overhead, self.lanes)
+
+    def bubble(self, transfer: float | None = None, overhead: float | None = None) -> float:
+        """The modelled idle fraction (the bubble)."""
+        return self.timeline(transfer, overhead).idle_fraction()
+
+
+def fit_gpipe(timeline: Timeline, rounds: int = 5) -> GPipeFit:
+    """Fit :class:`GPipeFit` to a measured GPipe step (lanes in stage order, spans ``F{i}``/``B{i}``).
+
+    The stage times are the means of the measured spans, so the model's busy
+    time is the measured one. The gap before each span is either the wait for a
+    message (when the sender's span plus ``transfer`` ends after this stage's
+    previous span plus ``overhead``) or the stage's own host work; ``transfer``
+    and ``overhead`` are the means of their gaps, found by re-sorting the gaps
+    with the estimates of the previous round (the first round compares the span ends).
+
+    Raises:
+        ValueError: spans that are not GPipe's ``F{i}``/``B{i}`` on every stage.
+
+    Example:
+        >>> fit = fit_gpipe(gpipe_schedule([1.0, 2.0], [2.0, 3.0], 4, transfer=0.5, overhead=0.1))
+        >>> fit.forward, round(fit.transfer, 6), round(fit.overhead, 6)
+        ((1.0, 2.0), 0.5, 0.1)
+    """
+    lanes = timeline.lanes
+    spans = {}
+    for lane, label, start, end in timeline.spans:
+        if label[:1] not in ("F", "B") or not label[1:].isdigit():
+            raise ValueError(f"span {label!r} of {lane!r} is not GPipe's F<i> or B<i>")
+        spans[lanes.index(lane), label[0], int(label[1:])] = (start, end)
+    m = 1 + max(i for _, _, i in spans)
+    if len(spans) != 2 * len(lanes) * m:
+        raise ValueError(f"{len(spans)} spans for {len(lanes)} stages: expected F0..F{m - 1} and B0..B{m - 1} "
+                         f"on every stage")
+    mean = [tuple(sum(spans[s, ph, i][1] - spans[s, ph, i][0] for i in range(m)) / m for s in range(len(lanes)))
+            for ph in ("F", "B")]
+    gaps = []  # (start, end of this stage's previous span or None, end of the sender's span or None)
+    for (s, ph, i), (start, _) in spans.items():
+        prev = spans.get((s, ph, i - 1)) or (spans[s, "F", m - 1] if ph == "B" and i == 0 else None)
+        sender = spans.get((s - 1 if ph == "F" else s + 1, ph, i))
+        if prev or sender:
+            gaps.append((start, prev and prev[1], sender and sender[1]))
+    transfer = overhead = 0.0
+    for _ in range(rounds):
+        waits = [start - sent for start, own, sent in gaps
+                 if sent is not None and (own is None or sent + transfer > own + overhead)]
+        works = [start - own for start, own, sent in gaps
+                 if own is not None and not (sent is not None and sent + transfer > own + overhead)]
+        transfer, overhead = _mean(waits), _mean(works)
+    return GPipeFit(mean[0], mean[1], transfer, overhead, m, tuple(lanes))
+
+
+def _mean(values) -> float:
+    return sum(values) / len(values) if values else 0.0

@@ -11,7 +11,7 @@ from mgpu_lab import LaunchError, launch
 from mgpu_lab.model_parallel import (TwoStageNet, bubble_fraction, ideal_timeline, mlp,
                                      pipelined_step, replica_devices, split, stage_devices, timed_step)
 from mgpu_lab.pipeline_ranks import ddp_replica_rank, run_gpipe, torch_gpipe_rank
-from mgpu_lab.timeline import Timeline
+from mgpu_lab.timeline import Timeline, fit_gpipe, gpipe_schedule
 
 pytestmark = pytest.mark.timeout(300)
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -142,6 +142,73 @@ def test_timed_step_on_one_process_matches_the_full_batch_and_never_overlaps():
     assert all(a[3] <= b[2] for a, b in zip(ordered, ordered[1:]))
     with pytest.raises(ValueError, match="2 stages but 1 devices"):
         timed_step(stages, ["cpu"], x, y, nn.CrossEntropyLoss(), 2)
+
+
+# -- the bubble model: GPipe's schedule with measured stage and transfer times ---------------------
+@pytest.mark.parametrize("p, m", [(1, 1), (2, 1), (2, 4), (3, 7), (4, 8), (8, 32)])
+def test_equal_stages_and_free_transfers_give_gpipes_formula(p, m):
+    tl = gpipe_schedule([1.5] * p, [3.0] * p, m)
+    assert tl.idle_fraction() == pytest.approx(bubble_fraction(p, m), abs=1e-12)
+    assert tl.makespan == pytest.approx((m + p - 1) * 4.5)
+
+
+def test_unequal_stages_and_transfers_make_the_bubble_grow_beyond_the_formula():
+    equal = gpipe_schedule([1, 1], [2, 2], 4).idle_fraction()
+    unequal = gpipe_schedule([1, 1.5], [2, 3], 4).idle_fraction()
+    slow = [gpipe_schedule([1, 1], [2, 2], 4, transfer=t).idle_fraction() for t in (0.0, 0.2, 0.5, 1.0)]
+    assert equal == pytest.approx(0.2) and unequal > equal and slow == sorted(slow) and slow[-1] > 0.29
+    with pytest.raises(ValueError, match="one duration per stage"):
+        gpipe_schedule([1, 1], [2], 4)
+
+
+@pytest.mark.parametrize("forward, backward, m, transfer, overhead", [
+    ([1.0, 2.0], [2.0, 3.0], 4, 0.5, 0.1), ([1.0, 1.0, 1.0], [2.0, 2.0, 2.0], 8, 0.3, 0.05),
+    ([2.0, 1.0], [3.0, 1.0], 3, 0.2, 0.4), ([1.0, 1.0], [2.0, 2.0], 6, 0.9, 0.0)])
+def test_the_fit_recovers_stage_times_transfer_and_overhead_of_a_known_schedule(forward, backward, m, transfer,
+                                                                                overhead):
+    tl = gpipe_schedule(forward, backward, m, transfer, overhead)
+    fit = fit_gpipe(tl)
+    assert fit.forward == pytest.approx(forward) and fit.backward == pytest.approx(backward) and fit.n_micro == m
+    assert (fit.transfer, fit.overhead) == (pytest.approx(transfer), pytest.approx(overhead, abs=1e-12))
+    assert fit.bubble() == pytest.approx(tl.idle_fraction())
+    if len(set(forward)) == 1 and len(set(backward)) == 1:  # the limit: free transfers, equal stages
+        assert fit.bubble(transfer=0, overhead=0) == pytest.approx(bubble_fraction(len(forward), m))
+
+
+def _jittered(forward, backward, m, transfer, overhead, jitter, seed):
+    """A "measured" GPipe step: every span, transfer and overhead drawn within +-jitter of its mean."""
+    import random
+
+    rnd = random.Random(seed)
+    p, tl, free, ends = len(forward), Timeline(), [None] * len(forward), {}
+    for phase, order, durations in (("F", range(p), forward), ("B", range(p - 1, -1, -1), backward)):
+        for i in range(m):
+            for s in order:
+                ready = 0.0 if free[s] is None else free[s] + overhead * rnd.uniform(1 - jitter, 1 + jitter)
+                sender = (phase, s - 1 if phase == "F" else s + 1, i)
+                if sender in ends:
+                    ready = max(ready, ends[sender] + transfer * rnd.uniform(1 - jitter, 1 + jitter))
+                ends[phase, s, i] = free[s] = ready + durations[s] * rnd.uniform(1 - jitter, 1 + jitter)
+                tl.add(f"stage {s + 1}", f"{phase}{i}", ready, free[s])
+    return tl
+
+
+@pytest.mark.parametrize("forward, backward", [([1.0, 1.3], [2.0, 2.4]), ([1.0, 0.8, 1.2], [2.0, 1.7, 2.5])])
+def test_the_fitted_model_predicts_the_bubble_of_noisy_steps_within_ten_percent(forward, backward):
+    for m in (1, 2, 4, 8, 16):
+        for transfer, overhead in ((0.0, 0.0), (0.3, 0.05), (1.0, 0.2)):
+            for seed in range(3):
+                measured = _jittered(forward, backward, m, transfer, overhead, 0.1, seed)
+                predicted = fit_gpipe(measured).bubble()
+                assert abs(predicted - measured.idle_fraction()) <= 0.1 * measured.idle_fraction(), (m, seed)
+
+
+def test_the_fit_reads_only_gpipe_steps():
+    tl = Timeline([("stage 1", "F0", 0, 1), ("stage 1", "X0", 1, 2)])
+    with pytest.raises(ValueError, match="'X0' of 'stage 1' is not GPipe's"):
+        fit_gpipe(tl)
+    with pytest.raises(ValueError, match="expected F0..F1 and B0..B1 on every stage"):
+        fit_gpipe(Timeline([("a", "F0", 0, 1), ("a", "F1", 1, 2), ("a", "B0", 2, 3)]))
 
 
 @pytest.mark.gpu

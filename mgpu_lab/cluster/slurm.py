@@ -113,8 +113,10 @@ def sbatch(script, *script_args, nodes: int, gpus_per_node: int, nproc_per_node:
         cpus_per_task: CPU cores for each node's torchrun (``OMP_NUM_THREADS`` is
             that divided by ``nproc_per_node``).
         port: the rendezvous port on the first node.
-        interface: the network interface between nodes (``ib0``, ``eth0``, ...):
-            exported as NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME.
+        interface: the IP interface between nodes (``ib0``, ``eth0``, ...), exported as
+            NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME: the interface of their sockets
+            (NCCL's bootstrap, and its data only where there is no InfiniBand: over
+            InfiniBand NCCL's data goes over IB verbs).
         debug: export NCCL_DEBUG=INFO (and NCCL_DEBUG_SUBSYS=INIT,NET).
         setup: shell lines to run first, e.g. ``["module load cuda", "source .venv/bin/activate"]``.
 
@@ -181,10 +183,11 @@ def sbatch(script, *script_args, nodes: int, gpus_per_node: int, nproc_per_node:
               (f"export NPROC_PER_NODE={nproc_per_node}", "processes per node, one per GPU")]
     if interface:
         exports.update(NCCL_SOCKET_IFNAME=interface, GLOO_SOCKET_IFNAME=interface)
-        lines += [(f"export NCCL_SOCKET_IFNAME={interface}", "NCCL's connections between nodes go through this "
-                                                             "interface, not docker0 or lo"),
-                  (f"export GLOO_SOCKET_IFNAME={interface}", "gloo's too (else gloo binds to whatever the host "
-                                                             "name resolves to, often 127.0.0.1)")]
+        lines += [(f"export NCCL_SOCKET_IFNAME={interface}", "NCCL's sockets use this interface, not docker0 or "
+                   "lo: its bootstrap between the nodes, and its data where there is no InfiniBand (over InfiniBand "
+                   "NCCL moves the data with IB verbs, not through these sockets)"),
+                  (f"export GLOO_SOCKET_IFNAME={interface}", "gloo's sockets too (else gloo binds to whatever the "
+                                                             "host name resolves to, often 127.0.0.1)")]
     if debug:
         exports.update(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,NET")
         lines += [("export NCCL_DEBUG=INFO", "NCCL logs its set-up: version, interfaces, transports"),

@@ -1,91 +1,84 @@
 """Checks of lesson 06 (model parallelism): TwoStageNet, pipelined_step, bubble_fraction.
 
-Placement is judged on a CPU-only machine by giving the learner two names of
-the CPU, ``cpu:0`` as ``dev1`` and ``cpu:1`` as ``dev2``: the stages record the
-device of every ``.to``, and the activations and output are tensors that record
-where they were moved (and whether the moved copy is the one used), so "forgot
-to move the activations" fails here as it would fail on two GPUs. What runs
-in that process is :mod:`.probes06`; this module judges, in the kernel.
+Placement is judged on a machine without GPUs by giving the learner's code names
+of GPUs: the stages and tensors of :mod:`.placement06` keep their data on the CPU
+and record where they would be, so "forgot to move the activations" fails here as
+it fails on two GPUs ("Expected all tensors to be on the same device"). What runs
+in the fresh process is :mod:`.probes06` (one launch per check); this module
+judges, in the kernel.
 """
 from __future__ import annotations
 
+import torch
+
 from ._core import exercise
 from .probes06 import evaluate, run_pipelined, run_two_stage
-
-
-# -- TwoStageNet --------------------------------------------------------------------
-# A move to "cpu" is what .to(next(stage.parameters()).device) records here (parameters
-# report plain "cpu" on cpu:0 and cpu:1 alike), right on GPUs: accept it for either device.
-_ON = {"cpu:0": {"cpu:0", "cpu"}, "cpu:1": {"cpu:1", "cpu"}}
-
-
-def _placed(log, name):
-    return [dev for who, what, dev in log if who == name and what == "to"]
+from .verdicts06 import (SAME_DEVICE, judge_activations, judge_input, judge_output, judge_stages,
+                         placement_problem, started)
 
 
 @exercise("06.TwoStageNet", points=8, description="TwoStageNet(stage1, stage2, dev1, dev2): each stage on its "
-          "device, activations moved to dev2 in forward, output on dev2; same outputs and gradients as unsplit")
+          "device, the input moved to dev1 and the activations to dev2 in forward, output on dev2; same outputs "
+          "and gradients as unsplit")
 def _two_stage(t, TwoStageNet):
-    got = None
+    """Judges the net with dev1=cuda:2, dev2=cuda:3 (virtual GPUs; the batch on the CPU).
+
+    Catches: not an nn.Module or stages kept in a plain list (parameters unseen);
+    outputs or gradients that differ (detached activations, no_grad); a stage
+    never moved, or moved to the other's device; the input never moved to dev1,
+    or moved to "cpu", "cuda" or the wrong GPU; the activations never moved to
+    dev2, or moved and the copy thrown away; the output moved off dev2 (.cpu(),
+    .to(dev1)); hard-coded device names (the hidden case uses cuda:1 and cuda:0,
+    as strings).
+    """
+    runs = [{}, {}]
     with t.case("is an nn.Module whose parameters are both stages' parameters",
                 hint="subclass nn.Module, call super().__init__() first, and keep the stages as attributes "
                      "(self.stage1 = ...), so that model.parameters() and the optimizer see both"):
-        got = t.call(run_two_stage, TwoStageNet)
-        if not got["module"]:
-            t.fail("", "an nn.Module", f"a {got['type']}")
-        t.equal(got["n_params"], got["n_expected"])
+        runs = t.call(run_two_stage, TwoStageNet, [(False, torch.device("cuda", 2), torch.device("cuda", 3)),
+                                                    (True, "cuda:1", "cuda:0")])
+        run = runs[0]
+        if "module" in run and not run["module"]:
+            t.fail("", "an nn.Module", f"a {run['type']}")
+        if "n_params" not in run:
+            t.fail("", "the net built", "your code raised " + run["raised"])
+        t.equal(run["n_params"], run["n_expected"])
+    run = runs[0]
     with t.case("forward gives the same output as the unsplit model nn.Sequential(stage1, stage2)",
                 hint="forward is stage2(stage1(x)) with a move in between; return the output of stage2"):
-        if got is None or not got["module"]:
-            t.fail("the first case did not finish")
-        if got["output_type"] != "Tensor":
-            t.fail("forward must return the output tensor", "a Tensor", got["output_type"])
-        t.equal(got["same_output"], True)
+        started(t, run)
+        if run["output_type"] != "Tensor":
+            t.fail("forward must return the output tensor", "a Tensor", run["output_type"])
+        t.equal(run["same_output"], True)
     with t.case("backward gives both stages the same gradients as the unsplit model",
                 hint="do not detach the activations or wrap forward in torch.no_grad(): .to(dev2) keeps the "
                      "graph, so the gradient flows back to stage1"):
-        if got is None or not got.get("same_output"):
+        started(t, run)
+        if not run.get("same_output"):
             t.fail("needs the same output first")
-        t.equal(got["same_grads"], True)
-    for name, dev, hint in (
-            ("stage1", "cpu:0", "move stage1 to dev1 in __init__: self.stage1 = stage1.to(dev1)"),
-            ("stage2", "cpu:1", "move stage2 to dev2 in __init__: self.stage2 = stage2.to(dev2)")):
-        with t.case(f"puts {name} on {'dev1' if name == 'stage1' else 'dev2'} (given {dev}: a name of the CPU "
-                    "the check can tell apart)", hint=hint):
-            if got is None or "stage_log" not in got:
-                t.fail("the first cases did not finish")
-            placed = _placed(got["stage_log"], name)
-            if not placed or placed[-1] != dev:
-                t.fail("", f"{name}.to({dev})", f"moves of {name}: {placed or 'none'}")
+        t.equal(run["same_grads"], True)
+    with t.case("puts stage1 on dev1 and stage2 on dev2 (given cuda:2 and cuda:3: GPUs the check simulates, "
+                "recording every move)", hint="in __init__: self.stage1 = stage1.to(dev1); self.stage2 = "
+                                             "stage2.to(dev2)"):
+        judge_stages(t, run)
+    with t.case("moves the input x (on the CPU, as a DataLoader gives it) to dev1 before stage1",
+                hint=f"forward starts with self.stage1(x.to(self.dev1)): stage1's weights are on dev1, and "
+                     f"{SAME_DEVICE}"):
+        judge_input(t, run)
     with t.case("moves the activations to dev2 before stage2, and gives stage2 the moved copy",
-                hint="h = self.stage1(x); return self.stage2(h.to(self.dev2)): on two GPUs, stage2 on cuda:1 "
-                     "given a tensor on cuda:0 fails with 'Expected all tensors to be on the same device'"):
-        if got is None or "moves" not in got:
-            t.fail("the first cases did not finish")
-        moved = [dev for tag, dev in got["moves"] if tag == "activations"]
-        unmoved = ("stage2", "input", "activations") in got["stage_log"]
-        wrong_inputs = [dev for tag, dev in got["moves"] if tag == "inputs" and dev not in _ON["cpu:0"]]
-        if wrong_inputs:
-            t.fail("the input x belongs on dev1, where stage1 is", "x.to(cpu:0) or no move", f"x.to({wrong_inputs[0]})")
-        if not set(moved) & _ON["cpu:1"]:
-            t.fail("", "activations.to(cpu:1)", f"moves of the activations: {moved or 'none'}")
-        if unmoved:
-            t.fail(".to() returns a moved copy and leaves the tensor where it was: pass the copy to stage2",
-                   "stage2 gets the moved activations", "stage2 got the activations as stage1 made them")
+                hint=f"h = self.stage1(...); return self.stage2(h.to(self.dev2)): {SAME_DEVICE}"):
+        judge_activations(t, run)
     with t.case("returns the output of stage2 where it is, on dev2",
                 hint="return stage2's output as it is: moving it (.to(dev1), .cpu()) costs a copy, and the loss "
                      "belongs on dev2, with the labels moved there"):
-        if got is None or "moves" not in got:
-            t.fail("the first cases did not finish")
-        away = [dev for tag, dev in got["moves"] if tag == "output" and dev not in _ON["cpu:1"]]
-        if away:
-            t.fail("", "the output left on cpu:1", f"output moved to {away[0]}")
-    with t.case("conv stages, devices passed as strings ('cpu:0', 'cpu:1')", hidden=True):
-        again = t.call(run_two_stage, TwoStageNet, True, True)
-        if not (again.get("same_grads") and _placed(again["stage_log"], "stage2")[-1:] == ["cpu:1"]
-                and _placed(again["stage_log"], "stage1")[-1:] == ["cpu:0"]
-                and set(dev for tag, dev in again["moves"] if tag == "activations") & _ON["cpu:1"]):
-            t.fail("conv stages with string devices differ")
+        judge_output(t, run)
+    with t.case("conv stages, devices passed as strings ('cuda:1', 'cuda:0'): all of the above", hidden=True):
+        again = runs[1]
+        for judge in (judge_stages, judge_input, judge_activations, judge_output):
+            judge(t, again)
+        if not again.get("same_grads"):
+            t.fail("conv stages: different outputs or gradients")
+
 
 
 # -- pipelined_step -----------------------------------------------------------------
@@ -98,53 +91,97 @@ _BUGS = {
                  "caller does), never inside the micro-batch loop, so backward adds up all micro-batches",
     "dropped": "the last len(x) % n_micro samples were left out: torch.chunk(x, n_micro) keeps every sample (the "
                "last chunk is smaller), and each chunk's loss weighs len(x_i) / len(x)",
+    "zeroed": "the gradients .grad held before the step are gone: the caller zeroes the gradients (and may "
+              "accumulate several steps first); pipelined_step must only add to them, never call zero_grad",
+    "detached": "stage1 got no gradient: the activations were cut from the graph (.detach(), .data or "
+                "torch.no_grad()); h.to(dev2) keeps the graph, so backward reaches stage1",
+    "no_grads": "no gradients: call backward on the (weighted) loss",
 }
 STEP_HINT = ("split with torch.chunk(x, n_micro) and torch.chunk(y, n_micro); loss_i = loss_fn(out_i, y_i) * "
              "len(x_i) / len(x); backward the sum (or each); return the sum of the weighted losses as a float")
+PLACES = ("each micro-batch moved to stage1's device, the activations to stage2's, the labels to the output's; "
+          "the stages stay where they are")
 
 
-def _judge_grads(t, got):
-    if got is None:
+def _ran(t, run) -> None:
+    if run is None:
         t.fail("the first case did not finish")
-    if not got["same"]:
-        t.fail(_BUGS.get(got["bug"], ""), "the gradients of one full-batch step",
-               "different gradients" + (f" ({got['bug']})" if got["bug"] else ""))
+    if "raised" in run:
+        t.fail(STEP_HINT, "", "your code raised " + run["raised"])
 
 
-@exercise("06.pipelined_step", points=7, description="pipelined_step(stage1, stage2, x, y, loss_fn, n_micro): "
-          "forward and backward over n_micro micro-batches; gradients of the full batch; returns the mean loss")
+def _judge_grads(t, run) -> None:
+    _ran(t, run)
+    if not run["same"]:
+        t.fail(_BUGS.get(run["bug"], STEP_HINT), "the gradients of one full-batch step" + (
+            " added to what .grad held" if run["batch"] == 8 and run["n_micro"] == 4 else ""),
+            "different gradients" + (f" ({run['bug']})" if run["bug"] else ""))
+
+
+def _judge_loss(t, run) -> None:
+    _ran(t, run)
+    if not isinstance(run["loss"], float):
+        t.fail("return the mean loss, a number", "a float", run["loss"])
+    t.close(run["loss"], run["ref_loss"], hint="return the sum of the micro-batch losses, each weighted by "
+                                               "len(x_i) / len(x): the mean loss over the batch")
+
+
+
+@exercise("06.pipelined_step", points=8, description="pipelined_step(stage1, stage2, x, y, loss_fn, n_micro): "
+          "forward and backward over n_micro micro-batches placed on the stages' devices; the gradients of the "
+          "full batch added to .grad; returns the mean loss")
 def _pipelined(t, pipelined_step):
-    got = None
+    """Judges five batches in one process, stages on cuda:2 and cuda:3 (virtual), batches on the CPU.
+
+    Catches: a tensor returned, or the sum of the losses; unweighted micro-batch
+    losses (n_micro times the gradient); 1/n_micro weights with uneven chunks;
+    the remainder dropped; zero_grad in the loop (only the last micro-batch
+    left) or at the start (what the caller had in .grad is gone); detached
+    activations; no micro-batching or an extra pass over the whole batch,
+    torch.split(x, n_micro) for torch.chunk; a micro-batch, the activations or
+    the labels not moved (or moved to "cpu" or a fixed GPU); a stage moved.
+    """
+    specs = [(8, 4, False, True), (8, 1, False, False), (10, 4, False, False), (6, 4, False, False),
+             (7, 3, True, False)]
+    runs = [None] * len(specs)
     with t.case("batch 8, n_micro=4: returns the batch's mean loss as a Python float",
                 hint="return the sum of the micro-batch losses weighted by len(x_i)/len(x), as float(...) or .item()"):
-        got = t.call(run_pipelined, pipelined_step, 8, 4)
-        if got["type"] != "float":
-            t.fail("return a Python float (loss.item()), not a tensor", "float", got["type"])
-        t.close(got["loss"], got["ref_loss"])
-    with t.case("batch 8, n_micro=4: the gradients equal those of one step on the whole batch", hint=STEP_HINT):
-        _judge_grads(t, got)
-    with t.case("batch 8, n_micro=4: both stages see 4 micro-batches of 2",
-                hint="run the stages on each micro-batch in turn, and no extra pass over the whole batch: "
-                     "the mean loss is the sum of the weighted micro-batch losses"):
-        if got is None:
+        runs = t.call(run_pipelined, pipelined_step, specs)
+        _ran(t, runs[0])
+        if runs[0]["type"] != "float":
+            t.fail("return a Python float (loss.item()), not a tensor", "float", runs[0]["type"])
+        _judge_loss(t, runs[0])
+    main, plain_step, uneven, *hidden = runs
+    with t.case("batch 8, n_micro=4: adds the gradients of one whole-batch step to what .grad held (the caller "
+                "zeroes them, not pipelined_step)", hint=STEP_HINT):
+        _judge_grads(t, main)
+    with t.case("batch 8, n_micro=4: both stages see 4 micro-batches of 2, and no pass over the whole batch",
+                hint="torch.chunk(x, n_micro) cuts n_micro pieces (torch.split(x, n) cuts pieces of n rows); run "
+                     "the stages on each micro-batch in turn, and no extra pass over the whole batch: the mean loss "
+                     "is the sum of the weighted micro-batch losses"):
+        _ran(t, main)
+        sizes = {name: [rest[3] for who, event, *rest in main["stage_log"] if who == name and event == "input"]
+                 for name in ("stage1", "stage2")}
+        t.equal(sizes, {"stage1": [2, 2, 2, 2], "stage2": [2, 2, 2, 2]})
+    with t.case(f"stages on cuda:2 and cuda:3 (GPUs the check simulates), batch on the CPU: {PLACES}",
+                hint=PLACES):
+        if runs[0] is None:
             t.fail("the first case did not finish")
-        t.equal(got["sizes"], {"stage1": [2, 2, 2, 2], "stage2": [2, 2, 2, 2]})
+        problems = [p for run in runs if "stage_log" in run for p in [placement_problem(run)] if p]
+        if problems:
+            t.fail(problems[0], "every tensor on the device of the stage that uses it", problems[0].split(": ")[0])
     with t.case("n_micro=1 is the plain step", hint=STEP_HINT):
-        one = t.call(run_pipelined, pipelined_step, 8, 1)
-        _judge_grads(t, one)
-        t.close(one["loss"], one["ref_loss"])
-    with t.case("batch 10, n_micro=4 (torch.chunk: 3, 3, 3, 1): the gradients of the whole batch",
+        _judge_grads(t, plain_step)
+        _judge_loss(t, plain_step)
+    with t.case("batch 10, n_micro=4 (torch.chunk: 3, 3, 3, 1): the gradients and loss of the whole batch",
                 hint="weight each micro-batch by its size, len(x_i) / len(x), not 1/n_micro; do not drop the rest"):
-        uneven = t.call(run_pipelined, pipelined_step, 10, 4)
         _judge_grads(t, uneven)
-        t.close(uneven["loss"], uneven["ref_loss"])
-    for batch, n_micro, regression in ((6, 4, False), (7, 3, True)):
-        with t.case(f"batch {batch}, n_micro={n_micro}" + (", MSELoss" if regression else ""), hidden=True):
-            other = t.call(run_pipelined, pipelined_step, batch, n_micro, regression)
-            _judge_grads(t, other)
-            t.close(other["loss"], other["ref_loss"])
-            if sum(other["sizes"]["stage1"]) != batch or len(other["sizes"]["stage1"]) < 2:
-                t.fail("not micro-batched")
+        _judge_loss(t, uneven)
+    for run, name in zip(hidden, ("batch 6, n_micro=4 (torch.chunk gives 3 pieces of 2)", "batch 7, n_micro=3, "
+                                                                                          "MSELoss")):
+        with t.case(name, hidden=True):
+            _judge_grads(t, run)
+            _judge_loss(t, run)
 
 
 # -- bubble_fraction ----------------------------------------------------------------
@@ -158,28 +195,43 @@ FORMULA = "(n_stages - 1) / (n_micro + n_stages - 1)"
 @exercise("06.bubble_fraction", points=7, description="bubble_fraction(n_stages, n_micro): GPipe's idle "
           "fraction (p-1)/(m+p-1); ValueError for anything but whole numbers >= 1")
 def _bubble(t, bubble_fraction):
+    """Judges 50 calls made in one process.
+
+    Catches: the arguments swapped, an off-by-one in the numerator or the
+    denominator, // for /, a percentage or a rounded value; one stage or one
+    micro-batch rejected; no ValueError for 0 or negatives; bools, floats,
+    strings or None accepted, or TypeError raised for them (one case, the only
+    one about types, also asks for a float result).
+    """
     calls = [a for a, _ in _VALUES] + [a for a, _ in _GRID] + _BAD_SIGN + _BAD_TYPE
     results = _Results()
-    names = ["bubble_fraction(2, 1) is 0.5: with one micro-batch each of 2 stages idles half the time",
-             "bubble_fraction(2, 4) is 0.2", "bubble_fraction(4, 8) is 3/11",
-             "bubble_fraction(1, 8) is 0.0: one stage never waits"]
-    for name, (args, expected) in zip(names, _VALUES):
-        with t.case(name, hint=f"compute {FORMULA} and return it as a float"):
+    cases = [("bubble_fraction(2, 1) is 0.5: with one micro-batch each of 2 stages idles half the time", _VALUES[:1]),
+             ("bubble_fraction(2, 4) is 0.2: more micro-batches, a smaller bubble", _VALUES[1:2]),
+             ("bubble_fraction(4, 8) is 3/11", _VALUES[2:3]),
+             ("bubble_fraction(1, 8) is 0: one stage never waits", _VALUES[3:])]
+    for name, values in cases:
+        with t.case(name, hint=f"compute {FORMULA} with / (// rounds down to 0): p - 1 slots to fill the pipe, "
+                               "m slots of work"):
             if not results:
                 results.extend(zip(calls, t.call(evaluate, bubble_fraction, calls)))
-            _judge_value(t, results[args], expected)
+            for args, expected in values:
+                _judge_value(t, args, results[args], expected)
     with t.case("raises ValueError for zero or negative n_stages or n_micro",
                 hint="check both arguments are >= 1 first: raise ValueError(f'n_micro={n_micro} must be >= 1')"):
         _judge_raises(t, results, _BAD_SIGN)
-    with t.case("raises ValueError for bools and non-integers (True, 2.0, 4.5, '2', None)",
+    with t.case("returns a float, and raises ValueError for bools and non-integers (True, 2.0, 4.5, '2', None)",
                 hint="isinstance(True, int) is True: reject bools explicitly, and anything that is not an int, "
-                     "with ValueError"):
+                     "with ValueError; / returns a float"):
         _judge_raises(t, results, _BAD_TYPE)
-    with t.case("36 more (n_stages, n_micro) pairs, each a float", hidden=True):
+        ints = [(args, results[args]) for args, _ in _VALUES if results[args][0] == "ok" and not results[args][2]]
+        if ints:
+            t.fail("return a float: (p - 1) / (m + p - 1) with /", "a float", f"bubble_fraction{ints[0][0]} "
+                   f"returned {ints[0][1][1]!r}")
+    with t.case("36 more (n_stages, n_micro) pairs", hidden=True):
         if not results:
             t.fail("the first case did not finish")
         for args, expected in _GRID:
-            _judge_value(t, results[args], expected)
+            _judge_value(t, args, results[args], expected)
 
 
 class _Results(list):
@@ -189,11 +241,14 @@ class _Results(list):
         return next(r for a, r in self if a == args and list(map(type, a)) == list(map(type, args)))
 
 
-def _judge_value(t, got, expected) -> None:
+def _judge_value(t, args, got, expected) -> None:
     if got[0] != "ok":
-        t.fail("", repr(expected), _show(got))
-    if not got[2]:
-        t.fail("return a float: in Python 3, / divides as floats", repr(expected), _show(got))
+        one = " one stage (n_stages=1) and one micro-batch (n_micro=1) are allowed;" if 1 in args else ""
+        t.fail(f"bubble_fraction{args} must not raise:{one} compute {FORMULA}", repr(expected), _show(got))
+    if not isinstance(got[1], (int, float)):
+        t.fail("return the fraction, a number", repr(expected), _show(got))
+    if expected and abs(got[1] - 100 * expected) < 1e-9:
+        t.fail("a fraction in [0, 1), not a percentage: drop the * 100", repr(expected), _show(got))
     t.close(got[1], expected, atol=1e-12, rtol=1e-12)
 
 

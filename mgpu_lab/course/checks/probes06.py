@@ -1,48 +1,46 @@
-"""What lesson 06's checks run in a fresh process: the learner's net and step on recording stages.
+"""What lesson 06's checks run in a fresh process: the learner's net and step on virtual GPUs.
 
-:func:`run_two_stage` builds the learner's ``TwoStageNet`` from stages that
-record every ``.to`` and tensors that record where they were moved;
-:func:`run_pipelined` runs the learner's ``pipelined_step`` and names the
-gradient the learner's answer matches; :func:`evaluate` calls a function on
-many arguments. Each returns plain evidence that :mod:`.lesson06` judges in the
-kernel. They are module-level functions of an importable module, so the process
-receives them by name and imports this module, which holds no judging.
+:func:`run_two_stage` builds the learner's ``TwoStageNet`` from stages that are
+placed only by its own ``.to`` calls and runs it on a batch on the CPU;
+:func:`run_pipelined` runs the learner's ``pipelined_step`` on several batches
+with the stages on ``cuda:2`` and ``cuda:3`` and names the gradient the answer
+matches; :func:`evaluate` calls a function on many arguments. The devices are
+virtual (:mod:`.placement06`): every move and every stage's input device is
+recorded, so a forgotten ``.to`` shows here as it would on two GPUs. Each
+function runs all of its configurations in one process (one launch per check)
+and returns plain evidence that :mod:`.lesson06` judges in the kernel; an error
+of the learner's code in one configuration is evidence too, not the end.
 """
 from __future__ import annotations
 
 import copy
+import traceback
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from ._moves import Moved
-from ._moves import tag as _tag
+from .placement06 import Placed, PlacedLoss, Stage, place, plain, reset, where
+
+CPU = torch.device("cpu")
+_LIBRARIES = (str(Path(__file__).resolve().parents[2]), str(Path(torch.__file__).resolve().parent))
+DEVICES = ("cuda:2", "cuda:3")  # pipelined_step's stages: replica 1 of the lesson's DDP over two-device replicas
+
+
+def _one_thread() -> None:
+    # The models are tiny: with two intra-op threads on a busy 2-core machine each small op waits
+    # for a second thread (measured: 3.0 s against 0.2 s for run_pipelined); one thread is enough.
+    torch.set_num_threads(1)
+
+
+def _raised(exc: Exception) -> str:
+    """``Type: message (where in the learner's code)``."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(_LIBRARIES)]
+    where_ = f" (line {frames[-1].lineno}, in {frames[-1].name}: {frames[-1].line})" if frames else ""
+    return f"{type(exc).__name__}: {exc}"[:300] + where_
 
 
 # -- TwoStageNet --------------------------------------------------------------------
-class Stage(nn.Module):
-    """A stage that records ``.to``/``.cuda`` calls, whether its input was moved, and tags its output."""
-
-    log: list = []
-
-    def __init__(self, inner: nn.Module, name: str, out_tag: str):
-        super().__init__()
-        self.inner, self.name, self.out_tag = inner, name, out_tag
-
-    def to(self, *args, **kwargs):
-        Stage.log.append((self.name, "to", str(torch._C._nn._parse_to(*args, **kwargs)[0])))
-        return super().to(*args, **kwargs)
-
-    def cuda(self, device=None):
-        Stage.log.append((self.name, "to", str(torch.device("cuda", device) if device is not None else "cuda")))
-        return super().cuda(device)
-
-    def forward(self, x):
-        if isinstance(x, Moved):
-            Stage.log.append((self.name, "input", x.tag))
-        return _tag(self.inner(x.as_subclass(torch.Tensor) if isinstance(x, Moved) else x), self.out_tag)
-
-
 def _stages(conv: bool):
     torch.manual_seed(1)
     if conv:
@@ -52,24 +50,37 @@ def _stages(conv: bool):
                                                                    nn.Linear(8, 4))), torch.randn(5, 6)
 
 
-def run_two_stage(TwoStageNet, conv: bool = False, as_strings: bool = False) -> dict:
-    """Build the learner's net from recording stages on dev1=cpu:0, dev2=cpu:1; compare with the unsplit model."""
+def run_two_stage(TwoStageNet, configs) -> list[dict]:
+    """For each ``(conv, dev1, dev2)``: the learner's net on a batch on the CPU, against the unsplit model."""
+    _one_thread()
+    return [_two_stage(TwoStageNet, *config) for config in configs]
+
+
+def _two_stage(TwoStageNet, conv: bool, dev1, dev2) -> dict:
     (inner1, inner2), x = _stages(conv)
     ref = nn.Sequential(copy.deepcopy(inner1), copy.deepcopy(inner2))
     s1, s2 = Stage(inner1, "stage1", "activations"), Stage(inner2, "stage2", "output")
-    dev1, dev2 = torch.device("cpu", 0), torch.device("cpu", 1)
-    Stage.log, Moved.log = [], []
-    net = TwoStageNet(s1, s2, str(dev1) if as_strings else dev1, str(dev2) if as_strings else dev2)
-    out = {"module": isinstance(net, nn.Module)}
-    if not out["module"]:
-        return {**out, "type": type(net).__name__}
-    params = list(net.parameters())
-    out["n_params"], out["n_expected"] = len(params), len(list(ref.parameters()))
-    got = net(_tag(x.clone(), "inputs"))
+    reset()
+    out = {"dev1": str(torch.device(dev1)), "dev2": str(torch.device(dev2))}
+    try:
+        net = TwoStageNet(s1, s2, dev1, dev2)
+        out.update(module=isinstance(net, nn.Module), type=type(net).__name__)
+        if not out["module"]:
+            return out
+        params = list(net.parameters())
+        out["n_params"], out["n_expected"] = len(params), len(list(ref.parameters()))
+        out["placed"] = {m.name: str(m.vdev) for m in net.modules() if isinstance(m, Stage)}
+        got = net(place(x.clone(), "inputs", CPU))
+    except NotImplementedError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - judged as evidence
+        return {**out, "raised": _raised(exc), "stage_log": list(Stage.log), "moves": list(Placed.moves)}
+    out["stage_log"], out["moves"] = list(Stage.log), list(Placed.moves)
     out["output_type"] = "Tensor" if isinstance(got, torch.Tensor) else type(got).__name__
     if not isinstance(got, torch.Tensor):
         return out
-    got = got.as_subclass(torch.Tensor)
+    out["out_device"], out["out_tag"] = str(where(got)), getattr(got, "tag", "")
+    got = plain(got)
     expected = ref(x)
     out["same_output"] = got.shape == expected.shape and torch.allclose(got, expected, atol=1e-6)
     weight = torch.randn(expected.shape, generator=torch.Generator().manual_seed(2))
@@ -82,40 +93,53 @@ def run_two_stage(TwoStageNet, conv: bool = False, as_strings: bool = False) -> 
             own = [p.grad for p in params]
         out["same_grads"] = len(own) == len(ref_grads) and all(
             g is not None and torch.allclose(g, r, atol=1e-6) for g, r in zip(own, ref_grads))
-    out["stage_log"], out["moves"] = list(Stage.log), list(Moved.log)
     return out
 
 
 # -- pipelined_step -----------------------------------------------------------------
+def _params(*modules):
+    return [p for m in modules for p in m.parameters()]
+
+
 def _micro_grads(stage1, stage2, x, y, loss_fn, n_micro):
     """Per micro-batch (torch.chunk): gradient of its own mean loss, and its size."""
     out = []
     for xs, ys in zip(torch.chunk(x, n_micro), torch.chunk(y, n_micro)):
-        for p in list(stage1.parameters()) + list(stage2.parameters()):
+        for p in _params(stage1, stage2):
             p.grad = None
         loss_fn(stage2(stage1(xs)), ys).backward()
-        out.append(([p.grad.clone() for p in list(stage1.parameters()) + list(stage2.parameters())], len(xs)))
+        out.append(([p.grad.clone() for p in _params(stage1, stage2)], len(xs)))
     return out
 
 
-def _kept_grads(stage1, stage2, x, y, loss_fn, n_micro):
-    """Gradient of the mean loss over the first n_micro * (len(x) // n_micro) samples only."""
+def _kept_grads(stage1, stage2, x, y, loss_fn, n_micro, weight: float):
+    """``weight`` x the gradient of the mean loss over the first n_micro * (len(x) // n_micro) samples."""
     kept = n_micro * (len(x) // n_micro)
     stage1, stage2 = copy.deepcopy(stage1), copy.deepcopy(stage2)
-    for p in list(stage1.parameters()) + list(stage2.parameters()):
+    for p in _params(stage1, stage2):
         p.grad = None
     if kept == 0 or kept == len(x):
-        return [torch.full_like(p, float("nan")) for p in list(stage1.parameters()) + list(stage2.parameters())]
-    loss_fn(stage2(stage1(x[:kept])), y[:kept]).backward()
-    return [p.grad for p in list(stage1.parameters()) + list(stage2.parameters())]
+        return [torch.full_like(p, float("nan")) for p in _params(stage1, stage2)]
+    (loss_fn(stage2(stage1(x[:kept])), y[:kept]) * (kept / len(x) if weight else 1.0)).backward()
+    return [p.grad for p in _params(stage1, stage2)]
 
 
 def _same(a, b) -> bool:
-    return all(torch.allclose(g, r, atol=1e-6, rtol=1e-4) for g, r in zip(a, b))
+    return len(a) == len(b) and all(g is not None and torch.allclose(g, r, atol=1e-6, rtol=1e-4)
+                                    for g, r in zip(a, b))
 
 
-def run_pipelined(pipelined_step, batch: int, n_micro: int, regression: bool = False) -> dict:
-    """Run the learner's step on fresh stages; compare with one full-batch step; name the likely bug."""
+def run_pipelined(pipelined_step, specs) -> list[dict]:
+    """For each ``(batch, n_micro, regression, prefill)``: the learner's step on stages on cuda:2 and cuda:3.
+
+    ``prefill``: the stages' ``.grad`` already hold gradients, as when the caller
+    accumulates several steps; the step must add to them.
+    """
+    _one_thread()
+    return [_pipelined(pipelined_step, *spec) for spec in specs]
+
+
+def _pipelined(pipelined_step, batch: int, n_micro: int, regression: bool, prefill: bool) -> dict:
     torch.manual_seed(3)
     if regression:
         s1, s2, loss_fn = nn.Sequential(nn.Linear(5, 7), nn.Tanh()), nn.Linear(7, 1), nn.MSELoss()
@@ -126,30 +150,55 @@ def run_pipelined(pipelined_step, batch: int, n_micro: int, regression: bool = F
     r1, r2 = copy.deepcopy(s1), copy.deepcopy(s2)
     ref_loss = loss_fn(r2(r1(x)), y)
     ref_loss.backward()
-    ref = [p.grad for p in list(r1.parameters()) + list(r2.parameters())]
+    ref = [p.grad for p in _params(r1, r2)]
     micro = _micro_grads(copy.deepcopy(r1), copy.deepcopy(r2), x, y, loss_fn, n_micro)
-    sizes = {"stage1": [], "stage2": []}
-    s1.register_forward_pre_hook(lambda m, a: sizes["stage1"].append(len(a[0])))
-    s2.register_forward_pre_hook(lambda m, a: sizes["stage2"].append(len(a[0])))
-    loss = pipelined_step(s1, s2, x.clone(), y.clone(), loss_fn, n_micro)
-    grads = [p.grad for p in list(s1.parameters()) + list(s2.parameters())]
-    number = isinstance(loss, (int, float, torch.Tensor)) and torch.as_tensor(loss).numel() == 1
-    out = {"type": "float" if isinstance(loss, float) else type(loss).__name__, "loss": float(torch.as_tensor(loss).detach()) if number else repr(loss)[:100], "ref_loss": float(ref_loss.detach()),
-           "sizes": sizes, "chunks": [len(c) for c in torch.chunk(x, n_micro)], "no_grads": any(g is None for g in grads)}
-    if out["no_grads"]:
-        return {**out, "same": False, "bug": "no gradients: call backward on the loss"}
-    out["same"] = _same(grads, ref)
-    n = len(micro)
-    candidates = [
-        ("unscaled", [sum(g[i] for g, _ in micro) for i in range(len(ref))]),
-        ("one_over_n", [sum(g[i] for g, _ in micro) / n_micro for i in range(len(ref))]),
-        ("last_only", micro[-1][0]),
-        ("last_only", [g / n for g in micro[-1][0]]),
-        ("last_only", [g * micro[-1][1] / batch for g in micro[-1][0]]),
-        ("dropped", _kept_grads(r1, r2, x, y, loss_fn, n_micro)),
-    ]
-    out["bug"] = next((name for name, cand in candidates if not out["same"] and _same(grads, cand)), "")
+    before = [torch.randn(p.shape, generator=torch.Generator().manual_seed(5 + i)) if prefill else None
+              for i, p in enumerate(ref)]
+    stage1, stage2 = Stage(s1, "stage1", "activations", DEVICES[0]), Stage(s2, "stage2", "output", DEVICES[1])
+    for p, g in zip(_params(stage1, stage2), before):
+        p.grad = None if g is None else g.clone()
+    reset()
+    out = {"batch": batch, "n_micro": n_micro, "devices": list(DEVICES), "ref_loss": float(ref_loss.detach()),
+           "chunks": [len(c) for c in torch.chunk(x, n_micro)]}
+    try:
+        loss = pipelined_step(stage1, stage2, place(x.clone(), "inputs", CPU), place(y.clone(), "labels", CPU),
+                              PlacedLoss(loss_fn), n_micro)
+    except NotImplementedError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - judged as evidence
+        return {**out, "raised": _raised(exc), "stage_log": list(Stage.log), "moves": list(Placed.moves),
+                "loss_log": list(PlacedLoss.log), "same": False, "bug": ""}
+    out.update(stage_log=list(Stage.log), moves=list(Placed.moves), loss_log=list(PlacedLoss.log))
+    number = isinstance(loss, (int, float, torch.Tensor)) and not isinstance(loss, bool) \
+        and torch.as_tensor(plain(loss)).numel() == 1
+    out["type"] = "float" if isinstance(loss, float) else type(loss).__name__
+    out["loss"] = float(torch.as_tensor(plain(loss)).detach()) if number else repr(loss)[:100]
+    grads = [None if p.grad is None else p.grad.detach().clone() for p in _params(stage1, stage2)]
+    expected = [r if b is None else r + b for r, b in zip(ref, before)]
+    out["same"] = _same(grads, expected)
+    out["bug"] = "" if out["same"] else _name_the_bug(grads, before, ref, micro, n_micro, batch, len(_params(s1)),
+                                                      (r1, r2, x, y, loss_fn))
     return out
+
+
+def _name_the_bug(grads, before, ref, micro, n_micro, batch, n_first, setup) -> str:
+    """The likely bug whose gradients the learner's match, or ""."""
+    if any(g is None for g in grads):
+        first_missing = all(g is None for g in grads[:n_first]) and all(g is not None for g in grads[n_first:])
+        return "detached" if first_missing else "no_grads"
+    prefill = before[0] is not None
+    added = [g - b for g, b in zip(grads, before)] if prefill else grads
+    if prefill and _same(grads, ref):
+        return "zeroed"
+    if _same(added[:n_first], [torch.zeros_like(r) for r in ref[:n_first]]) and _same(added[n_first:], ref[n_first:]):
+        return "detached"
+    total = [sum(g[i] for g, _ in micro) for i in range(len(ref))]
+    last, size = micro[-1]
+    candidates = [("unscaled", added, total), ("one_over_n", added, [g / n_micro for g in total]),
+                  ("last_only", grads, last), ("last_only", grads, [g / len(micro) for g in last]),
+                  ("last_only", grads, [g * size / batch for g in last])]
+    candidates += [("dropped", added, _kept_grads(*setup, n_micro, weight)) for weight in (0, 1)]
+    return next((name for name, got, cand in candidates if _same(got, cand)), "")
 
 
 # -- bubble_fraction ----------------------------------------------------------------

@@ -1,0 +1,99 @@
+"""Lesson 06's placement verdicts: the evidence of the virtual GPUs (:mod:`.placement06`), in words.
+
+:mod:`.lesson06` asks these for the cases about devices: where each stage was
+put, and on which device each input, activation and label reached what used it.
+Each names the bug as it shows on two GPUs.
+"""
+from __future__ import annotations
+
+SAME_DEVICE = "on two GPUs this raises 'Expected all tensors to be on the same device'"
+
+
+# -- TwoStageNet --------------------------------------------------------------------
+def inputs_of(run, stage):
+    """``(tag, device)`` of every input that ``stage`` got in one run."""
+    return [(tag, dev) for name, event, *rest in run.get("stage_log", []) if name == stage and event == "input"
+            for tag, dev in [rest[:2]]]
+
+
+def started(t, run) -> None:
+    """Fail the case when the net was not built or raised (the earlier cases say why)."""
+    if "raised" in run:
+        t.fail("fix the error first", "", "your code raised " + run["raised"])
+    if not run.get("module"):
+        t.fail("the first case did not finish")
+
+
+def judge_stages(t, run) -> None:
+    """Each stage on its device: ``stage1.to(dev1)``, ``stage2.to(dev2)``."""
+    started(t, run)
+    for name, dev in (("stage1", run["dev1"]), ("stage2", run["dev2"])):
+        placed = run["placed"].get(name)
+        if placed != dev:
+            moves = [rest[0] for who, event, *rest in run["stage_log"] if who == name and event == "to"]
+            t.fail(f"{name} is on {placed or 'no device'}, not on {dev}: "
+                   + ("it was never moved" if not moves else f"it was moved to {moves[-1]}"),
+                   f"{name}.to({dev})", f"moves of {name}: {moves or 'none'}")
+
+
+def judge_input(t, run) -> None:
+    """x reached stage1 on dev1."""
+    started(t, run)
+    seen = inputs_of(run, "stage1")
+    if not seen:
+        t.fail("stage1 never ran")
+    wrong = [dev for _, dev in seen if dev != run["dev1"]]
+    if wrong:
+        how = "never moved" if not [m for m in run["moves"] if m[0] == "inputs"] else \
+            "moved to " + ", ".join(sorted({m[2] for m in run["moves"] if m[0] == "inputs"}))
+        t.fail(f"x reached stage1 on {wrong[0]} ({how}), but stage1 is on dev1 = {run['dev1']}: move it with "
+               f"x.to(self.dev1), not to a fixed device; {SAME_DEVICE}", f"x on {run['dev1']}", f"x on {wrong[0]}")
+
+
+def judge_activations(t, run) -> None:
+    """The activations reached stage2 on dev2 (moved, and the moved copy used)."""
+    started(t, run)
+    seen = inputs_of(run, "stage2")
+    if not seen:
+        t.fail("stage2 never ran")
+    wrong = [(tag, dev) for tag, dev in seen if dev != run["dev2"]]
+    if wrong:
+        moved = [m[2] for m in run["moves"] if m[0] == "activations"]
+        if run["dev2"] in moved:
+            t.fail(".to() returns a moved copy and leaves the tensor where it was: pass the copy to stage2",
+                   "stage2 gets the moved activations", f"stage2 got the activations on {wrong[0][1]}")
+        t.fail(f"the activations reached stage2 on {wrong[0][1]}, but stage2 is on dev2 = {run['dev2']}: "
+               f"{SAME_DEVICE}; move them with h.to(self.dev2)", f"activations.to({run['dev2']})",
+               f"moves of the activations: {moved or 'none'}")
+
+
+def judge_output(t, run) -> None:
+    """The output returned where stage2 made it, on dev2."""
+    started(t, run)
+    if run.get("output_type") != "Tensor":
+        t.fail("forward must return the output tensor")
+    away = [m[2] for m in run["moves"] if m[0] == "output"]
+    if away or run["out_device"] != run["dev2"]:
+        t.fail("", f"the output left on {run['dev2']}", f"output moved to {away[-1] if away else run['out_device']}")
+
+
+# -- pipelined_step -----------------------------------------------------------------
+def placement_problem(run) -> str:
+    """What went to the wrong device in one run, in words ("" if nothing)."""
+    d1, d2 = run["devices"]
+    moved = [f"{name}.to({rest[0]})" for name, event, *rest in run["stage_log"] if event == "to"]
+    if moved:
+        return (f"your code moved a stage ({moved[0]}): the stages are already on their devices ({d1}, {d2}); "
+                "read the devices from their parameters, next(stage1.parameters()).device, and move the tensors")
+    for name, event, *rest in run["stage_log"]:
+        if event == "input" and rest[1] != rest[2]:
+            what = "a micro-batch" if name == "stage1" else "the activations"
+            fix = "xs.to(d1) with d1 = next(stage1.parameters()).device" if name == "stage1" else \
+                "h.to(d2) with d2 = next(stage2.parameters()).device"
+            return f"{what} reached {name} on {rest[1]}, but {name} is on {rest[2]}: {SAME_DEVICE}; move with {fix}"
+    for out_dev, labels_dev, _ in run["loss_log"]:
+        if out_dev != labels_dev:
+            return (f"the labels reached the loss on {labels_dev}, the output is on {out_dev}: move each "
+                    f"micro-batch's labels to the output's device, ys.to(out.device)")
+    return ""
+
