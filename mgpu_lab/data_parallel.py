@@ -10,11 +10,13 @@
 5. backward flows through the copies, so the gradients of all replicas are
    summed into the original parameters, on the first device.
 
-PyTorch's own pieces (``torch.nn.parallel.scatter``, ``replicate``, ``gather``)
-only accept CUDA devices, and ``nn.DataParallel`` with fewer than two GPUs just
-calls the model. The functions here do the same steps on any devices: with
-CUDA devices they call PyTorch's pieces; on a CPU they make the same
-autograd-linked replicas on "devices" that are all the CPU, run in threads.
+PyTorch's own pieces are built for GPUs: ``torch.nn.parallel.scatter`` and
+``replicate`` send chunks and copies to GPUs only, and ``gather`` takes outputs
+on GPUs (it can concatenate them on a GPU or on the CPU, ``target_device="cpu"``);
+``nn.DataParallel`` with fewer than two GPUs just calls the model. The functions
+here do the same steps on any devices: with CUDA devices they call PyTorch's
+pieces; on a CPU they make the same autograd-linked replicas on "devices" that
+are all the CPU, run in threads.
 Given a :class:`mgpu_lab.dp_timeline.Timeline`, they record which step ran on
 which device, and when.
 

@@ -1,38 +1,35 @@
 """Checks of lesson 01 (devices): pick_device, train_step, visible_devices_env.
 
-The GPU branches are judged on any machine: the learner's code runs in a fresh
-process where ``torch.cuda`` reports a simulated number of GPUs, and tensor
-moves are recorded, so "forgot to move the labels" shows on a CPU too. A batch
-tensor that reaches the model or the loss unmoved (``y.to(device)`` whose result
-was thrown away) is caught the same way.
+The GPU branches are judged on any machine, and each check runs the learner's
+code once, in one fresh process, for all its cases (:mod:`.probes01`):
+
+- ``pick_device`` runs where ``torch.cuda`` reports a simulated number of GPUs
+  (0, 2, 4);
+- ``train_step`` gets ``device=cuda:1`` on a machine without a GPU: the batch
+  tensors record every move (``Moved.virtual_cuda``: the move is logged, the
+  data stays on the CPU), so a batch moved to ``"cpu"``, to ``"cuda"`` or not at
+  all shows, as does a ``y.to(device)`` whose result was thrown away;
+- ``visible_devices_env`` is judged by real child processes started with the
+  environment it returns.
 """
 from __future__ import annotations
 
-import copy
 import re
-import subprocess
-import sys
 
 import torch
 
 from ._core import exercise
-from ._moves import Moved
-from ._moves import tag as _tag
+from .probes01 import run_pick, run_train_step, run_visible
 
 PICK_HINT = ("return torch.device('cuda', index) (index 0 when None) if torch.cuda.is_available(), "
              "else torch.device('cpu')")
 RANGE_HINT = ("check 0 <= index < torch.cuda.device_count() and otherwise "
               "raise ValueError(f'... {count} GPU(s) visible ...')")
-
-
-def simulate_gpus(n: int) -> None:
-    """Make ``torch.cuda`` in this process report ``n`` GPUs (no CUDA call is made)."""
-    torch.cuda.is_available = lambda: n > 0
-    torch.cuda.device_count = lambda: n
+FIRST = "not judged: your code did not finish the first case (see there)"
 
 
 def _raises_naming(result, count: int) -> bool:
-    """Whether ``result`` (from ``t.call(..., catch=True)``) is a ValueError naming ``count``."""
+    """Whether ``result`` (an outcome) is a ValueError whose message names ``count``."""
     return (result[0] == "raised" and result[1] == "ValueError"
             and re.search(rf"(?<![\d-]){count}(?!\d)", result[2]) is not None)
 
@@ -41,175 +38,185 @@ def _outcome(result) -> str:
     return f"{result[1]}: {result[2]}" if result[0] == "raised" else f"returned {result[1]!r}"
 
 
-@exercise("01.pick_device", points=6, description="pick_device(index=None): cuda:index with GPUs, cpu without, "
+def _need(t, evidence):
+    if evidence is None:
+        t.fail(FIRST, got="skipped")
+
+
+# -- pick_device -------------------------------------------------------------------
+PICK_CASES = [  # name, (gpus, args) calls, expected devices, hidden, hint
+    ("no GPU visible: pick_device() is cpu", [(0, ())], [torch.device("cpu")], False,
+     "with no GPU visible (torch.cuda.is_available() is False) return torch.device('cpu')"),
+    ("2 GPUs visible: pick_device() is cuda:0", [(2, ())], [torch.device("cuda", 0)], False,
+     "index=None means the first visible GPU: torch.device('cuda', 0)"),
+    ("2 GPUs visible: pick_device(1) is cuda:1 and pick_device(0) is cuda:0", [(2, (1,)), (2, (0,))],
+     [torch.device("cuda", 1), torch.device("cuda", 0)], False,
+     "use the index you were given: torch.device('cuda', index)"),
+    ("4 GPUs visible: pick_device(3) is cuda:3", [(4, (3,))], [torch.device("cuda", 3)], True, PICK_HINT),
+]
+BAD_INDEX = [(2, (2,)), (2, (-1,)), (2, (7,))]
+NO_GPU_INDEX = [(0, (0,))]
+
+
+@exercise("01.pick_device", points=7, description="pick_device(index=None): cuda:index with GPUs, cpu without, "
           "ValueError naming the visible count for a bad index")
 def _pick_device(t, pick_device):
-    cases = [
-        ("no GPU visible: pick_device() is cpu", 0, (), torch.device("cpu"), False,
-         "with no GPU visible (torch.cuda.is_available() is False) return torch.device('cpu')"),
-        ("2 GPUs visible: pick_device() is cuda:0", 2, (), torch.device("cuda", 0), False,
-         "index=None means the first visible GPU: torch.device('cuda', 0)"),
-        ("2 GPUs visible: pick_device(1) is cuda:1", 2, (1,), torch.device("cuda", 1), False,
-         "use the index you were given: torch.device('cuda', index)"),
-        ("4 GPUs visible: pick_device(3) is cuda:3", 4, (3,), torch.device("cuda", 3), True, PICK_HINT),
-    ]
-    for name, gpus, args, expected, hidden, hint in cases:
+    """Catches: the index ignored (always cuda:0), no CPU fallback, ``torch.device('cuda')`` for None,
+    strings instead of devices (one case), an off-by-one or missing negative check, another error
+    type, a message that does not name the visible count, an index accepted when no GPU is visible."""
+    calls = [c for case in PICK_CASES for c in case[1]] + BAD_INDEX + NO_GPU_INDEX
+    got = None
+    returned = []
+    for i, (name, these, expected, hidden, hint) in enumerate(PICK_CASES):
         with t.case(name, hidden=hidden, hint=hint):
-            got = t.call(pick_device, *args, prepare=(simulate_gpus, (gpus,)))
-            if not isinstance(got, torch.device):
-                t.fail(f"return a torch.device, not a {type(got).__name__}: {PICK_HINT}",
-                       repr(expected), repr(got))
-            t.equal(got, expected)
-    with t.case("2 GPUs visible: pick_device(2) and pick_device(-1) raise ValueError naming the count (2)",
-                hint=RANGE_HINT):
-        for index in (2, -1):
-            got = t.call(pick_device, index, prepare=(simulate_gpus, (2,)), catch=True)
-            if not _raises_naming(got, 2):
-                t.fail(f"pick_device({index}) with 2 GPUs: valid indices are 0 and 1, so raise ValueError "
+            if i == 0:
+                got = dict(zip(calls, t.call(run_pick, pick_device, calls)))
+            _need(t, got)
+            for call, want in zip(these, expected):
+                result = got[call]
+                if result[0] == "raised":
+                    t.fail("", repr(want), _outcome(result))
+                value = result[1]
+                returned.append(value)
+                # Strings name devices too ("cuda:1"); the type is judged once, below.
+                t.equal(torch.device(value) if isinstance(value, str) else value, want)
+    with t.case("returns a torch.device, not a string",
+                hint="return torch.device('cuda', index) / torch.device('cpu'): a device object, which "
+                     "compares and prints as a device everywhere"):
+        _need(t, got)
+        wrong = [v for v in returned if not isinstance(v, torch.device)]
+        if wrong:
+            t.fail("", "torch.device(...)", f"{type(wrong[0]).__name__} {wrong[0]!r}")
+    with t.case("2 GPUs visible: pick_device(2), pick_device(-1) and pick_device(7) raise ValueError "
+                "naming the count (2)", hint=RANGE_HINT):
+        _need(t, got)
+        for call in BAD_INDEX:
+            if not _raises_naming(got[call], 2):
+                t.fail(f"pick_device({call[1][0]}) with 2 GPUs: valid indices are 0 and 1, so raise ValueError "
                        "and say how many GPUs are visible (2); " + RANGE_HINT,
-                       "ValueError mentioning 2", _outcome(got))
+                       "ValueError mentioning 2", _outcome(got[call]))
     with t.case("no GPU visible: pick_device(0) raises ValueError naming the count (0)", hidden=True,
                 hint=RANGE_HINT):
-        got = t.call(pick_device, 0, prepare=(simulate_gpus, (0,)), catch=True)
-        if not _raises_naming(got, 0):
-            t.fail("", "ValueError mentioning 0", _outcome(got))
+        _need(t, got)
+        if not _raises_naming(got[NO_GPU_INDEX[0]], 0):
+            t.fail("with no GPU any explicit index is out of range: " + RANGE_HINT,
+                   "ValueError mentioning 0", _outcome(got[NO_GPU_INDEX[0]]))
 
 
-# -- train_step ------------------------------------------------------------------
-def _reference_step(model, x, y, optimizer, loss_fn):
-    optimizer.zero_grad()
-    loss = loss_fn(model(x), y)
-    loss.backward()
-    optimizer.step()
-    return loss.item()
-
-
-def _first(args, kwargs, position, name):
-    return args[position] if len(args) > position else kwargs.get(name)
-
-
-def run_train_step(train_step, regression: bool, steps: int) -> dict:
-    """Run the learner's train_step next to a reference, in a fresh process.
-
-    Returns what the check judges: the losses and their types, the reference
-    losses, every ``.to``/``.cuda`` move of the batch, which batch tensors
-    reached the model or the loss *unmoved* (a ``y.to(device)`` whose result
-    was thrown away), and whether the weights match the reference.
-    """
-    torch.manual_seed(0)
-    if regression:
-        model, loss_fn = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)), torch.nn.MSELoss()
-        batches = [(torch.randn(6, 3), torch.randn(6, 1)) for _ in range(steps)]
-    else:
-        model, loss_fn = torch.nn.Linear(4, 3), torch.nn.CrossEntropyLoss()
-        batches = [(torch.randn(8, 4), torch.randint(0, 3, (8,))) for _ in range(steps)]
-    ref, ref_loss_fn = copy.deepcopy(model), copy.deepcopy(loss_fn)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
-    unmoved = set()
-    # Moved tensors come back as plain tensors, so a tagged one reaching the
-    # model or the loss was never moved: on a GPU that is the device error.
-    model.register_forward_pre_hook(
-        lambda m, args, kwargs: unmoved.add("inputs") if isinstance(_first(args, kwargs, 0, "input"), Moved)
-        else None, with_kwargs=True)
-    loss_fn.register_forward_pre_hook(
-        lambda m, args, kwargs: unmoved.add("labels") if isinstance(_first(args, kwargs, 1, "target"), Moved)
-        else None, with_kwargs=True)
-    device = torch.device("cpu")
-    losses, ref_losses = [], []
-    Moved.log = []
-    for x, y in batches:
-        losses.append(train_step(model, (_tag(x, "inputs"), _tag(y, "labels")), opt, loss_fn, device))
-        ref_losses.append(_reference_step(ref, x, y, ref_opt, ref_loss_fn))
-    same = all(torch.allclose(a, b, atol=1e-6) for a, b in zip(model.parameters(), ref.parameters()))
-    return {"losses": [_plain(v) for v in losses], "ref_losses": ref_losses,
-            "types": [type(v).__name__ for v in losses], "moves": list(Moved.log),
-            "unmoved": sorted(unmoved), "same_weights": same}
-
-
-def _plain(value):
-    """A returned loss as something that travels back to the check: a float, or its repr."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return float(value.detach())
-    return value if isinstance(value, (int, float)) else repr(value)[:200]
+# -- train_step ----------------------------------------------------------------------
+MOVE_HINT = ("call .to(device) on the {tag} with the device you were given: on a GPU, forgetting it (or "
+             "moving to 'cpu', or to 'cuda', which means cuda:0) fails with 'Expected all tensors to be on "
+             "the same device'")
 
 
 @exercise("01.train_step", points=6, description="train_step(model, batch, optimizer, loss_fn, device): move "
           "inputs and labels to the device, one optimisation step, return the loss as a float")
 def _train_step(t, train_step):
-    one = None
-    with t.case("returns the loss as a Python float",
+    """Runs with ``device=cuda:1`` (simulated) and catches: inputs or labels not moved, moved to
+    ``"cpu"``/``"cuda"``/``.cuda()`` instead of ``device``, a moved copy thrown away, the model moved
+    elsewhere, no ``zero_grad``/``step``, a wrong order, the loss tensor returned (one case), a loss
+    computed after the step."""
+    runs = None
+    with t.case("returns the batch's loss (computed before optimizer.step()) as a Python float",
                 hint="run one step and end with `return loss.item()` (a float, not the loss tensor)"):
-        one = t.call(run_train_step, train_step, False, 1)
-        if one["types"] != ["float"]:
-            t.fail("return loss.item(): a Python float, not the loss tensor", "float", one["types"][0])
-        t.close(one["losses"][0], one["ref_losses"][0],
+        runs = t.call(run_train_step, train_step)
+        gpu = runs["gpu"]
+        if gpu["types"][0] != "float":
+            t.fail("return loss.item(): a Python float, not the loss tensor", "float", gpu["types"][0])
+        if not all(isinstance(v, (int, float)) for v in gpu["losses"]):
+            t.fail("return loss.item(): a Python float", "float", gpu["losses"][0])
+        t.close(gpu["losses"], gpu["ref_losses"],
                 hint="return the loss of this batch computed before optimizer.step()")
     for tag in ("inputs", "labels"):
-        with t.case(f"moves the {tag} to the device",
-                    hint=f"call .to(device) on the {tag}: on a GPU, forgetting it fails with "
-                         "'Expected all tensors to be on the same device'"):
-            if one is None:
-                t.fail("the first case did not finish")
-            moved = [target for what, target in one["moves"] if what == tag]
-            if "cpu" not in moved:
-                t.fail("", f"{tag}.to(device) with device=cpu", f"moves recorded: {one['moves'] or 'none'}")
-            if tag in one["unmoved"]:
+        with t.case(f"moves the {tag} to the device it is given (device=cuda:1, a simulated GPU)",
+                    hint=MOVE_HINT.format(tag=tag)):
+            _need(t, runs)
+            gpu = runs["gpu"]
+            moved = [where for what, where in gpu["moves"] if what == tag]
+            if not moved or any(where != gpu["device"] for where in moved):
+                t.fail("", f"{tag}.to(device) with device={gpu['device']}",
+                       f"moves of the {tag}: {sorted(set(moved)) or 'none'}")
+            if tag in gpu["unmoved"]:
                 t.fail(f"{tag}.to(device) returns a new tensor and leaves {tag} where it was: "
                        f"assign it ({tag[0]} = {tag[0]}.to(device)) and use that one",
                        f"the moved {tag} used by the " + ("model" if tag == "inputs" else "loss"),
                        f"the {tag} as they came in the batch (not moved)")
-    with t.case("updates the weights exactly like zero_grad, backward, step",
-                hint="call optimizer.zero_grad(), loss.backward() and optimizer.step() once each"):
-        if one is None:
-            t.fail("the first case did not finish")
-        if not one["same_weights"]:
+            if tag == "inputs" and any(where != gpu["device"] for where in gpu["model_moves"]):
+                t.fail("the model is already on device: leave it there (a model.to('cuda') puts it on "
+                       "cuda:0 while the batch is on cuda:1)", f"the model on {gpu['device']}",
+                       f"model moved to {sorted(set(gpu['model_moves']))}")
+    with t.case("one step updates the weights exactly like zero_grad, backward, step",
+                hint="call optimizer.zero_grad(), loss.backward() and optimizer.step() once each, in this order"):
+        _need(t, runs)
+        if not runs["gpu"]["same_weights"][0]:
             t.fail("", "weights after one reference step", "different weights")
     with t.case("three steps in a row match the reference (gradients reset each step)",
                 hint="without optimizer.zero_grad() gradients add up from step to step"):
-        three = t.call(run_train_step, train_step, False, 3)
-        if not three["same_weights"]:
+        _need(t, runs)
+        if not all(runs["gpu"]["same_weights"]):
             t.fail("", "weights after three reference steps", "different weights")
-    with t.case("a regression model with MSELoss", hidden=True):
-        reg = t.call(run_train_step, train_step, True, 2)
-        if not reg["same_weights"] or reg["types"] != ["float", "float"]:
-            t.fail("regression case differs")
+    with t.case("device=cpu, a regression model with MSELoss: two steps match the reference", hidden=True,
+                hint="the same step for any model, loss and device"):
+        _need(t, runs)
+        cpu = runs["cpu"]
+        if not all(cpu["same_weights"]) or cpu["unmoved"]:
+            t.fail("", "the reference weights", f"same weights per step {cpu['same_weights']}, "
+                                                 f"unmoved {cpu['unmoved']}")
 
 
 # -- visible_devices_env ------------------------------------------------------------
-def _child_sees(env: dict) -> str:
-    import os
+ENV_HINT = ("return {'CUDA_VISIBLE_DEVICES': ','.join(str(i) for i in ids)}: keep the order, no spaces, "
+            "values must be strings")
+BAD_HINT = "validate: every id an int >= 0, no id twice; raise ValueError naming the bad id"
+ENV_CASES = [  # name, ids, hidden
+    ("visible_devices_env([2, 3]) makes a real child process see CUDA_VISIBLE_DEVICES=2,3", [2, 3], False),
+    ("visible_devices_env([3, 1]) keeps the order: the child sees 3,1 (its cuda:0 is GPU 3)", [3, 1], False),
+    ("visible_devices_env([0]): the child sees 0", [0], True),
+]
+BAD_CASES = [  # name, ids, hidden, hint
+    ("visible_devices_env([1, 1]) raises ValueError (an id twice)", [[1, 1]], False,
+     "no id twice: a GPU listed twice is one GPU, not two; " + BAD_HINT),
+    ("visible_devices_env([-1]) and ([0, -2]) raise ValueError (negative ids)", [[-1], [0, -2]], False,
+     "every id an int >= 0 (CUDA stops reading the list at the first invalid id); " + BAD_HINT),
+    ("visible_devices_env(['1']) and ([True]) raise ValueError (not ints)", [["1"], [True]], True, BAD_HINT),
+]
 
-    proc = subprocess.run([sys.executable, "-c", "import os; print(os.environ.get('CUDA_VISIBLE_DEVICES'))"],
-                          env={**os.environ, **env}, capture_output=True, text=True, timeout=30)
-    return proc.stdout.strip()
 
-
-def run_visible(visible_devices_env, ids) -> tuple:
-    env = visible_devices_env(ids)
-    ok = isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
-    return env, ok, _child_sees(env) if ok else None
-
-
-@exercise("01.visible_devices_env", points=6, description="visible_devices_env(ids): the environment a child "
+@exercise("01.visible_devices_env", points=7, description="visible_devices_env(ids): the environment a child "
           "process needs to see exactly those GPUs, in that order; ValueError for bad ids")
 def _visible(t, visible_devices_env):
-    for ids, hidden in (([2, 3], False), ([3, 1], False), ([0], True)):
-        expected = ",".join(map(str, ids))
-        with t.case(f"visible_devices_env({ids}) makes a real child process see CUDA_VISIBLE_DEVICES={expected}",
-                    hidden=hidden, hint="return {'CUDA_VISIBLE_DEVICES': ','.join(str(i) for i in ids)}: keep "
-                                        "the order, values must be strings"):
-            env, ok, seen = t.call(run_visible, visible_devices_env, ids)
-            if not ok:
-                t.fail("return a dict of str to str", "dict[str, str]", repr(env))
-            t.equal(seen, expected)
-            extra = {k: v for k, v in env.items() if k != "CUDA_VISIBLE_DEVICES"}
+    """Catches: sorted ids, spaces or other separators, values that are not strings, extra variables,
+    setting ``os.environ`` of the calling process, duplicate, negative or non-int ids accepted (one case)."""
+    calls = [ids for _, ids, _ in ENV_CASES] + [ids for case in BAD_CASES for ids in case[1]]
+    got = None
+    for i, (name, ids, hidden) in enumerate(ENV_CASES):
+        with t.case(name, hidden=hidden, hint=ENV_HINT):
+            if i == 0:
+                got = t.call(run_visible, visible_devices_env, calls)
+            _need(t, got)
+            report = got[i]
+            if report["outcome"][0] == "raised":
+                t.fail("", "a dict of variables", _outcome(report["outcome"]))
+            if not report["strings"]:
+                t.fail("return a dict of str to str (a child's environment holds only strings)",
+                       "dict[str, str]", report["outcome"][1])
+            t.equal(report["seen"], ",".join(map(str, ids)))
+            extra = {k: v for k, v in report["outcome"][1].items() if k != "CUDA_VISIBLE_DEVICES"}
             if extra not in ({}, {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}):
                 t.fail("set only CUDA_VISIBLE_DEVICES (and optionally CUDA_DEVICE_ORDER=PCI_BUS_ID)", "", repr(extra))
-    for bad, why, hidden in (([1, 1], "duplicate ids", False), ([-1], "a negative id", False),
-                             (["1"], "a string id", True)):
-        with t.case(f"visible_devices_env({bad}) raises ValueError ({why})", hidden=hidden,
-                    hint="validate: every id an int >= 0, no id twice; raise ValueError naming the bad id"):
-            got = t.call(visible_devices_env, bad, catch=True)
-            if got[0] != "raised" or got[1] != "ValueError":
-                t.fail("", "ValueError", got[1] if got[0] == "raised" else f"returned {got[1]!r}")
+    with t.case("leaves this process's own os.environ unchanged (the variables are for the child)",
+                hint="return a new dict; do not set os.environ here: CUDA has already read it in this process, "
+                     "and every later child would inherit it"):
+        _need(t, got)
+        changed = sorted({k for report in got for k in report["environ_changed"]})
+        if changed:
+            t.fail("", "os.environ unchanged", f"os.environ changed: {', '.join(changed)}")
+    first_bad = len(ENV_CASES)
+    for name, bad, hidden, hint in BAD_CASES:
+        with t.case(name, hidden=hidden, hint=hint):
+            _need(t, got)
+            for k, ids in enumerate(bad):
+                result = got[first_bad + k]["outcome"]
+                if result[0] != "raised" or result[1] != "ValueError":
+                    t.fail("", f"ValueError for {ids}", _outcome(result))
+        first_bad += len(bad)

@@ -1,132 +1,82 @@
-"""Checkers of lesson 03 against right answers, a stub, and the wrong answers they exist for."""
+"""Checkers of lesson 03 against the solution, a stub, and an answer that raises.
+
+The right answers are the ones in solutions/03_data_parallel.ipynb, read from
+the notebook itself. The wrong answers each check exists for are the named
+mutants of tests/mutants/test_mutants_03.py.
+"""
 from __future__ import annotations
 
-import copy
+import sys
+from pathlib import Path
 
+import cloudpickle
 import pytest
 import torch
+from torch import nn
 
+from checking import solutions_from
 from mgpu_lab.course.checks import check, exercises
+from mgpu_lab.course.checks.probes03 import Placed, place, simulated_gpus
 from mgpu_lab.data_parallel import parallel_apply, replicate
 
 pytestmark = pytest.mark.timeout(180)
-
-
-# -- right answers (as in solutions/03_data_parallel.ipynb) -------------------------------
-def split_batch(batch, n):
-    if n < 1:
-        raise ValueError(f"n={n}: split_batch needs at least one device")
-    return list(torch.chunk(batch, n, dim=0))
-
-
-def data_parallel_forward(model, batch, devices):
-    chunks = [c.to(d) for c, d in zip(split_batch(batch, len(devices)), devices)]
-    replicas = replicate(model, devices[: len(chunks)])
-    outputs = parallel_apply(replicas, chunks, devices[: len(chunks)])
-    return torch.cat([out.to(devices[0]) for out in outputs])
-
-
-def data_parallel_forward_loop(model, batch, devices):  # right too: replicas run one after the other
-    chunks = split_batch(batch, len(devices))
-    replicas = replicate(model, devices[: len(chunks)])
-    return torch.cat([r(c.to(d)).to(devices[0]) for r, c, d in zip(replicas, chunks, devices)])
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+NOTEBOOK = Path(__file__).resolve().parents[3] / "solutions" / "03_data_parallel.ipynb"
+POINTS = {"03.data_parallel_forward": 7, "03.split_batch": 6}
+NAMES = {"03.data_parallel_forward": "data_parallel_forward", "03.split_batch": "split_batch"}
+SOLUTION = solutions_from(NOTEBOOK, ("split_batch", "data_parallel_forward"),
+                          {"torch": torch, "nn": nn, "replicate": replicate, "parallel_apply": parallel_apply})
 
 
 def stub(*args, **kwargs):
     raise NotImplementedError("write this function")
 
 
-# -- wrong answers ------------------------------------------------------------------------
-def split_tensor_split(batch, n):
-    if n < 1:
-        raise ValueError(f"n={n}")
-    return list(torch.tensor_split(batch, n))
-
-
-def split_last_dim(batch, n):
-    if n < 1:
-        raise ValueError(f"n={n}")
-    return list(torch.chunk(batch, n, dim=-1))
-
-
-def split_without_check(batch, n):
-    return list(torch.chunk(batch, n))
-
-
-def split_reversed(batch, n):
-    if n < 1:
-        raise ValueError(f"n={n}")
-    return list(torch.chunk(batch, n))[::-1]
-
-
-def dp_deepcopy(model, batch, devices):
-    chunks = split_batch(batch, len(devices))
-    outputs = [copy.deepcopy(model).to(d)(c.to(d)) for c, d in zip(chunks, devices)]
-    return torch.cat([out.to(devices[0]) for out in outputs])
-
-
-def dp_whole_batch(model, batch, devices):
-    return model(batch)
-
-
-def dp_original_model(model, batch, devices):
-    return torch.cat([model(c).to(devices[0]) for c in split_batch(batch, len(devices))])
-
-
-def dp_cat_then_move(model, batch, devices):
-    chunks = split_batch(batch, len(devices))
-    replicas = replicate(model, devices[: len(chunks)])
-    return torch.cat([r(c) for r, c in zip(replicas, chunks)]).to(devices[0])
-
-
-def dp_one_replica_per_device(model, batch, devices):
-    chunks = split_batch(batch, len(devices))
-    replicas = replicate(model, devices)
-    return torch.cat([replicas[i](chunks[i]).to(devices[0]) for i in range(len(devices))])
-
-
-def _case(result, text):
-    return next(c for c in result.cases if text in c.name)
+def dp_raises(model, batch, devices):
+    raise RuntimeError("Expected all tensors to be on the same device")
 
 
 def test_registered():
-    assert [e.id for e in exercises("03")] == ["03.data_parallel_forward", "03.split_batch"]
+    assert [(e.id, e.points) for e in exercises("03")] == list(POINTS.items())
 
 
-@pytest.mark.parametrize("exercise_id, answer", [
-    ("03.split_batch", split_batch), ("03.data_parallel_forward", data_parallel_forward),
-    ("03.data_parallel_forward", data_parallel_forward_loop)])
-def test_right_answers_get_full_marks(exercise_id, answer):
-    result = check(exercise_id, answer)
-    assert result.passed and result.points == result.max_points, str(result)
+@pytest.mark.parametrize("exercise_id", list(POINTS))
+def test_the_solution_gets_full_marks(exercise_id):
+    result = check(exercise_id, SOLUTION[NAMES[exercise_id]])
+    assert result.summary() == f"{exercise_id}: {POINTS[exercise_id]}/{POINTS[exercise_id]} passed", str(result)
 
 
-@pytest.mark.parametrize("exercise_id", ["03.split_batch", "03.data_parallel_forward"])
+@pytest.mark.parametrize("exercise_id", list(POINTS))
 def test_stub_is_not_attempted(exercise_id):
     result = check(exercise_id, stub)
     assert result.status == "not attempted" and result.points == 0, str(result)
 
 
-@pytest.mark.parametrize("exercise_id, answer, failing, hint", [
-    ("03.split_batch", split_tensor_split, ["3 samples on 5 devices", "10 samples on 3 devices"], "tensor_split"),
-    ("03.split_batch", split_last_dim, ["splits the samples (dim 0)"], "dim 0"),
-    ("03.split_batch", split_without_check, ["n=0 and n=-2 raise ValueError"], "ValueError"),
-    ("03.split_batch", split_reversed, ["10 samples on 3 devices"], "batch order"),
-    ("03.data_parallel_forward", dp_deepcopy, ["gradients reach the original"], "deepcopy"),
-    ("03.data_parallel_forward", dp_whole_batch, ["chunks of 4, 4 and 2"], "never the whole batch"),
-    ("03.data_parallel_forward", dp_original_model, ["its own replica"], "cuda:1 fails"),
-    ("03.data_parallel_forward", dp_cat_then_move, ["moved to devices[0] before concatenating"],
-     "torch.cat refuses"),
-    ("03.data_parallel_forward", dp_one_replica_per_device, ["fewer chunks than devices"], ""),
-])
-def test_wrong_answers_fail_their_case(exercise_id, answer, failing, hint):
-    result = check(exercise_id, answer)
-    assert not result.passed, str(result)
-    for name in failing:
-        assert not _case(result, name).passed, str(result)
-    assert hint in _case(result, failing[0]).hint, str(result)
+def test_an_error_in_the_answer_is_named_in_every_visible_case():
+    result = check("03.data_parallel_forward", dp_raises)
+    assert result.points == 0
+    visible = [c for c in result.cases if not c.hidden]
+    assert all("RuntimeError: Expected all tensors" in c.got for c in visible), str(result)
 
 
-def test_wrong_answers_fail_only_their_cases():
-    result = check("03.data_parallel_forward", dp_deepcopy)
-    assert [c.passed for c in result.cases] == [True, True, True, True, False, True], str(result)
+def test_placed_tensors_move_by_name_and_record_a_mix_of_devices():
+    """The recorder itself: data stays on the CPU, .device says where, autograd goes through."""
+    x = torch.randn(4, 2, requires_grad=True)
+    Placed.moves, Placed.mixes = [], []
+    a, b = place(x, "cpu", "batch").chunk(2)
+    a1, b1 = a.to(torch.device("cuda", 1)), b.cuda()
+    assert (a1.device, b1.device, a1.as_subclass(torch.Tensor).device.type) == (
+        torch.device("cuda", 1), torch.device("cuda", 0), "cpu")
+    torch.cat([a1, b1]).as_subclass(torch.Tensor).sum().backward()
+    assert Placed.moves == [("batch", "cpu", "cuda:1"), ("batch", "cpu", "cuda")]
+    assert Placed.mixes == [("cat", ["cuda:1", "cuda:0"])]
+    assert torch.equal(x.grad, torch.ones(4, 2))
+
+
+def test_simulated_gpus_put_everything_back():
+    import torch.nn.parallel as par
+
+    before = (par.replicate, par.gather, torch.cuda.device, torch.cuda.device_count)
+    with simulated_gpus(3, stub):
+        assert torch.cuda.device_count() == 3 and par.replicate is not before[0]
+    assert (par.replicate, par.gather, torch.cuda.device, torch.cuda.device_count) == before
