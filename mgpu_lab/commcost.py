@@ -64,12 +64,12 @@ def time_ops(sizes=SIZES, reps: int = 5, ops=("all_reduce",)) -> dict:
     from . import dist as mdist
     from .collectives import ring_allreduce
 
-    backend = tdist.get_backend()
-    device = mdist.device() if backend == "nccl" else torch.device("cpu")
     calls = {"all_reduce": tdist.all_reduce, "ring": ring_allreduce}
     unknown = [op for op in ops if op not in calls]
     if unknown:
         raise ValueError(f"time_ops: unknown ops {unknown}; use 'all_reduce' and/or 'ring'")
+    backend = tdist.get_backend()
+    device = mdist.device() if backend == "nccl" else torch.device("cpu")
     out = {"device": str(device), "backend": backend, "world_size": tdist.get_world_size()}
     for op in ops:
         out[op] = []

@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-__all__ = ["hooks_probe", "Net", "compile_probe", "throughput_probe"]
+__all__ = ["hooks_probe", "Net", "compile_probe", "throughput_probe", "single_process_throughput"]
 
 
 def _data(n: int, features: int, classes: int, seed: int):
@@ -174,3 +174,32 @@ def throughput_probe(model_fn, batch: int = 64, steps: int = 8) -> dict:
     world = tdist.get_world_size()
     return {"seconds per step": step.item(), "samples per second": world * batch / step.item(),
             "device": str(device)}
+
+
+def single_process_throughput(model_fn, batch: int, device_ids: list[int], steps: int = 8) -> float:
+    """Samples/s of the same training step in one process: one GPU, or ``nn.DataParallel`` over several.
+
+    ``batch`` is the whole batch (DataParallel splits it over ``device_ids``). Needs CUDA.
+
+    Raises:
+        RuntimeError: no CUDA GPU, or fewer GPUs than ``device_ids`` names.
+    """
+    if not torch.cuda.is_available() or torch.cuda.device_count() <= max(device_ids):
+        raise RuntimeError(f"single_process_throughput needs CUDA GPUs {device_ids}; "
+                           f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} visible")
+    device = torch.device("cuda", device_ids[0])
+    model = model_fn().to(device)
+    net = nn.DataParallel(model, device_ids=device_ids) if len(device_ids) > 1 else model
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    x = torch.randn(batch, next(model.parameters()).shape[1], device=device)
+    times = []
+    for i in range(steps + 2):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        net(x).square().mean().backward()
+        opt.step()
+        torch.cuda.synchronize(device)
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    return batch / statistics.median(times)
