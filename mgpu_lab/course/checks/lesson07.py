@@ -149,6 +149,19 @@ def run_commands(cluster, argvs, env: dict):
     return result, probe_reports(result)
 
 
+# A grader runs these commands as root outside the submission's sandbox: only what the cases judged.
+GRADED_ENV = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_DEBUG", "NCCL_DEBUG_SUBSYS")
+
+
+def _runnable(t, argv, args):
+    """The learner's command, or when grading, the command rebuilt from what torchrun read and the cases judged."""
+    if not t.grading:
+        return argv
+    return ["torchrun", f"--nnodes={args.nnodes}", f"--nproc-per-node={args.nproc_per_node}",
+            f"--node-rank={args.node_rank}", f"--master-addr={args.master_addr}",
+            f"--master-port={args.master_port}", args.training_script]
+
+
 def _where(cluster) -> str:
     return cluster.banner().split(" · ", 1)[1]
 
@@ -212,7 +225,7 @@ def _judge_torchrun_command(t, torchrun_command, cluster):
         if any(c.passed is False for c in t.cases):
             t.fail("not run until the cases above pass: a wrong command makes torchrun wait, not fail")
         env = {"GLOO_SOCKET_IFNAME": cluster.interface, "ALLREDUCE_CHECK_TIMEOUT": str(PG_TIMEOUT)}
-        result, reports = run_commands(cluster, [got[0][1], got[1][1]], env)
+        result, reports = run_commands(cluster, [_runnable(t, got[i][1], parsed[i]) for i in (0, 1)], env)
         seen = sorted((int(r["RANK"]), int(r["LOCAL_RANK"]), int(r["GROUP_RANK"]), int(r["WORLD_SIZE"]), r["node"],
                        r["sum"]) for r in reports)
         expected = [(r, r % 2, r // 2, 4, r // 2, 10.0) for r in range(4)]
@@ -282,7 +295,8 @@ def _judge_node_env(t, node_env, cluster):
         mine = got[4][1] if got[4][0] == "ok" else None
         if not isinstance(mine, dict):
             t.fail("node_env must return a dict", "a dict", _shown(got[4]))
-        env = {**{str(k): str(v) for k, v in mine.items()}, "ALLREDUCE_CHECK_TIMEOUT": "3"}
+        env = {**{str(k): str(v) for k, v in mine.items() if not t.grading or k in GRADED_ENV},
+               "ALLREDUCE_CHECK_TIMEOUT": "3"}
         result, reports = run_commands(cluster, cluster.torchrun(PROBE_SCRIPT, fork=True), env)
         if len(reports) != 2 or not all(r["ok"] for r in reports):
             t.fail(f"on {_where(cluster)} with {mine}: {_failure_text(result)}", "both ranks: all_reduce sum 3",
