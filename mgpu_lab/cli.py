@@ -112,20 +112,34 @@ def _refresh(args) -> int:
     return 0
 
 
+def _seconds(text: str) -> float:
+    from mgpu_lab.course.grade import check_timeout
+
+    try:
+        return check_timeout(float(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive finite number of seconds, e.g. 600") from None
+
+
 def _add_grade(subparsers) -> None:
     parser = subparsers.add_parser(
-        "grade", help="run submitted notebooks in fresh kernels and score their checks",
-        description="Each notebook runs in a fresh kernel under a timeout; every check cell's "
-                    "result counts. Prints points per exercise and a total per notebook.")
+        "grade", help="run submitted notebooks, each in its own sandbox, and score their checks",
+        description="Each notebook runs in its own sandbox (a user, a directory, an allow-listed environment, "
+                    "resource limits, no network, a PID namespace) under a timeout; the grader then judges "
+                    "every check itself. Prints points per exercise and a total per notebook.")
     parser.add_argument("paths", nargs="+", type=Path, help="notebooks to grade")
     parser.add_argument("--json", type=Path, help="also write the grades as JSON")
     parser.add_argument("--csv", type=Path, help="also write the grades as CSV")
-    parser.add_argument("--timeout", type=float, default=600, help="seconds per notebook (default: 600)")
+    parser.add_argument("--gradescope", type=Path, metavar="OUT",
+                        help="also write OUT/<submission>/results.json in Gradescope's autograder format")
+    parser.add_argument("--timeout", type=_seconds, default=600.0,
+                        help="seconds per notebook, and again (at least 300) for judging its checks (default: 600)")
     parser.set_defaults(handler=_grade)
 
 
 def _grade(args) -> int:
     from mgpu_lab.course.grade import grade, report, write_csv, write_json
+    from mgpu_lab.course.gradescope import write_gradescope
 
     missing = [str(p) for p in args.paths if not p.is_file()]
     if missing:
@@ -137,6 +151,8 @@ def _grade(args) -> int:
         write_json(grades, args.json)
     if args.csv:
         write_csv(grades, args.csv)
+    if args.gradescope:
+        write_gradescope(grades, args.gradescope)
     return 0
 
 

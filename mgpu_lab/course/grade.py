@@ -1,9 +1,25 @@
-"""Grade submitted notebooks: run each in a fresh kernel, collect its check results.
+"""Grade submitted notebooks: each runs in its own sandbox; the grader judges, trusting nothing it wrote.
 
-Every ``check(...)`` appends its result to the file named by
-``MGPU_LAB_GRADE_LOG``; the grader runs each notebook in its own process
-group under a per-notebook timeout, so a notebook that hangs or kills its
-kernel still gets the points it earned before that, with the reason.
+For every notebook:
+
+1. A fresh :class:`~mgpu_lab.course.sandbox.Sandbox` (its own user, directory,
+   environment, limits and namespaces) runs the notebook in a Jupyter kernel
+   started inside it, under the per-notebook timeout. Its check cells judge
+   nothing there: they save the learner's objects in the sandbox's folder.
+2. The grader runs each exercise's checker itself (:mod:`mgpu_lab.course.judge`);
+   the learner's code runs only in the sandbox, in ranks, and sends back plain
+   data. Points come from the grader's registry: the exercises of the
+   notebook's lesson (``NN_`` prefix of its file name), each once, one point
+   per passed case. Judging gets as long as the notebook had (at least 5
+   minutes), and every call of learner code its own shorter limit.
+3. The sandbox and everything started in it are killed, from the grader's own
+   bookkeeping (its PID namespace; no process id is read from a file), and its
+   folder deleted.
+
+A notebook that hangs or kills its kernel keeps the points of the checks it
+reached, with the reason. A batch always finishes: whatever goes wrong with one
+notebook gives it 0 points for what could not be judged, with the reason, and
+the next notebook is graded as if nothing happened.
 
 Example:
     >>> grades = grade(["notebooks/01_devices.ipynb"], timeout=300)   # doctest: +SKIP
@@ -12,20 +28,27 @@ Example:
 """
 from __future__ import annotations
 
-import csv
 import json
+import math
 import os
 import re
-import signal
-import subprocess
+import selectors
 import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from mgpu_lab.launcher.procs import kill_descendants
+from .checks import exercises
+from .checks._answers import ANSWERS_ENV
+from .judge import ANSWERS, Session, judge_all
+from .sandbox import Limits, Sandbox, protections
 
 DEFAULT_TIMEOUT = 600.0
+JUDGE_MIN = 300.0  # seconds judging may take at least (the sandbox's runner starts first), whatever the timeout
+NOTEBOOK_LIMIT = 256 << 20  # bytes: larger files are not run
+PROGRESS_LIMIT = 1 << 20
+NAME = "submission.ipynb"
 
 
 @dataclass
@@ -33,7 +56,9 @@ class ExerciseGrade:
     exercise: str
     points: int
     max_points: int
-    status: str  # passed / failed / not attempted / not checked
+    status: str  # passed / failed / not attempted / not checked / not judged
+    note: str = ""
+    cases: list = field(default_factory=list)  # the judged cases (dicts), hidden ones included
 
 
 @dataclass
@@ -42,6 +67,7 @@ class NotebookGrade:
     exercises: list[ExerciseGrade] = field(default_factory=list)
     completed: bool = True
     reason: str = ""
+    notes: list[str] = field(default_factory=list)
 
     @property
     def points(self) -> int:
@@ -52,93 +78,160 @@ class NotebookGrade:
         return sum(e.max_points for e in self.exercises)
 
 
+def check_timeout(timeout) -> float:
+    """``timeout`` as seconds; ValueError unless it is a positive finite number."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) \
+            or timeout <= 0:
+        raise ValueError(f"timeout={timeout!r}: give the seconds a notebook may run, a positive finite "
+                         "number, e.g. 600")
+    return float(timeout)
+
+
 def _lesson_of(path: Path) -> str | None:
     m = re.match(r"(\d\d)_", path.name)
     return m.group(1) if m else None
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
+def _events(data: bytes) -> list[dict]:
+    """The runner's progress lines that make sense; everything else (forged or cut short) is dropped."""
     out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in data.decode("utf-8", errors="replace").splitlines():
         try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line cut short by a killed kernel
+            e = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(e, dict):
+            continue
+        cell = e.get("cell")
+        if cell is not None and not (isinstance(cell, int) and not isinstance(cell, bool) and 0 <= cell < 10**6):
+            continue
+        out.append({"cell": cell, "ended": e.get("ended") if e.get("ended") in ("ok", "died", "error") else None,
+                    "why": str(e.get("why", ""))[:300]})
     return out
 
 
-def grade_notebook(path: Path | str, timeout: float = DEFAULT_TIMEOUT) -> NotebookGrade:
-    """Run one notebook in a fresh kernel and score its checks.
+def _run_notebook(box: Sandbox, timeout: float) -> str:
+    """Run the notebook in ``box`` for at most ``timeout`` s; why it did not complete ("" if it did)."""
+    read, write = os.pipe()
+    with tempfile.TemporaryFile() as err:
+        try:
+            proc = box.start([sys.executable, "-P", "-s", "-m", "mgpu_lab.course.runner", "notebook", NAME,
+                              str(write)], pass_fds=(write,), stderr=err,
+                             env={ANSWERS_ENV: f"{box.inside}/{ANSWERS}"})
+        finally:
+            os.close(write)
+        data, deadline, timed_out = b"", time.monotonic() + timeout, False
+        with selectors.DefaultSelector() as sel, open(read, "rb", buffering=0) as pipe:
+            sel.register(pipe, selectors.EVENT_READ)
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    timed_out = True
+                    break
+                if not sel.select(min(left, 1.0)):
+                    if proc.poll() is not None:
+                        break  # ended, though something of it may still hold the pipe open
+                    continue
+                chunk = pipe.read(65536)
+                if not chunk:
+                    break
+                data = (data + chunk)[:PROGRESS_LIMIT]
+        try:
+            code = proc.wait(max(0.1, min(30.0, deadline - time.monotonic())))
+        except Exception:  # noqa: BLE001 - still running after its progress ended: it counts as hung
+            code, timed_out = None, True
+        box.kill(proc)  # the kernel, the ranks and anything they left, all of it
+        err.seek(0)
+        stderr = err.read(1 << 16).decode(errors="replace")
+    events = _events(data)
+    cells = [e["cell"] for e in events if e["cell"] is not None]
+    ended = next((e for e in events if e["ended"]), None)
+    where = f" (it was running cell {cells[-1]})" if cells else ""
+    if timed_out:
+        return f"stopped after {timeout:g} s: the notebook hangs or is too slow{where}"
+    if ended and ended["ended"] == "died":
+        return f"the kernel died while running cell {cells[-1] if cells else '?'}"
+    if ended and ended["ended"] == "error":
+        return ended["why"] or "the notebook could not be run"
+    if ended is None:
+        what = "the sandbox could not start" if code == 97 else f"the grader's runner failed (exit {code})"
+        return f"{what}: {stderr.strip()[-500:]}"
+    return ""
+
+
+def grade_notebook(path: Path | str, timeout: float = DEFAULT_TIMEOUT, limits: Limits | None = None) -> NotebookGrade:
+    """Run one notebook in a sandbox and judge its checks.
 
     Args:
         path: the notebook.
-        timeout: seconds the whole notebook may take.
+        timeout: seconds the notebook may run (and again, at least 300, for judging its checks).
+        limits: the sandbox's resource limits (default :class:`Limits`).
 
     Returns:
-        Its grade: every exercise of its lesson (``NN_`` prefix of the file name),
-        with 0 points and status "not checked" for those no check cell judged.
+        Its grade: every exercise of its lesson (``NN_`` prefix of the file name;
+        every exercise when there is none), with 0 points and status "not
+        checked" for those no check cell reached.
 
     Raises:
-        FileNotFoundError: no such notebook.
+        FileNotFoundError: no such notebook. ValueError: a bad timeout.
     """
-    from .checks import exercises
-
+    timeout = check_timeout(timeout)
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no notebook at {path}")
-    with tempfile.TemporaryDirectory(prefix="mgpu-grade-") as tmp:
-        log, progress = Path(tmp) / "checks.jsonl", Path(tmp) / "progress.jsonl"
-        env = {**os.environ, "MGPU_LAB_GRADE_LOG": str(log)}
-        proc = subprocess.Popen([sys.executable, "-m", "mgpu_lab.course.grade", str(path), str(progress)],
-                                env=env, start_new_session=True, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        reason = ""
-        try:
-            _, err = proc.communicate(timeout=timeout)
-            if proc.returncode != 0:
-                reason = f"the grader's runner failed (exit {proc.returncode}): {err.decode()[-500:]}"
-        except subprocess.TimeoutExpired:
-            reason = f"stopped after {timeout:g} s: the notebook hangs or is too slow"
-        finally:
-            events = _read_jsonl(progress)
-            for event in events:
-                if "kernel_pid" in event:
-                    kill_descendants(event["kernel_pid"], include_self=True, wait=5)
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        cells = [e["cell"] for e in events if "cell" in e]
-        ended = next((e["ended"] for e in events if "ended" in e), None)
-        if reason and cells:
-            reason += f" (it was running cell {cells[-1]})"
-        if ended and ended != "ok":
-            reason = ended
-        results = {r["exercise"]: r for r in _read_jsonl(log)}  # the last check of an id counts
     lesson = _lesson_of(path)
     expected = [e for e in exercises() if lesson is None or e.lesson == lesson]
+    try:
+        return _grade(path, timeout, limits, expected)
+    except Exception as exc:  # noqa: BLE001 - one notebook must never stop the batch
+        return NotebookGrade(str(path), [ExerciseGrade(e.id, 0, e.points, "not judged") for e in expected],
+                             completed=False, reason=f"the grader could not judge this notebook "
+                             f"({type(exc).__name__}: {str(exc)[:300]}); 0 points for what it could not judge")
+
+
+def _grade(path: Path, timeout: float, limits: Limits | None, expected) -> NotebookGrade:
+    size = path.stat().st_size
+    if size > NOTEBOOK_LIMIT:
+        raise ValueError(f"the file has {size} bytes, more than the {NOTEBOOK_LIMIT} a notebook may have")
+    with Sandbox(limits) as box:
+        box.put(NAME, path.read_bytes())
+        reason = _run_notebook(box, timeout)
+        # Judging starts once nothing of the notebook runs any more: what it left (a fork bomb,
+        # a process holding the sandbox user's process limit) cannot get in the way of its checks.
+        with Session(box, deadline=time.monotonic() + max(timeout, JUDGE_MIN)) as session:
+            results, notes = judge_all(box, expected, session)
     grades = []
     for ex in expected:
-        r = results.pop(ex.id, None)
-        grades.append(ExerciseGrade(ex.id, r["points"] if r else 0, ex.points, r["status"] if r else "not checked"))
-    for r in results.values():  # checks of other lessons' exercises run in this notebook
-        grades.append(ExerciseGrade(r["exercise"], r["points"], r["max_points"], r["status"]))
-    return NotebookGrade(str(path), grades, completed=not reason, reason=reason)
+        r = results.get(ex.id)
+        if r is None:
+            grades.append(ExerciseGrade(ex.id, 0, ex.points, "not checked"))
+        else:
+            grades.append(ExerciseGrade(ex.id, r.points, ex.points, r.status, r.note,
+                                        [asdict(c) for c in r.cases]))
+    return NotebookGrade(str(path), grades, completed=not reason, reason=reason, notes=notes)
 
 
-def grade(paths, timeout: float = DEFAULT_TIMEOUT) -> list[NotebookGrade]:
-    """Grade several notebooks one after the other (see :func:`grade_notebook`)."""
-    return [grade_notebook(p, timeout) for p in paths]
+def grade(paths, timeout: float = DEFAULT_TIMEOUT, limits: Limits | None = None) -> list[NotebookGrade]:
+    """Grade several notebooks one after the other (see :func:`grade_notebook`); never stops early."""
+    timeout = check_timeout(timeout)
+    out = []
+    for p in paths:
+        try:
+            out.append(grade_notebook(p, timeout, limits))
+        except FileNotFoundError as exc:
+            out.append(NotebookGrade(str(p), [], completed=False, reason=str(exc)))
+    return out
 
 
-def report(grades: list[NotebookGrade]) -> str:
-    """A plain-text table: a line per notebook, then per exercise."""
-    lines = []
+def report(grades: list[NotebookGrade], limits: Limits | None = None) -> str:
+    """A plain-text table: what the sandbox gave (once), then a line per notebook, then per exercise."""
+    lines = [protections().describe(limits)]
     for g in grades:
         lines.append(f"{g.path}: {g.points}/{g.max_points}" + ("" if g.completed else f"  [{g.reason}]"))
+        lines += [f"  note: {n}" for n in g.notes]
         for e in g.exercises:
-            lines.append(f"  {e.exercise:32} {e.points:>3}/{e.max_points:<3} {e.status}")
+            lines.append(f"  {e.exercise:32} {e.points:>3}/{e.max_points:<3} {e.status}"
+                         + (f"  ({e.note})" if e.note and e.status != "not attempted" else ""))
     return "\n".join(lines)
 
 
@@ -148,6 +241,8 @@ def write_json(grades: list[NotebookGrade], path: Path | str) -> None:
 
 
 def write_csv(grades: list[NotebookGrade], path: Path | str) -> None:
+    import csv
+
     with open(path, "w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
         w.writerow(["notebook", "exercise", "points", "max_points", "status", "completed", "reason"])
@@ -155,32 +250,3 @@ def write_csv(grades: list[NotebookGrade], path: Path | str) -> None:
             for e in g.exercises:
                 w.writerow([g.path, e.exercise, e.points, e.max_points, e.status, g.completed, g.reason])
             w.writerow([g.path, "TOTAL", g.points, g.max_points, "", g.completed, g.reason])
-
-
-def _run(path: str, progress: str) -> int:
-    """The runner process: execute the notebook, logging progress (cell, kernel pid, end)."""
-    import nbformat
-    from nbclient import NotebookClient
-    from nbclient.exceptions import DeadKernelError
-
-    def note(**event):
-        with open(progress, "a", encoding="utf-8") as f:
-            f.write(json.dumps(event) + "\n")
-
-    nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(nb, timeout=None, allow_errors=True, kernel_name="python3",
-                            resources={"metadata": {"path": str(Path(path).parent.resolve())}})
-    client.on_cell_start = lambda cell, cell_index: note(cell=cell_index)
-    client.on_notebook_start = lambda notebook: note(kernel_pid=client.km.provisioner.pid)
-    try:
-        client.execute()
-    except DeadKernelError:
-        cells = [e["cell"] for e in _read_jsonl(Path(progress)) if "cell" in e]
-        note(ended=f"the kernel died while running cell {cells[-1] if cells else '?'}")
-        return 0
-    note(ended="ok")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_run(sys.argv[1], sys.argv[2]))

@@ -1,4 +1,7 @@
-"""mgpu-lab grade: fresh kernels, per-notebook timeout, points kept when a notebook breaks."""
+"""mgpu-lab grade: a sandbox per notebook, per-notebook timeout, points kept when a notebook breaks.
+
+Hostile submissions are in test_grade_hostile.py; the sandbox's parts in test_sandbox.py.
+"""
 from __future__ import annotations
 
 import csv
@@ -64,10 +67,11 @@ def test_a_notebook_that_kills_its_kernel_keeps_earlier_points(tmp_path):
 def test_cli_scores_right_answers_stubs_and_unchecked_exercises_in_a_table_json_and_csv(tmp_path, capsys):
     right = _nb(tmp_path, "01_right.ipynb", RIGHT, CHECK)
     stub = _nb(tmp_path, "01_stub.ipynb", STUB, "pick_device()", CHECK)  # an error cell does not stop grading
-    out_json, out_csv = tmp_path / "g.json", tmp_path / "g.csv"
-    assert main(["grade", str(right), str(stub), "--json", str(out_json), "--csv", str(out_csv)]) == 0
+    out_json, out_csv, out_gs = tmp_path / "g.json", tmp_path / "g.csv", tmp_path / "gradescope"
+    assert main(["grade", str(right), str(stub), "--json", str(out_json), "--csv", str(out_csv),
+                 "--gradescope", str(out_gs)]) == 0
     text = capsys.readouterr().out
-    assert f"{right}: 6/18" in text and f"{stub}: 0/18" in text
+    assert text.startswith("sandbox: ") and f"{right}: 6/18" in text and f"{stub}: 0/18" in text
     data = json.loads(out_json.read_text())
     assert [(d["points"], d["max_points"], d["completed"], d["reason"]) for d in data] == [
         (6, 18, True, ""), (0, 18, True, "")]
@@ -78,6 +82,45 @@ def test_cli_scores_right_answers_stubs_and_unchecked_exercises_in_a_table_json_
     rows = list(csv.DictReader(out_csv.open()))
     assert {"notebook": str(stub), "exercise": "01.pick_device", "status": "not attempted"}.items() <= rows[4].items()
     assert rows[-1]["exercise"] == "TOTAL" and rows[-1]["points"] == "0"
+    gs = {d.name: json.loads((d / "results.json").read_text()) for d in out_gs.iterdir()}
+    assert set(gs) == {"01_right", "01_stub"} and (gs["01_right"]["score"], gs["01_stub"]["score"]) == (6, 0)
+    tests = gs["01_right"]["tests"]
+    assert sum(t["max_score"] for t in tests) == 18 and sum(t["score"] for t in tests) == 6
+    cases = [t for t in tests if t["name"].startswith("01.pick_device #")]
+    assert len(cases) == 6 and all(t["score"] == t["max_score"] == 1 for t in cases)
+    hidden = [t for t in cases if "hidden case" in t["name"]]
+    assert len(hidden) == 2 and all(t["visibility"] == "after_published" and t["output"] == "" for t in hidden)
+    assert all(t["visibility"] == "visible" for t in tests if t not in hidden)
+    assert {t["name"]: t["output"] for t in gs["01_stub"]["tests"]}["01.pick_device: not attempted"].startswith(
+        "not attempted")
+
+
+def test_failed_visible_cases_tell_gradescope_what_came_and_why_hidden_ones_only_fail():
+    from mgpu_lab.course.grade import ExerciseGrade, NotebookGrade
+    from mgpu_lab.course.gradescope import results_json
+
+    cases = [{"name": "shown", "passed": False, "hidden": False, "expected": "cpu", "got": "cuda:0", "hint": "no GPU"},
+             {"name": "secret", "passed": False, "hidden": True, "expected": "cuda:3", "got": "cpu", "hint": "h"}]
+    g = NotebookGrade("x/01_a.ipynb", [ExerciseGrade("01.pick_device", 0, 2, "failed", "", cases)],
+                      completed=False, reason="stopped after 5 s")
+    out = results_json(g)
+    assert out["score"] == 0 and out["output"] == "0/2 (stopped after 5 s)"
+    shown, secret = out["tests"]
+    assert shown["output"] == "expected: cpu\ngot:      cuda:0\nhint: no GPU" and shown["visibility"] == "visible"
+    assert secret == {"name": "01.pick_device #2: hidden case: secret", "score": 0, "max_score": 1, "output": "",
+                      "visibility": "after_published"}
+
+
+@pytest.mark.parametrize("bad", ["-5", "0", "nan", "inf", "soon"])
+def test_the_timeout_must_be_a_positive_finite_number(tmp_path, capsys, bad):
+    from mgpu_lab.course.grade import grade
+
+    path = _nb(tmp_path, "01_x.ipynb", "1")
+    with pytest.raises(SystemExit) as info:
+        main(["grade", str(path), "--timeout", bad])
+    assert info.value.code == 2 and "positive finite number of seconds" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="positive finite"):
+        grade([path], timeout=float(bad) if bad != "soon" else "soon")
 
 
 def test_cli_names_a_missing_notebook(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""The checker framework: registering exercises, judging cases, running learner code safely.
+"""The checker framework: judging cases, running learner code safely (the registry: :mod:`._registry`).
 
 A lesson's checks module registers one checker per exercise::
 
@@ -10,89 +10,22 @@ A lesson's checks module registers one checker per exercise::
 Learner code never runs in the kernel: :meth:`Tester.call` runs it in a fresh
 rank process (and :meth:`Tester.ranks` in several), so a crash or a hang is a
 failed case with its reason, within a bounded time, and the kernel lives on.
+When a grader runs the notebook, ``check`` judges nothing (it saves the answers,
+:mod:`._answers`); the grader calls :func:`judge` itself with a Tester whose
+``runner`` runs the learner's code in the submission's sandbox.
 """
 from __future__ import annotations
 
-import importlib
 import inspect
-import os
-import pkgutil
-import re
 import traceback
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Callable
 
-from ._result import Case, CheckResult, record
+from ._answers import grading_folder, save
+from ._registry import Exercise, exercise, exercises, get  # noqa: F401 (lesson modules import them from here)
+from ._result import Case, CheckResult
 
-_ID = re.compile(r"^\d\d\.[A-Za-z_][A-Za-z0-9_]*$")
-_REGISTRY: dict[str, "Exercise"] = {}
 # Seconds one call of learner code may take; read at call time, so tests can lower it.
 CALL_TIMEOUT = 60.0
-
-
-@dataclass(frozen=True)
-class Exercise:
-    """A graded exercise: its id, points (one per case), description and checker."""
-
-    id: str
-    points: int
-    description: str
-    checker: Callable
-
-    @property
-    def lesson(self) -> str:
-        return self.id.split(".", 1)[0]
-
-
-def exercise(exercise_id: str, points: int, description: str):
-    """Register the decorated function as the checker of ``exercise_id``.
-
-    Raises:
-        ValueError: malformed id, non-positive points, or an id registered twice.
-    """
-    if not _ID.match(exercise_id):
-        raise ValueError(f"exercise id {exercise_id!r} must look like 'NN.name', e.g. '01.pick_device'")
-    if points < 1:
-        raise ValueError(f"exercise {exercise_id}: points={points} must be >= 1 (one per case)")
-
-    def register(fn):
-        if exercise_id in _REGISTRY and _REGISTRY[exercise_id].checker.__qualname__ != fn.__qualname__:
-            raise ValueError(f"exercise {exercise_id} is registered twice")
-        _REGISTRY[exercise_id] = Exercise(exercise_id, points, description, fn)
-        return fn
-
-    return register
-
-
-def _load_all() -> None:
-    # The lesson modules sit beside this one; found by path, not by importing
-    # the package (which imports this module).
-    for mod in pkgutil.iter_modules([os.path.dirname(__file__)]):
-        if mod.name.startswith("lesson"):
-            importlib.import_module(f"{__package__}.{mod.name}")
-
-
-def exercises(lesson: str | None = None) -> list[Exercise]:
-    """Every registered exercise (of one lesson, e.g. ``"01"``), sorted by id.
-
-    Example:
-        >>> [e.id for e in exercises("01")]
-        ['01.pick_device', '01.train_step', '01.visible_devices_env']
-    """
-    _load_all()
-    return sorted((e for e in _REGISTRY.values() if lesson is None or e.lesson == lesson),
-                  key=lambda e: e.id)
-
-
-def get(exercise_id: str) -> Exercise:
-    """The exercise with this id; ValueError naming the known ids otherwise."""
-    _load_all()
-    if exercise_id not in _REGISTRY:
-        lesson = str(exercise_id).split(".", 1)[0]
-        known = [e.id for e in exercises(lesson)] or sorted(_REGISTRY)
-        raise ValueError(f"no exercise {exercise_id!r}; known ids: {', '.join(known)}")
-    return _REGISTRY[exercise_id]
 
 
 class NotAttempted(Exception):
@@ -113,11 +46,17 @@ def _short(value, limit: int = 300) -> str:
 
 
 class Tester:
-    """Collects the cases of one check; passed to every checker as ``t``."""
+    """Collects the cases of one check; passed to every checker as ``t``.
 
-    def __init__(self, ex: Exercise):
+    ``runner`` (default: the launcher's ``run``) and ``local`` (default: call
+    the function here) are where the learner's code and the checker's helpers
+    run; a grader passes its sandbox's, and ``grading=True``.
+    """
+
+    def __init__(self, ex: Exercise, runner=None, local=None, grading: bool = False):
         self.exercise = ex
         self.cases: list[Case] = []
+        self._runner, self._local, self.grading = runner, local, grading
         # After one call hangs, later calls fail at once: a hanging answer must
         # not cost the learner CALL_TIMEOUT seconds per remaining case.
         self._hung = False
@@ -191,12 +130,10 @@ class Tester:
                 instead of failing the case when ``fn`` raises.
             timeout: seconds before the call counts as hung (default ``CALL_TIMEOUT``).
         """
-        from mgpu_lab.launcher.launch import run
-
         self._skip_if_hung()
         timeout = CALL_TIMEOUT if timeout is None else timeout
-        return run(_harness, 1, (fn, args, kwargs, prepare, catch), timeout=timeout,
-                   init=False, quiet=True, echo=False)[0]
+        return self._run(_harness, 1, (fn, args, kwargs, prepare, catch), {}, timeout=timeout,
+                         init=False, backend=None)[0]
 
     def ranks(self, fn, nprocs: int, *args, timeout: float | None = None, backend="gloo", **kwargs) -> list:
         """Run ``fn`` in ``nprocs`` real ranks (process group initialised); results in rank order.
@@ -204,11 +141,24 @@ class Tester:
         The backend is gloo unless asked otherwise: probes judge CPU evidence, and
         a check must behave the same on a laptop and on an 8-GPU node.
         """
-        from mgpu_lab.launcher.launch import run
-
         self._skip_if_hung()
         timeout = CALL_TIMEOUT if timeout is None else timeout
-        return run(fn, nprocs, args, kwargs, backend=backend, timeout=timeout, quiet=True, echo=False)
+        return self._run(fn, nprocs, args, kwargs, backend=backend, timeout=timeout, init=True)
+
+    def local(self, fn, *args):
+        """Run a checker's helper ``fn(*args)`` (module level) where the learner's code runs.
+
+        For what the checker must see there and nowhere else, e.g. files the
+        learner's code wrote: a grader runs it in the sandbox and gets plain data back.
+        """
+        return fn(*args) if self._local is None else self._local(fn, *args)
+
+    def _run(self, fn, nprocs, args, kwargs, **options):
+        if self._runner is None:
+            from mgpu_lab.launcher.launch import run
+
+            return run(fn, nprocs, args, kwargs, quiet=True, echo=False, **options)
+        return self._runner(fn, nprocs, args, kwargs, **options)
 
     def _skip_if_hung(self) -> None:
         if self._hung:
@@ -264,23 +214,29 @@ def check(exercise_id: str, *answers, **named) -> CheckResult:
         01.pick_device: 4/4 passed
     """
     ex = get(exercise_id)
-    params = list(inspect.signature(ex.checker).parameters)[1:]
+    sig = inspect.signature(ex.checker)
+    params = list(sig.parameters)[1:]
     try:
-        inspect.signature(ex.checker).bind(None, *answers, **named)
+        bound = sig.bind(None, *answers, **named)
     except TypeError:
         raise TypeError(
             f"check({exercise_id!r}, ...) takes your {', '.join(params)}: "
             f"e.g. check({exercise_id!r}, {', '.join(params)})"
         ) from None
-    t = Tester(ex)
+    folder = grading_folder()
+    if folder:  # a grader runs this notebook: it judges later, from what is saved here
+        return save(folder, ex.id, ex.points, dict(list(bound.arguments.items())[1:]))
+    return judge(ex, Tester(ex), answers, named)
+
+
+def judge(ex: Exercise, t: Tester, answers: tuple = (), named: dict | None = None) -> CheckResult:
+    """Run the checker of ``ex`` with the tester ``t``; the verdict (at most ``ex.points`` points)."""
     note = ""
     try:
-        ex.checker(t, *answers, **named)
+        ex.checker(t, *answers, **(named or {}))
     except NotAttempted:
-        result = CheckResult(ex.id, 0, ex.points, "not attempted", [],
-                             "not attempted: your code still raises NotImplementedError")
-        record(result)
-        return result
+        return CheckResult(ex.id, 0, ex.points, "not attempted", [],
+                           "not attempted: your code still raises NotImplementedError")
     except Exception as exc:  # noqa: BLE001 - a broken answer must not break the check cell
         note = f"the check stopped early: {type(exc).__name__}: {exc}"
         traceback.clear_frames(exc.__traceback__)
@@ -289,7 +245,4 @@ def check(exercise_id: str, *answers, **named) -> CheckResult:
     while len(t.cases) < ex.points:
         t.cases.append(Case("(not reached)", False, hint="the check stopped before this case"))
     points = sum(c.passed for c in t.cases)
-    result = CheckResult(ex.id, points, ex.points, "passed" if points == ex.points else "failed",
-                         t.cases, note)
-    record(result)
-    return result
+    return CheckResult(ex.id, points, ex.points, "passed" if points == ex.points else "failed", t.cases, note)

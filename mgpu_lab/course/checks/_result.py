@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import html
-import json
-import os
 from dataclasses import asdict, dataclass, field
 
 
@@ -47,7 +45,8 @@ class CheckResult:
         exercise: the exercise id, e.g. ``"01.pick_device"``.
         passed: True when every case passed.
         points, max_points: points earned and available (one per case).
-        status: ``"passed"``, ``"failed"`` or ``"not attempted"``.
+        status: ``"passed"``, ``"failed"``, ``"not attempted"``, or ``"recorded"`` (saved for
+            a grader, which judges it after the notebook has run).
         messages: one line per case (details of failed visible cases included).
         cases: the judged cases.
     """
@@ -74,6 +73,8 @@ class CheckResult:
         """One line, e.g. ``01.pick_device: 3/3 passed``."""
         if self.status == "not attempted":
             return f"{self.exercise}: not attempted (0/{self.max_points})"
+        if self.status == "recorded":
+            return f"{self.exercise}: recorded for grading"
         return f"{self.exercise}: {self.points}/{self.max_points} {self.status}"
 
     def __str__(self) -> str:
@@ -111,11 +112,3 @@ class CheckResult:
         data = asdict(self)
         data["passed"] = self.passed
         return data
-
-
-def record(result: CheckResult) -> None:
-    """Append the result to the grading log when a grader asked for one."""
-    path = os.environ.get("MGPU_LAB_GRADE_LOG")
-    if path:
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(result.to_dict()) + "\n")

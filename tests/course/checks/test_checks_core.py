@@ -112,11 +112,25 @@ def test_bad_registrations_are_rejected():
         exercise("98.bad", 0, "x")
 
 
-def test_results_go_to_the_grading_log_when_asked(tmp_path, monkeypatch):
-    log = tmp_path / "log.jsonl"
-    monkeypatch.setenv("MGPU_LAB_GRADE_LOG", str(log))
-    check("99.double", right)
-    check("99.double", todo)
-    rows = [json.loads(line) for line in log.read_text().splitlines()]
-    assert [(r["exercise"], r["points"], r["status"]) for r in rows] == [
-        ("99.double", 3, "passed"), ("99.double", 0, "not attempted")]
+def test_in_a_graded_notebook_check_saves_the_answers_by_value_and_judges_nothing(tmp_path, monkeypatch):
+    import cloudpickle
+
+    folder = tmp_path / "answers"
+    monkeypatch.setenv("MGPU_LAB_GRADE_ANSWERS", str(folder))
+    called = []
+    scope = {"called": called}
+    exec("def mine(x):\n    called.append(x)\n    return 2 * x\n", scope)  # as a notebook cell defines it
+    result = check("99.double", scope["mine"])
+    unpicklable = check("99.double", double=lambda x, lock=__import__("threading").Lock(): 2 * x)
+    assert (result.status, result.points, str(result)) == (
+        "recorded", 0, "99.double: recorded for grading\n  recorded for grading: the grader runs this check "
+                      "after the notebook")
+    assert called == [], "the answer ran in the kernel"
+    rows = [json.loads(line) for line in (folder / "manifest.jsonl").read_text().splitlines()]
+    assert rows[0] == {"exercise": "99.double", "file": "0.pkl"}
+    assert rows[1]["exercise"] == "99.double" and "lock" in rows[1]["error"] and unpicklable.status == "recorded"
+    del scope["mine"]  # by value: the saved function needs nothing of the notebook that made it
+    saved = cloudpickle.loads((folder / "0.pkl").read_bytes())
+    assert list(saved) == ["double"] and saved["double"](4) == 8 and called == []  # it has its own copy
+    with pytest.raises(TypeError, match="takes your double"):
+        check("99.double")  # wrong arguments are still the learner's error at once

@@ -1,0 +1,80 @@
+"""The registry of graded exercises: :func:`exercise` registers a checker, :func:`exercises` lists them.
+
+Every lesson module (``lessonNN.py`` beside this one) registers its checkers
+when imported; the grader takes an exercise's points from here and nowhere else.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import pkgutil
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+_ID = re.compile(r"^\d\d\.[A-Za-z_][A-Za-z0-9_]*$")
+_REGISTRY: dict[str, "Exercise"] = {}
+
+
+@dataclass(frozen=True)
+class Exercise:
+    """A graded exercise: its id, points (one per case), description and checker."""
+
+    id: str
+    points: int
+    description: str
+    checker: Callable
+
+    @property
+    def lesson(self) -> str:
+        return self.id.split(".", 1)[0]
+
+
+def exercise(exercise_id: str, points: int, description: str):
+    """Register the decorated function as the checker of ``exercise_id``.
+
+    Raises:
+        ValueError: malformed id, non-positive points, or an id registered twice.
+    """
+    if not _ID.match(exercise_id):
+        raise ValueError(f"exercise id {exercise_id!r} must look like 'NN.name', e.g. '01.pick_device'")
+    if points < 1:
+        raise ValueError(f"exercise {exercise_id}: points={points} must be >= 1 (one per case)")
+
+    def register(fn):
+        if exercise_id in _REGISTRY and _REGISTRY[exercise_id].checker.__qualname__ != fn.__qualname__:
+            raise ValueError(f"exercise {exercise_id} is registered twice")
+        _REGISTRY[exercise_id] = Exercise(exercise_id, points, description, fn)
+        return fn
+
+    return register
+
+
+def _load_all() -> None:
+    # The lesson modules sit beside this one; found by path, not by importing
+    # the package (which imports this module).
+    for mod in pkgutil.iter_modules([os.path.dirname(__file__)]):
+        if mod.name.startswith("lesson"):
+            importlib.import_module(f"{__package__}.{mod.name}")
+
+
+def exercises(lesson: str | None = None) -> list[Exercise]:
+    """Every registered exercise (of one lesson, e.g. ``"01"``), sorted by id.
+
+    Example:
+        >>> [e.id for e in exercises("01")]
+        ['01.pick_device', '01.train_step', '01.visible_devices_env']
+    """
+    _load_all()
+    return sorted((e for e in _REGISTRY.values() if lesson is None or e.lesson == lesson),
+                  key=lambda e: e.id)
+
+
+def get(exercise_id: str) -> Exercise:
+    """The exercise with this id; ValueError naming the known ids otherwise."""
+    _load_all()
+    if exercise_id not in _REGISTRY:
+        lesson = str(exercise_id).split(".", 1)[0]
+        known = [e.id for e in exercises(lesson)] or sorted(_REGISTRY)
+        raise ValueError(f"no exercise {exercise_id!r}; known ids: {', '.join(known)}")
+    return _REGISTRY[exercise_id]

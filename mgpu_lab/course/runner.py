@@ -1,0 +1,205 @@
+"""What runs inside a grading sandbox: the submitted notebook, then the learner's code for the checks.
+
+Two modes, each a process the grader starts in the submission's
+:class:`~mgpu_lab.course.sandbox.Sandbox`:
+
+``notebook NAME FD``
+    Executes the notebook in a Jupyter kernel (started here, so inside the
+    sandbox), writing its progress to file descriptor ``FD`` as JSON lines:
+    ``{"cell": i}`` when cell ``i`` starts, ``{"ended": "ok"}``,
+    ``{"ended": "died", "cell": i}`` or ``{"ended": "error", "why": ...}``.
+    ``MGPU_LAB_GRADE_ANSWERS`` is set, so every ``check(...)`` in the kernel
+    judges nothing: it saves the learner's objects by value
+    (:mod:`mgpu_lab.course.checks._answers`).
+
+``serve ANSWERS FD``
+    Answers the grader's requests, one at a time: frames on stdin carry a
+    pickled request (the grader's probe functions by reference, arguments, and
+    references to saved answers); it runs them with the launcher, in ranks
+    inside the sandbox, and writes to ``FD`` a JSON header and, for a result,
+    the result saved with ``torch.save``. Only plain data goes back (numbers,
+    strings, bytes, lists, tuples, dicts, sets, tensors, devices, dtypes): the
+    grader reads it with ``torch.load(weights_only=True)`` and unpickles nothing.
+
+The grader trusts nothing that comes out of here: the learner's code runs in
+this sandbox and could rewrite any of it. What it could forge is only the
+evidence about its own answers, and a check's points are capped by the grader.
+"""
+from __future__ import annotations
+
+import collections
+import io
+import json
+import os
+import pickle
+import struct
+import sys
+
+MAX_FRAME = 64 << 20
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, bytearray)
+
+
+def read_frame(stream) -> bytes | None:
+    """One length-prefixed frame from a binary stream; None at end of stream."""
+    head = stream.read(8)
+    if len(head) < 8:
+        return None
+    (size,) = struct.unpack(">Q", head)
+    if size > MAX_FRAME:
+        raise ValueError(f"a frame of {size} bytes is larger than {MAX_FRAME}")
+    data = stream.read(size)
+    if len(data) < size:
+        return None
+    return data
+
+
+def frame(data: bytes) -> bytes:
+    return struct.pack(">Q", len(data)) + data
+
+
+# -- notebook mode -----------------------------------------------------------------------
+def run_notebook(name: str, fd: int) -> int:
+    """Execute ``name`` in a fresh kernel (cells that raise do not stop it); report progress on ``fd``."""
+    out = os.fdopen(fd, "w", buffering=1)
+
+    def note(**event):
+        out.write(json.dumps(event) + "\n")
+
+    try:
+        import nbformat
+        from nbclient import NotebookClient
+        from nbclient.exceptions import DeadKernelError
+
+        nb = nbformat.read(name, as_version=4)
+    except Exception as exc:  # noqa: BLE001 - whatever is wrong with the file, say it
+        note(ended="error", why=f"the notebook could not be read: {type(exc).__name__}: {exc}"[:300])
+        return 0
+    client = NotebookClient(nb, timeout=None, allow_errors=True, kernel_name="python3",
+                            resources={"metadata": {"path": os.getcwd()}})
+    cell = {"index": None}
+
+    def started(cell_index, **_):
+        cell["index"] = cell_index
+        note(cell=cell_index)
+
+    client.on_cell_start = lambda cell, cell_index: started(cell_index)
+    try:
+        client.execute()
+    except DeadKernelError:
+        note(ended="died", cell=cell["index"])
+        return 0
+    note(ended="ok")
+    return 0
+
+
+# -- serve mode --------------------------------------------------------------------------
+class _Answers:
+    """The saved answers of the notebook, loaded (by value) on first use."""
+
+    def __init__(self, folder: str):
+        self.folder, self.loaded = folder, {}
+
+    def get(self, file: str, name: str):
+        if file not in self.loaded:
+            import cloudpickle
+
+            with open(os.path.join(self.folder, os.path.basename(file)), "rb") as f:
+                self.loaded[file] = cloudpickle.load(f)
+        return self.loaded[file][name]
+
+
+class _Request(pickle.Unpickler):
+    def __init__(self, data: bytes, answers: _Answers):
+        super().__init__(io.BytesIO(data))
+        self.answers = answers
+
+    def persistent_load(self, pid):
+        kind, file, name = pid
+        if kind != "answer":
+            raise pickle.UnpicklingError(f"unknown reference {kind!r}")
+        return self.answers.get(file, name)
+
+
+def unjudgeable(value, where: str = "the result", depth: int = 0) -> str:
+    """Why ``value`` cannot go back to the grader as plain data; "" when it can."""
+    import torch
+
+    if depth > 50:
+        return f"{where} is nested too deeply"
+    if isinstance(value, _PLAIN) and type(value) in _PLAIN:
+        return ""
+    if type(value) in (torch.Tensor, torch.nn.Parameter, torch.device, torch.dtype, torch.Size):
+        return ""
+    if type(value) in (list, tuple, set):
+        return next((why for i, v in enumerate(value) if (why := unjudgeable(v, f"{where}[{i}]", depth + 1))), "")
+    if type(value) in (dict, collections.OrderedDict):
+        for k, v in value.items():
+            why = unjudgeable(k, f"a key of {where}", depth + 1) or unjudgeable(v, f"{where}[{k!r}]", depth + 1)
+            if why:
+                return why
+        return ""
+    return f"{where} is a {type(value).__module__}.{type(value).__qualname__}"
+
+
+def _error(exc: BaseException) -> dict:
+    from mgpu_lab.launcher.errors import LaunchError, LaunchTimeout
+
+    if isinstance(exc, LaunchError):
+        return {"kind": "timeout" if isinstance(exc, LaunchTimeout) else "launch", "message": str(exc),
+                "exc_type": exc.exc_type, "traceback": exc.traceback, "output": exc.output, "phase": exc.phase,
+                "rank": exc.rank, "world_size": exc.world_size, "exitcode": exc.exitcode}
+    return {"kind": "error", "type": type(exc).__name__, "message": str(exc)}
+
+
+def answer(request: dict) -> tuple[dict, bytes]:
+    """Carry out one request; the JSON header and the ``torch.save`` bytes of the result."""
+    import torch
+
+    from mgpu_lab.launcher.launch import run
+
+    try:
+        if request["op"] == "local":
+            value = request["fn"](*request["args"])
+        else:
+            value = run(request["fn"], request["nprocs"], request["args"], request["kwargs"],
+                        backend=request["backend"], timeout=request["timeout"], init=request["init"],
+                        quiet=True, echo=False)
+    except Exception as exc:  # noqa: BLE001 - every failure goes back as data
+        return _error(exc), b""
+    why = unjudgeable(value, "the value")
+    if why:
+        return {"kind": "unjudgeable", "message": why}, b""
+    buf = io.BytesIO()
+    torch.save({"value": value}, buf)
+    return {"kind": "ok"}, buf.getvalue()
+
+
+def serve(folder: str, fd: int) -> int:
+    """Answer framed requests from stdin on ``fd`` until stdin closes."""
+    from mgpu_lab.launcher.launch import prewarm
+
+    prewarm()
+    out = os.fdopen(fd, "wb", buffering=0)
+    os.dup2(2, 1)  # stray prints (e.g. while unpickling an answer) must not mix with the replies
+    answers = _Answers(folder)
+    while (data := read_frame(sys.stdin.buffer)) is not None:
+        try:
+            header, payload = answer(_Request(data, answers).load())
+        except Exception as exc:  # noqa: BLE001 - e.g. an answer that cannot be loaded here
+            header, payload = {"kind": "error", "type": type(exc).__name__, "message": str(exc)}, b""
+        header = json.dumps(header, default=str).encode()
+        out.write(frame(header) + frame(payload))
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) == 3 and argv[0] == "notebook":
+        return run_notebook(argv[1], int(argv[2]))
+    if len(argv) == 3 and argv[0] == "serve":
+        return serve(argv[1], int(argv[2]))
+    print("usage: python -m mgpu_lab.course.runner notebook NAME FD | serve ANSWERS FD", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

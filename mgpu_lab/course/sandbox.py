@@ -1,0 +1,301 @@
+"""Each submission in its own sandbox: a user, a directory, an environment, limits, namespaces.
+
+The grader runs nothing of a submission itself. Everything the submission's
+code touches runs in a :class:`Sandbox`:
+
+- **its own user** when the grader is root (``nobody``, or
+  ``MGPU_LAB_SANDBOX_USER``): it cannot write the grader's files, other
+  submissions or the course code, nor read root's;
+- **its own directory**, which is its ``/tmp`` and holds its HOME; ``/var/tmp``,
+  ``/dev/shm`` and ``/run/lock`` (the other places anyone may write) are fresh
+  and private, gone with it; directories the user could not enter
+  anyway (e.g. ``/root``) are hidden behind an empty tmpfs, except the Python
+  installation the grader runs;
+- **an allow-listed environment** (:data:`ENV_KEEP` plus what the grader sets):
+  nothing else of the grader's environment, secrets included, goes in;
+- **resource limits** (:class:`Limits`): address space per process, processes
+  and threads of the sandbox user, file size, CPU time per process;
+- **namespaces** (``unshare``): a network namespace with only the loopback
+  interface up (ranks and the Jupyter kernel need 127.0.0.1; nothing else is
+  reachable), a mount and an IPC namespace, and a PID namespace, so that
+  whatever the submission starts (``setsid``, double forks, fork bombs) dies
+  with it (``unshare --kill-child``; the grader dying kills it too).
+
+What the sandbox cannot give where the grader is not root: without root there
+is no other user (the submission runs as the grader's user, and the process
+limit is not set, since it would count the grader's own processes); without
+``unshare`` (or user namespaces) there are no namespaces: the network is
+reachable, the file system is the grader's, and a process that leaves the
+sandbox's session survives it. Memory is limited per process (address space),
+not summed over the sandbox's processes, and the directory's total size is not
+limited (only each file's). :func:`protections` says which protections this
+machine gives, once per run, in the report.
+
+Example:
+    >>> with Sandbox() as box:                                  # doctest: +SKIP
+    ...     proc = box.start([sys.executable, "-c", "print(1)"])
+    ...     proc.wait()
+    0
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import json
+import os
+import pwd
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import psutil
+
+__all__ = ["Limits", "Protections", "protections", "Sandbox", "ENV_KEEP"]
+
+GiB = 1 << 30
+# What of the grader's environment a sandbox keeps: nothing that could hold a secret.
+ENV_KEEP = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "PYTHONPATH", "CUDA_VISIBLE_DEVICES",
+            "CUDA_DEVICE_ORDER", "NVIDIA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "MGPU_LAB_TIMEOUT",
+            "MGPU_LAB_PREWARM", "MGPU_LAB_PRELOAD", "MGPU_LAB_NETNS")
+_UNSHARE = ["--pid", "--fork", "--kill-child", "--mount-proc", "--net", "--ipc"]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Resource limits of a sandbox (0 or None: no limit).
+
+    Attributes:
+        memory: bytes of address space per process (RLIMIT_AS).
+        processes: processes and threads of the sandbox user (RLIMIT_NPROC; only
+            when the sandbox has its own user).
+        file_size: bytes a file written may reach (RLIMIT_FSIZE).
+        cpu_time: CPU seconds per process (RLIMIT_CPU).
+        shm: size of each private ``/var/tmp``, ``/dev/shm``, ``/run/lock`` (tmpfs syntax).
+    """
+
+    memory: int = 16 * GiB
+    processes: int = 2048
+    file_size: int = 2 * GiB
+    cpu_time: int = 3600
+    shm: str = "1g"
+
+
+@dataclass(frozen=True)
+class Protections:
+    """What sandboxes get on this machine, and what they cannot get, in words."""
+
+    user: str | None  # the sandbox user's name; None: the grader's own user
+    uid: int | None
+    gid: int | None
+    namespaces: bool
+    userns: bool  # namespaces through a user namespace (the grader is not root)
+    missing: tuple[str, ...] = field(default_factory=tuple)
+
+    def describe(self, limits: Limits | None = None) -> str:
+        limits = limits or Limits()
+        got = [f"user {self.user}" if self.user else "the grader's own user",
+               "own PID, network (loopback only) and mount namespaces, private /tmp" if self.namespaces
+               else "own directory", "allow-listed environment",
+               f"limits: {limits.memory / GiB:g} GiB address space per process"
+               + (f", {limits.processes} processes" if self.user else "")
+               + f", {limits.file_size / GiB:g} GiB per file, {limits.cpu_time} s CPU per process"]
+        text = "sandbox: " + "; ".join(got)
+        return text + ("\nsandbox: not had here: " + "; ".join(self.missing) if self.missing else "")
+
+
+def _try_unshare(prefix: list[str]) -> bool:
+    exe = shutil.which("unshare")
+    if not exe:
+        return False
+    try:
+        return subprocess.run([exe, *prefix, *_UNSHARE, "true"], stdin=subprocess.DEVNULL,
+                              capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+@functools.cache
+def protections() -> Protections:
+    """Find out once which protections sandboxes get here (see the module docstring)."""
+    missing = []
+    if os.geteuid() == 0:
+        name = os.environ.get("MGPU_LAB_SANDBOX_USER", "nobody")
+        try:
+            entry = pwd.getpwnam(name)
+            user, uid, gid = name, entry.pw_uid, entry.pw_gid
+        except KeyError:
+            user = uid = gid = None
+            missing.append(f"a separate user (no user {name!r} on this machine; set MGPU_LAB_SANDBOX_USER)")
+        namespaces, userns = _try_unshare([]), False
+    else:
+        user = uid = gid = None
+        missing.append("a separate user and a process limit (the grader is not root: submissions run "
+                       "as its user)")
+        namespaces = userns = _try_unshare(["--user", "--map-root-user"])
+    if not namespaces:
+        missing.append("namespaces (`unshare` failed here): submissions can reach the network and the "
+                       "grader's file system, and a process that leaves their session can outlive them")
+    return Protections(user, uid, gid, namespaces, userns, tuple(missing))
+
+
+def _python_paths() -> list[str]:
+    """What the sandbox user must be able to read to run this Python and this package."""
+    import mgpu_lab
+
+    paths = {sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable)),
+             os.path.dirname(os.path.dirname(os.path.abspath(mgpu_lab.__file__)))}
+    paths |= {p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
+    return sorted({os.path.realpath(p) for p in paths})
+
+
+def _die_with_grader() -> None:  # runs in the child between fork and exec
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: no sandbox outlives its grader
+
+
+class Sandbox:
+    """A directory and the means to run commands closed in with it; a context manager.
+
+    Args:
+        limits: resource limits (default :class:`Limits`).
+        env: variables to add to the allow-listed environment of every command.
+
+    Attributes:
+        work: the sandbox's directory on this machine.
+        inside: the same directory as commands in the sandbox see it (``/tmp``
+            with namespaces).
+    """
+
+    def __init__(self, limits: Limits | None = None, env: dict | None = None):
+        self.limits = limits or Limits()
+        self.prot = protections()
+        self.base = Path(tempfile.mkdtemp(prefix="mgpu-grade-"))
+        self.work = self.base / "work"
+        self.work.mkdir(mode=0o700)
+        self.inside = "/tmp" if self.prot.namespaces else str(self.work)
+        if self.prot.uid is not None:
+            os.chown(self.work, self.prot.uid, self.prot.gid)
+        if not self.prot.namespaces:
+            os.chmod(self.base, 0o711)  # the sandbox user reaches its directory by its host path
+        self.env = {k: os.environ[k] for k in ENV_KEEP if k in os.environ}
+        self.env.update(HOME=f"{self.inside}/home", TMPDIR=self.inside, USER=self.prot.user or "grader",
+                        PYTHONNOUSERSITE="1", PYTHONDONTWRITEBYTECODE="1", MPLBACKEND="agg",
+                        JUPYTER_PLATFORM_DIRS="1", **(env or {}))
+        self.env.setdefault("PATH", "/usr/bin:/bin")
+        self._procs: list[subprocess.Popen] = []
+
+    def put(self, name: str, data: bytes) -> None:
+        """Write a file (a single name) into the sandbox's directory, owned by its user."""
+        path = self.work / name
+        path.write_bytes(data)
+        if self.prot.uid is not None:
+            os.chown(path, self.prot.uid, self.prot.gid)
+
+    def start(self, argv: list[str], *, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+              stderr=subprocess.DEVNULL, pass_fds=(), env: dict | None = None) -> subprocess.Popen:
+        """Start ``argv`` (absolute program path) in the sandbox; its fds 0-2 and ``pass_fds`` only."""
+        cfg = {"work": str(self.work), "netns": self.prot.namespaces, "mountns": self.prot.namespaces,
+               "expose": _python_paths(), "shm_size": self.limits.shm, "uid": self.prot.uid,
+               "gid": self.prot.gid, "cwd": self.inside,
+               "limits": {k: v for k, v in asdict(self.limits).items() if k != "shm"
+                          and (k != "processes" or self.prot.user)}}
+        command = [sys.executable, "-P", "-s", "-m", "mgpu_lab.course.sandbox_init", json.dumps(cfg), "--", *argv]
+        if self.prot.namespaces:
+            command = [shutil.which("unshare"), *(["--user", "--map-root-user"] if self.prot.userns else []),
+                       *_UNSHARE, *command]
+        proc = subprocess.Popen(command, stdin=stdin, stdout=stdout, stderr=stderr, pass_fds=pass_fds,
+                                env={**self.env, **(env or {})}, cwd="/", start_new_session=True,
+                                preexec_fn=_die_with_grader)
+        self._procs.append(proc)
+        return proc
+
+    def kill(self, proc: subprocess.Popen, wait: float = 10.0) -> None:
+        """End ``proc`` and everything it started: with namespaces, its PID namespace dies with it."""
+        try:
+            family = psutil.Process(proc.pid).children(recursive=True)
+        except psutil.Error:
+            family = []
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # its session: all there is without namespaces
+            except ProcessLookupError:
+                pass
+        for p in family:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        try:
+            proc.wait(wait)
+        except subprocess.TimeoutExpired:
+            pass
+        psutil.wait_procs(family, timeout=wait)
+
+    def read(self, relpath: str, limit: int) -> bytes | None:
+        """A regular file of the sandbox's directory, at most ``limit`` bytes; None if there is none.
+
+        Symbolic links, FIFOs, devices and directories are refused at every step
+        (the submission wrote the directory), so the grader only ever reads the
+        submission's own files and never blocks.
+
+        Raises:
+            ValueError: the file is larger than ``limit``.
+        """
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = os.open(self.work, flags | os.O_DIRECTORY)
+        except OSError:
+            return None
+        try:
+            parts = relpath.split("/")
+            for part in parts[:-1]:
+                nxt = os.open(part, flags | os.O_DIRECTORY, dir_fd=fd)
+                os.close(fd)
+                fd = nxt
+            leaf = os.open(parts[-1], flags | os.O_NONBLOCK, dir_fd=fd)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        try:
+            if not stat.S_ISREG(os.fstat(leaf).st_mode):
+                return None
+            data = os.read(leaf, limit + 1)
+            while len(data) <= limit and (more := os.read(leaf, limit + 1 - len(data))):
+                data += more
+        finally:
+            os.close(leaf)
+        if len(data) > limit:
+            raise ValueError(f"{relpath} is larger than {limit} bytes")
+        return data
+
+    def close(self) -> None:
+        """Kill every command still running and delete the directory (safe twice)."""
+        for proc in self._procs:
+            self.kill(proc)
+        self._procs.clear()
+        if self.base.exists():
+            shutil.rmtree(self.base, onerror=_force)
+
+    def __enter__(self) -> "Sandbox":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _force(func, path, _exc_info) -> None:
+    """rmtree's retry for what the submission made unreadable (as the grader's own user)."""
+    try:
+        os.chmod(os.path.dirname(path), 0o700)
+        if os.path.isdir(path) and not os.path.islink(path):
+            os.chmod(path, 0o700)
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            func(path)
+    except OSError:
+        pass

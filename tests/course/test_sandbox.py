@@ -1,0 +1,169 @@
+"""The grading sandbox and the grader's distrust: what a process inside gets, and what the grader believes.
+
+The hostile submissions, graded in one batch beside an honest one, are in
+tests/course/test_grade_hostile.py; these are the parts, each on its own.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mgpu_lab.course.checks import CaseFailed, exercises
+from mgpu_lab.course.judge import Session, read_manifest
+from mgpu_lab.course.runner import unjudgeable
+from mgpu_lab.course.sandbox import ENV_KEEP, Limits, Sandbox, protections
+
+pytestmark = pytest.mark.timeout(180)
+ROOT = os.geteuid() == 0
+
+INSIDE = r"""
+import json, os, resource, socket, sys
+out = {"uid": os.getuid(), "cwd": os.getcwd(), "env": sorted(os.environ), "tmp": sorted(os.listdir("/tmp")),
+       "as": resource.getrlimit(resource.RLIMIT_AS)[0], "nproc": resource.getrlimit(resource.RLIMIT_NPROC)[0],
+       "fsize": resource.getrlimit(resource.RLIMIT_FSIZE)[0], "cpu": resource.getrlimit(resource.RLIMIT_CPU)[0],
+       "pid": os.getpid(), "python": sys.version_info[:3]}
+s = socket.socket()
+s.settimeout(3)
+try:
+    s.connect((sys.argv[1], int(sys.argv[2])))
+    out["net"] = "connected"
+except OSError as exc:
+    out["net"] = type(exc).__name__
+lo = socket.socket()
+lo.bind(("127.0.0.1", 0))
+lo.listen()
+out["loopback"] = socket.create_connection(lo.getsockname(), timeout=3) is not None
+try:
+    open(sys.argv[3], "a").write("x")
+    out["wrote_outside"] = True
+except OSError:
+    out["wrote_outside"] = False
+print(json.dumps(out))
+"""
+
+
+def outside_address() -> str | None:
+    """An IPv4 address of this machine that is not loopback (what a submission must not reach)."""
+    import psutil
+
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family == socket.AF_INET and not a.address.startswith("127."):
+                return a.address
+    return None
+
+
+@pytest.mark.skipif(not ROOT, reason="the full sandbox (own user, namespaces) needs root; CI runs as root")
+def test_a_process_in_the_sandbox_gets_its_user_directory_environment_limits_and_no_network(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("MGPU_LAB_TEST_SECRET", "s3cr3t-value")
+    addr = outside_address()
+    listener = socket.socket()
+    listener.bind((addr or "0.0.0.0", 0))
+    listener.listen()
+    listener.settimeout(0.5)
+    target = tmp_path / "outside.txt"
+    target.write_text("")
+    os.chmod(tmp_path, 0o777)  # even a folder anyone may write is out of reach: it is not in the sandbox
+    limits = Limits(memory=3 << 30, processes=300, file_size=1 << 20, cpu_time=77)
+    with Sandbox(limits) as box:
+        proc = box.start([sys.executable, "-c", INSIDE, addr or "10.255.255.1", str(listener.getsockname()[1]), str(target)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err.decode()
+    got = json.loads(out)
+    assert got["uid"] == protections().uid != 0
+    assert got["cwd"] == "/tmp" and got["tmp"] == [] and got["pid"] < 10  # its own PID namespace
+    assert "MGPU_LAB_TEST_SECRET" not in got["env"]
+    assert set(got["env"]) <= set(ENV_KEEP) | {"HOME", "TMPDIR", "USER", "PYTHONNOUSERSITE", "PYTHONDONTWRITEBYTECODE",
+                                               "MPLBACKEND", "JUPYTER_PLATFORM_DIRS"}
+    assert (got["as"], got["nproc"], got["fsize"], got["cpu"]) == (3 << 30, 300, 1 << 20, 77)
+    assert got["net"] in ("OSError", "TimeoutError", "ConnectionRefusedError") and got["loopback"]
+    with pytest.raises(socket.timeout):
+        listener.accept()
+    assert not got["wrote_outside"] and target.read_text() == ""
+    assert tuple(got["python"]) == sys.version_info[:3]  # the grader's own Python, though under /root here
+
+
+def test_the_grader_reads_only_regular_files_of_the_sandbox_never_links_or_pipes(tmp_path):
+    with Sandbox() as box:
+        box.put("ok.txt", b"fine")
+        (box.work / "answers").mkdir()
+        (box.work / "answers" / "big").write_bytes(b"x" * 100)
+        secret = tmp_path / "secret"
+        secret.write_text("the grader's own file")
+        os.symlink(secret, box.work / "link")
+        os.symlink(tmp_path, box.work / "dirlink")
+        os.mkfifo(box.work / "fifo")  # opening it for reading would block a naive grader forever
+        assert box.read("ok.txt", 10) == b"fine"
+        assert box.read("link", 100) is None and box.read("dirlink/secret", 100) is None
+        assert box.read("fifo", 10) is None and box.read("answers", 10) is None and box.read("nope", 10) is None
+        with pytest.raises(ValueError, match="larger than 10 bytes"):
+            box.read("answers/big", 10)
+        base = box.base
+    assert not base.exists() and secret.read_text() == "the grader's own file"
+
+
+def test_the_manifest_is_believed_only_for_known_exercises_each_once_the_last_check_counting():
+    expected = exercises("01")
+    lines = [json.dumps(e) for e in (
+        {"exercise": "01.pick_device", "file": "0.pkl"},
+        {"exercise": "99.bonus", "file": "1.pkl", "points": 2000},
+        {"exercise": "04.shard_indices", "file": "2.pkl"},
+        {"exercise": "01.pick_device", "file": "3.pkl", "points": 1000, "status": "passed"},
+        {"exercise": "01.train_step", "file": "../../etc/passwd"},
+        {"exercise": "01.visible_devices_env", "error": "TypeError: cannot pickle '_thread.lock' object"},
+        {"points": 5}, ["01.pick_device"],
+    )] + ["not json", '{"exercise": "01.pick_device", "points": 99']
+    found, notes = read_manifest("\n".join(lines).encode(), expected)
+    assert found == {"01.pick_device": {"file": "3.pkl"},
+                     "01.visible_devices_env": {"error": "TypeError: cannot pickle '_thread.lock' object"}}
+    assert len(notes) == 1 and "ignored 7 recorded check(s)" in notes[0] and "'99.bonus'" in notes[0]
+    assert read_manifest(None, expected) == ({}, [])
+
+
+class Boom:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/mgpu-grade-test-pwned",))
+
+
+def test_replies_are_read_as_plain_data_only_and_a_pickle_that_runs_code_is_refused(tmp_path):
+    session = Session.__new__(Session)
+    buf = io.BytesIO()
+    torch.save({"value": {"loss": 0.5, "state": torch.ones(2), "device": torch.device("cpu"), "ok": (1, "a")}}, buf)
+    got = session._reply({"kind": "ok"}, buf.getvalue())
+    assert got["device"] == torch.device("cpu") and torch.equal(got["state"], torch.ones(2))
+    forged = io.BytesIO()
+    torch.save({"value": Boom()}, forged)
+    with pytest.raises(CaseFailed) as info:
+        session._reply({"kind": "ok"}, forged.getvalue())
+    assert "cannot judge" in info.value.hint and "could not be read as plain data" in info.value.got
+    assert not os.path.exists("/tmp/mgpu-grade-test-pwned")
+    with pytest.raises(CaseFailed, match="cannot judge"):
+        session._reply({"kind": "unjudgeable", "message": "the value is a numpy.ndarray"}, b"")
+    with pytest.raises(RuntimeError, match="not"):
+        session._reply(["not", "a", "dict"], b"odd")  # nonsense from the sandbox is an error, not a crash
+
+
+def test_the_runner_names_what_is_not_plain_data():
+    import numpy as np
+
+    assert unjudgeable({"a": [1, 2.5, "x", None, torch.zeros(1), torch.device("cpu"), {3}]}) == ""
+    assert unjudgeable([1, np.float32(2)]) == "the result[1] is a numpy.float32"
+    assert unjudgeable({"k": object()}) == "the result['k'] is a builtins.object"
+
+
+def test_protections_are_said_once_in_words():
+    text = protections().describe(Limits())
+    assert text.startswith("sandbox: ")
+    if ROOT and protections().namespaces:
+        assert "user nobody" in text and "network (loopback only)" in text and "not had here" not in text
+    else:
+        assert "not had here" in text
