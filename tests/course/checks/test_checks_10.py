@@ -1,0 +1,101 @@
+"""Lesson 10's checkers: the solutions get full marks, stubs are "not attempted", and the judging helpers.
+
+The wrong answers every case exists for are tests/mutants/test_mutants_10.py.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from checking import solutions_from, stub
+
+from mgpu_lab.course.checks import check, exercises
+from mgpu_lab.course.checks import resume10
+from mgpu_lab.course.checks.probes10 import NEW, OLD, classify
+
+pytestmark = pytest.mark.timeout(600)
+
+NOTEBOOK = Path(__file__).resolve().parents[3] / "solutions" / "10_failures.ipynb"
+PRELUDE = """
+import os, tempfile
+from collections import Counter
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+from mgpu_lab import snapshot
+from mgpu_lab import dist as mdist
+"""
+
+
+@pytest.fixture(scope="module")
+def solutions():
+    ns: dict = {}
+    exec(PRELUDE, ns)
+    return solutions_from(NOTEBOOK, ("atomic_save", "first_desync", "resumable_train"), ns)
+
+
+def test_lesson_10_registers_its_three_exercises_with_one_point_per_case():
+    got = {e.id: e.points for e in exercises("10")}
+    assert got == {"10.atomic_save": 6, "10.first_desync": 8, "10.resumable_train": 7}
+
+
+@pytest.mark.parametrize("name", ["atomic_save", "first_desync", "resumable_train"])
+def test_the_solution_gets_full_marks(solutions, name):
+    result = check(f"10.{name}", solutions[name])
+    assert result.points == result.max_points, result
+
+
+@pytest.mark.parametrize("exercise_id,answer", [
+    ("10.atomic_save", stub), ("10.first_desync", stub), ("10.resumable_train", stub)])
+def test_a_stub_is_not_attempted(exercise_id, answer):
+    assert check(exercise_id, answer).status == "not attempted"
+
+
+# -- the judging helpers, on made-up evidence (no processes) ---------------------------------
+def test_classify_tells_old_new_missing_and_torn_files(tmp_path):
+    import torch
+
+    path = tmp_path / "s.pt"
+    assert classify(str(path)) == "missing"
+    torch.save(OLD, path)
+    assert classify(str(path)) == "old"
+    torch.save(NEW, path)
+    data = path.read_bytes()
+    assert classify(str(path)) == "new"
+    path.write_bytes(data[: len(data) // 2])
+    assert classify(str(path)).startswith("torn:")
+
+
+def test_resumed_from_follows_the_snapshots_of_a_kill_schedule():
+    every = resume10.CFG["every"]
+    assert every == 4
+    assert resume10.resumed_from([None]) == 0
+    assert resume10.resumed_from([["step", 0, 1, 10], None]) == 8        # steps 1-9 done, snapshot of 8
+    assert resume10.resumed_from([["save", 0, 0, 2], None]) == 4         # the 2nd snapshot (8) torn: the 1st
+    assert resume10.resumed_from([["step", 0, 0, 3], ["step", 1, 1, 5], None]) == 4
+
+
+def _trace(n, w=None, x=None, rng=None):
+    return [{"f": i + 1, "w": [float(i), 1.0] if w is None else w(i), "x": float(i) if x is None else x(i),
+             "rng": f"r{i}" if rng is None else rng(i)} for i in range(n)]
+
+
+@pytest.mark.parametrize("steps,words", [
+    (_trace(18)[8:], None),
+    (_trace(18)[6:], "weights after step 6"),
+    ([dict(r, x=-1.0) for r in _trace(18)[8:]], "other samples"),
+    ([dict(r, rng="other") for r in _trace(18)[8:]], "iter(loader)"),
+    ([r if r["f"] == 9 else dict(r, w=[-1.0, 0.0]) for r in _trace(18)[8:]], "optimizer"),
+    (_trace(18)[8:12], "stopped after step 12"),
+])
+def test_first_difference_names_the_first_thing_that_differs_after_a_resume(steps, words):
+    why = resume10.first_difference(steps, _trace(18), 8, 1)
+    assert (why is None) if words is None else (words in why), why
+
+
+def test_first_difference_of_a_fresh_run_points_at_set_epoch_after_the_first_epoch():
+    ref = _trace(18)
+    steps = [dict(r, x=-1.0) if r["f"] > 6 else r for r in ref]
+    assert "set_epoch" in resume10.first_difference(steps, ref, 0, 0)

@@ -1,0 +1,43 @@
+"""mgpu_lab.elastic: torchrun commands, running them with a time limit, reading the failure summary."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from mgpu_lab import elastic
+
+pytestmark = pytest.mark.timeout(120)
+
+SUMMARY = """I1123 02:31:28.766000 1 torch/x.py:1] something before
+Traceback (most recent call last):
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+train.py FAILED
+Root Cause (first observed failure):
+[0]:
+  rank      : 1 (local_rank: 1)
+  exitcode  : 1 (pid: 23492)
+============================================================"""
+
+
+def test_torchrun_argv_puts_the_options_before_the_script():
+    argv = elastic.torchrun_argv("train.py", "--epochs", 2, nproc=4, max_restarts=3, log_dir="logs")
+    assert argv[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert {"--standalone", "--nproc-per-node=4", "--max-restarts=3", "--log-dir=logs"} <= set(argv)
+    assert argv[-3:] == ["train.py", "--epochs", "2"]
+    forked = elastic.torchrun_argv("train.py", fork=True)
+    assert "--run-path" in forked and "--start-method=forkserver" in forked and forked[-1].endswith("/train.py")
+
+
+def test_failure_summary_is_the_block_from_child_failed_error():
+    lines = elastic.failure_summary(SUMMARY)
+    assert lines[0].endswith("ChildFailedError:") and "  rank      : 1 (local_rank: 1)" in lines
+    assert elastic.failure_summary("all good") == []
+
+
+def test_run_keeps_the_output_and_stops_a_command_at_its_time_limit():
+    done = elastic.run([sys.executable, "-c", "print('hello'); import sys; sys.exit(3)"], echo=False)
+    assert done.returncode == 3 and done.lines("hello") == ["hello"]
+    slow = elastic.run([sys.executable, "-c", "import time; time.sleep(30)"], echo=False, timeout=1)
+    assert slow.returncode is None and slow.seconds < 20
