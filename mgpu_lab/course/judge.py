@@ -24,7 +24,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import pickle
 import re
 import selectors
 import subprocess

@@ -13,8 +13,9 @@ code touches runs in a :class:`Sandbox`:
   installation the grader runs;
 - **an allow-listed environment** (:data:`ENV_KEEP` plus what the grader sets):
   nothing else of the grader's environment, secrets included, goes in;
-- **resource limits** (:class:`Limits`): address space per process, processes
-  and threads of the sandbox user, file size, CPU time per process;
+- **resource limits** (:class:`~mgpu_lab.course.isolation.Limits`): address
+  space per process (not where an NVIDIA driver is loaded), processes and
+  threads of the sandbox user, file size, CPU time per process;
 - **namespaces** (``unshare``): a network namespace with only the loopback
   interface up (ranks and the Jupyter kernel need 127.0.0.1; nothing else is
   reachable), a mount and an IPC namespace, and a PID namespace, so that
@@ -28,8 +29,8 @@ limit is not set, since it would count the grader's own processes); without
 reachable, the file system is the grader's, and a process that leaves the
 sandbox's session survives it. Memory is limited per process (address space),
 not summed over the sandbox's processes, and the directory's total size is not
-limited (only each file's). :func:`protections` says which protections this
-machine gives, once per run, in the report.
+limited (only each file's). :func:`~mgpu_lab.course.isolation.protections` says
+which protections this machine gives, once per run, in the report.
 
 Example:
     >>> with Sandbox() as box:                                  # doctest: +SKIP
@@ -40,115 +41,34 @@ Example:
 from __future__ import annotations
 
 import ctypes
-import functools
 import json
 import os
-import pwd
 import shutil
 import signal
 import stat
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import psutil
 
+from .isolation import ENV_KEEP, UNSHARE, Limits, Protections, protections
+
 __all__ = ["Limits", "Protections", "protections", "Sandbox", "ENV_KEEP"]
 
-GiB = 1 << 30
-# What of the grader's environment a sandbox keeps: nothing that could hold a secret.
-ENV_KEEP = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "PYTHONPATH", "CUDA_VISIBLE_DEVICES",
-            "CUDA_DEVICE_ORDER", "NVIDIA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "MGPU_LAB_TIMEOUT",
-            "MGPU_LAB_PREWARM", "MGPU_LAB_PRELOAD", "MGPU_LAB_NETNS")
-_UNSHARE = ["--pid", "--fork", "--kill-child", "--mount-proc", "--net", "--ipc"]
 
+def _package_root() -> str:
+    """The folder that holds the grader's ``mgpu_lab`` package."""
+    import mgpu_lab
 
-@dataclass(frozen=True)
-class Limits:
-    """Resource limits of a sandbox (0 or None: no limit).
-
-    Attributes:
-        memory: bytes of address space per process (RLIMIT_AS).
-        processes: processes and threads of the sandbox user (RLIMIT_NPROC; only
-            when the sandbox has its own user).
-        file_size: bytes a file written may reach (RLIMIT_FSIZE).
-        cpu_time: CPU seconds per process (RLIMIT_CPU).
-        shm: size of each private ``/var/tmp``, ``/dev/shm``, ``/run/lock`` (tmpfs syntax).
-    """
-
-    memory: int = 16 * GiB
-    processes: int = 2048
-    file_size: int = 2 * GiB
-    cpu_time: int = 3600
-    shm: str = "1g"
-
-
-@dataclass(frozen=True)
-class Protections:
-    """What sandboxes get on this machine, and what they cannot get, in words."""
-
-    user: str | None  # the sandbox user's name; None: the grader's own user
-    uid: int | None
-    gid: int | None
-    namespaces: bool
-    userns: bool  # namespaces through a user namespace (the grader is not root)
-    missing: tuple[str, ...] = field(default_factory=tuple)
-
-    def describe(self, limits: Limits | None = None) -> str:
-        limits = limits or Limits()
-        got = [f"user {self.user}" if self.user else "the grader's own user",
-               "own PID, network (loopback only) and mount namespaces, private /tmp" if self.namespaces
-               else "own directory", "allow-listed environment",
-               f"limits: {limits.memory / GiB:g} GiB address space per process"
-               + (f", {limits.processes} processes" if self.user else "")
-               + f", {limits.file_size / GiB:g} GiB per file, {limits.cpu_time} s CPU per process"]
-        text = "sandbox: " + "; ".join(got)
-        return text + ("\nsandbox: not had here: " + "; ".join(self.missing) if self.missing else "")
-
-
-def _try_unshare(prefix: list[str]) -> bool:
-    exe = shutil.which("unshare")
-    if not exe:
-        return False
-    try:
-        return subprocess.run([exe, *prefix, *_UNSHARE, "true"], stdin=subprocess.DEVNULL,
-                              capture_output=True, timeout=60).returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        return False
-
-
-@functools.cache
-def protections() -> Protections:
-    """Find out once which protections sandboxes get here (see the module docstring)."""
-    missing = []
-    if os.geteuid() == 0:
-        name = os.environ.get("MGPU_LAB_SANDBOX_USER", "nobody")
-        try:
-            entry = pwd.getpwnam(name)
-            user, uid, gid = name, entry.pw_uid, entry.pw_gid
-        except KeyError:
-            user = uid = gid = None
-            missing.append(f"a separate user (no user {name!r} on this machine; set MGPU_LAB_SANDBOX_USER)")
-        namespaces, userns = _try_unshare([]), False
-    else:
-        user = uid = gid = None
-        missing.append("a separate user and a process limit (the grader is not root: submissions run "
-                       "as its user)")
-        namespaces = userns = _try_unshare(["--user", "--map-root-user"])
-    if not namespaces:
-        missing.append("namespaces (`unshare` failed here): submissions can reach the network and the "
-                       "grader's file system, and a process that leaves their session can outlive them")
-    return Protections(user, uid, gid, namespaces, userns, tuple(missing))
+    return os.path.dirname(os.path.dirname(os.path.abspath(mgpu_lab.__file__)))
 
 
 def _python_paths() -> list[str]:
     """What the sandbox user must be able to read to run this Python and this package."""
-    import mgpu_lab
-
-    paths = {sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable)),
-             os.path.dirname(os.path.dirname(os.path.abspath(mgpu_lab.__file__)))}
+    paths = {sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable)), _package_root()}
     paths |= {p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
     return sorted({os.path.realpath(p) for p in paths})
 
@@ -182,6 +102,8 @@ class Sandbox:
         if not self.prot.namespaces:
             os.chmod(self.base, 0o711)  # the sandbox user reaches its directory by its host path
         self.env = {k: os.environ[k] for k in ENV_KEEP if k in os.environ}
+        # The sandbox runs the grader's own mgpu_lab, wherever the grader found it (even the current folder).
+        self.env["PYTHONPATH"] = os.pathsep.join([_package_root(), *filter(None, [self.env.get("PYTHONPATH")])])
         self.env.update(HOME=f"{self.inside}/home", TMPDIR=self.inside, USER=self.prot.user or "grader",
                         PYTHONNOUSERSITE="1", PYTHONDONTWRITEBYTECODE="1", MPLBACKEND="agg",
                         JUPYTER_PLATFORM_DIRS="1", **(env or {}))
@@ -202,11 +124,11 @@ class Sandbox:
                "expose": _python_paths(), "shm_size": self.limits.shm, "uid": self.prot.uid,
                "gid": self.prot.gid, "cwd": self.inside,
                "limits": {k: v for k, v in asdict(self.limits).items() if k != "shm"
-                          and (k != "processes" or self.prot.user)}}
+                          and (k != "processes" or self.prot.user) and (k != "memory" or not self.prot.cuda)}}
         command = [sys.executable, "-P", "-s", "-m", "mgpu_lab.course.sandbox_init", json.dumps(cfg), "--", *argv]
         if self.prot.namespaces:
             command = [shutil.which("unshare"), *(["--user", "--map-root-user"] if self.prot.userns else []),
-                       *_UNSHARE, *command]
+                       *UNSHARE, *command]
         proc = subprocess.Popen(command, stdin=stdin, stdout=stdout, stderr=stderr, pass_fds=pass_fds,
                                 env={**self.env, **(env or {})}, cwd="/", start_new_session=True,
                                 preexec_fn=_die_with_grader)

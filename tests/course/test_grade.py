@@ -67,23 +67,27 @@ def test_a_notebook_that_kills_its_kernel_keeps_earlier_points(tmp_path):
 def test_cli_scores_right_answers_stubs_and_unchecked_exercises_in_a_table_json_and_csv(tmp_path, capsys):
     right = _nb(tmp_path, "01_right.ipynb", RIGHT, CHECK)
     stub = _nb(tmp_path, "01_stub.ipynb", STUB, "pick_device()", CHECK)  # an error cell does not stop grading
+    broken = tmp_path / "01_broken.ipynb"
+    broken.write_bytes(b"\x89PNG not a notebook {")
     out_json, out_csv, out_gs = tmp_path / "g.json", tmp_path / "g.csv", tmp_path / "gradescope"
-    assert main(["grade", str(right), str(stub), "--json", str(out_json), "--csv", str(out_csv),
+    assert main(["grade", str(right), str(stub), str(broken), "--json", str(out_json), "--csv", str(out_csv),
                  "--gradescope", str(out_gs)]) == 0
     text = capsys.readouterr().out
     assert text.startswith("sandbox: ") and f"{right}: 6/18" in text and f"{stub}: 0/18" in text
     data = json.loads(out_json.read_text())
-    assert [(d["points"], d["max_points"], d["completed"], d["reason"]) for d in data] == [
+    assert [(d["points"], d["max_points"], d["completed"], d["reason"]) for d in data[:2]] == [
         (6, 18, True, ""), (0, 18, True, "")]
+    assert (data[2]["points"], data[2]["max_points"], data[2]["completed"]) == (0, 18, False)
+    assert data[2]["reason"].startswith("the notebook could not be read: ")
     statuses = [{e["exercise"]: (e["points"], e["status"]) for e in d["exercises"]} for d in data]
     assert statuses[0] == {"01.pick_device": (6, "passed"), "01.train_step": (0, "not checked"),
                            "01.visible_devices_env": (0, "not checked")}
     assert statuses[1]["01.pick_device"] == (0, "not attempted")
     rows = list(csv.DictReader(out_csv.open()))
     assert {"notebook": str(stub), "exercise": "01.pick_device", "status": "not attempted"}.items() <= rows[4].items()
-    assert rows[-1]["exercise"] == "TOTAL" and rows[-1]["points"] == "0"
+    assert rows[-1]["exercise"] == "TOTAL" and rows[-1]["points"] == "0" and rows[-1]["completed"] == "False"
     gs = {d.name: json.loads((d / "results.json").read_text()) for d in out_gs.iterdir()}
-    assert set(gs) == {"01_right", "01_stub"} and (gs["01_right"]["score"], gs["01_stub"]["score"]) == (6, 0)
+    assert set(gs) == {"01_right", "01_stub", "01_broken"} and (gs["01_right"]["score"], gs["01_stub"]["score"]) == (6, 0)
     tests = gs["01_right"]["tests"]
     assert sum(t["max_score"] for t in tests) == 18 and sum(t["score"] for t in tests) == 6
     cases = [t for t in tests if t["name"].startswith("01.pick_device #")]
@@ -93,6 +97,28 @@ def test_cli_scores_right_answers_stubs_and_unchecked_exercises_in_a_table_json_
     assert all(t["visibility"] == "visible" for t in tests if t not in hidden)
     assert {t["name"]: t["output"] for t in gs["01_stub"]["tests"]}["01.pick_device: not attempted"].startswith(
         "not attempted")
+
+
+def test_whatever_breaks_the_grader_on_one_notebook_gives_it_zero_with_the_reason_and_the_batch_goes_on(
+        tmp_path, monkeypatch):
+    import mgpu_lab.course.grade as grade_module
+    from mgpu_lab.course.grade import NotebookGrade, grade
+
+    first, second = _nb(tmp_path, "01_a.ipynb", "1"), _nb(tmp_path, "01_b.ipynb", "2")
+    missing = tmp_path / "01_gone.ipynb"
+
+    def fake(path, timeout, limits, expected):
+        if path == first:
+            raise KeyError("points")  # as a malformed record once broke the whole batch
+        return NotebookGrade(str(path), [], reason="")
+
+    monkeypatch.setattr(grade_module, "_grade", fake)
+    a, b, gone = grade([first, second, missing], timeout=5)
+    assert (a.points, a.max_points, a.completed) == (0, 18, False)
+    assert {e.status for e in a.exercises} == {"not judged"}
+    assert a.reason.startswith("the grader could not judge this notebook (KeyError: 'points')")
+    assert b.completed and b.path == str(second)
+    assert not gone.completed and "no notebook at" in gone.reason
 
 
 def test_failed_visible_cases_tell_gradescope_what_came_and_why_hidden_ones_only_fail():

@@ -8,10 +8,13 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import time
 
+import psutil
 import pytest
 import torch
 
@@ -51,8 +54,6 @@ print(json.dumps(out))
 
 def outside_address() -> str | None:
     """An IPv4 address of this machine that is not loopback (what a submission must not reach)."""
-    import psutil
-
     for addrs in psutil.net_if_addrs().values():
         for a in addrs:
             if a.family == socket.AF_INET and not a.address.startswith("127."):
@@ -167,3 +168,31 @@ def test_protections_are_said_once_in_words():
         assert "user nobody" in text and "network (loopback only)" in text and "not had here" not in text
     else:
         assert "not had here" in text
+
+
+@pytest.mark.skipif(not protections().namespaces, reason="without a PID namespace a setsid child can outlive it")
+def test_a_sandbox_dies_with_its_grader_even_when_the_grader_is_killed():
+
+    grader = subprocess.Popen([sys.executable, "-c", f"""
+import subprocess, sys, time
+from mgpu_lab.course.sandbox import Sandbox
+box = Sandbox()
+box.start(["/bin/sh", "-c", "setsid sleep 601.25 & sleep 601.25"])
+print(box.base, flush=True)
+time.sleep(600)
+"""], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    base = grader.stdout.readline().strip()
+
+    def sleepers():
+        return [p for p in psutil.process_iter(["cmdline"]) if "601.25" in " ".join(p.info["cmdline"] or [])]
+
+    for _ in range(100):  # until both sleeps run
+        if len(sleepers()) >= 2:
+            break
+        time.sleep(0.1)
+    assert len(sleepers()) >= 2
+    grader.kill()  # as the out-of-memory killer would: no clean-up code runs
+    grader.wait()
+    gone, alive = psutil.wait_procs(sleepers(), timeout=10)
+    assert alive == []
+    shutil.rmtree(base, ignore_errors=True)
