@@ -44,21 +44,21 @@ def _need(t, evidence):
 
 
 # -- pick_device -------------------------------------------------------------------
-PICK_CASES = [  # name, (gpus, args) calls, expected devices, hidden, hint
+PICK_CASES = [  # name, (gpus, args) calls, expected devices, hidden, hint per call
     ("no GPU visible: pick_device() is cpu", [(0, ())], [torch.device("cpu")], False,
-     "with no GPU visible (torch.cuda.is_available() is False) return torch.device('cpu')"),
-    ("2 GPUs visible: pick_device() is cuda:0", [(2, ())], [torch.device("cuda", 0)], False,
-     "index=None means the first visible GPU: torch.device('cuda', 0)"),
-    ("2 GPUs visible: pick_device(1) is cuda:1 and pick_device(0) is cuda:0", [(2, (1,)), (2, (0,))],
-     [torch.device("cuda", 1), torch.device("cuda", 0)], False,
-     "use the index you were given: torch.device('cuda', index)"),
-    ("4 GPUs visible: pick_device(3) is cuda:3", [(4, (3,))], [torch.device("cuda", 3)], True, PICK_HINT),
+     ["with no GPU visible (torch.cuda.is_available() is False) return torch.device('cpu')"]),
+    ("2 GPUs visible: pick_device() and pick_device(0) are cuda:0, pick_device(1) is cuda:1",
+     [(2, ()), (2, (0,)), (2, (1,))], [torch.device("cuda", 0), torch.device("cuda", 0), torch.device("cuda", 1)],
+     False, ["index=None means the first visible GPU: torch.device('cuda', 0)",
+             "use the index you were given: torch.device('cuda', index)",
+             "use the index you were given: torch.device('cuda', index)"]),
+    ("4 GPUs visible: pick_device(3) is cuda:3", [(4, (3,))], [torch.device("cuda", 3)], True, [PICK_HINT]),
 ]
 BAD_INDEX = [(2, (2,)), (2, (-1,)), (2, (7,))]
 NO_GPU_INDEX = [(0, (0,))]
 
 
-@exercise("01.pick_device", points=7, description="pick_device(index=None): cuda:index with GPUs, cpu without, "
+@exercise("01.pick_device", points=6, description="pick_device(index=None): cuda:index with GPUs, cpu without, "
           "ValueError naming the visible count for a bad index")
 def _pick_device(t, pick_device):
     """Catches: the index ignored (always cuda:0), no CPU fallback, ``torch.device('cuda')`` for None,
@@ -67,19 +67,21 @@ def _pick_device(t, pick_device):
     calls = [c for case in PICK_CASES for c in case[1]] + BAD_INDEX + NO_GPU_INDEX
     got = None
     returned = []
-    for i, (name, these, expected, hidden, hint) in enumerate(PICK_CASES):
-        with t.case(name, hidden=hidden, hint=hint):
+    for i, (name, these, expected, hidden, hints) in enumerate(PICK_CASES):
+        with t.case(name, hidden=hidden, hint=hints[0]):
             if i == 0:
                 got = dict(zip(calls, t.call(run_pick, pick_device, calls)))
             _need(t, got)
-            for call, want in zip(these, expected):
-                result = got[call]
+            for (gpus, args), want, hint in zip(these, expected, hints):
+                result = got[(gpus, args)]
+                call = f"pick_device({', '.join(map(repr, args))}) with {gpus} GPU(s)"
                 if result[0] == "raised":
-                    t.fail("", repr(want), _outcome(result))
+                    t.fail(hint, repr(want), f"{call}: {_outcome(result)}")
                 value = result[1]
                 returned.append(value)
                 # Strings name devices too ("cuda:1"); the type is judged once, below.
-                t.equal(torch.device(value) if isinstance(value, str) else value, want)
+                if (torch.device(value) if isinstance(value, str) else value) != want:
+                    t.fail(hint, f"{call}: {want!r}", f"{call}: {value!r}")
     with t.case("returns a torch.device, not a string",
                 hint="return torch.device('cuda', index) / torch.device('cpu'): a device object, which "
                      "compares and prints as a device everywhere"):
@@ -168,10 +170,10 @@ def _train_step(t, train_step):
 ENV_HINT = ("return {'CUDA_VISIBLE_DEVICES': ','.join(str(i) for i in ids)}: keep the order, no spaces, "
             "values must be strings")
 BAD_HINT = "validate: every id an int >= 0, no id twice; raise ValueError naming the bad id"
-ENV_CASES = [  # name, ids, hidden
-    ("visible_devices_env([2, 3]) makes a real child process see CUDA_VISIBLE_DEVICES=2,3", [2, 3], False),
-    ("visible_devices_env([3, 1]) keeps the order: the child sees 3,1 (its cuda:0 is GPU 3)", [3, 1], False),
-    ("visible_devices_env([0]): the child sees 0", [0], True),
+ENV_CASES = [  # name, ids lists, hidden
+    ("visible_devices_env([2, 3]) and ([0]) make real child processes see CUDA_VISIBLE_DEVICES=2,3 and 0",
+     [[2, 3], [0]], False),
+    ("visible_devices_env([3, 1]) keeps the order: the child sees 3,1 (its cuda:0 is GPU 3)", [[3, 1]], False),
 ]
 BAD_CASES = [  # name, ids, hidden, hint
     ("visible_devices_env([1, 1]) raises ValueError (an id twice)", [[1, 1]], False,
@@ -182,28 +184,32 @@ BAD_CASES = [  # name, ids, hidden, hint
 ]
 
 
-@exercise("01.visible_devices_env", points=7, description="visible_devices_env(ids): the environment a child "
+@exercise("01.visible_devices_env", points=6, description="visible_devices_env(ids): the environment a child "
           "process needs to see exactly those GPUs, in that order; ValueError for bad ids")
 def _visible(t, visible_devices_env):
     """Catches: sorted ids, spaces or other separators, values that are not strings, extra variables,
     setting ``os.environ`` of the calling process, duplicate, negative or non-int ids accepted (one case)."""
-    calls = [ids for _, ids, _ in ENV_CASES] + [ids for case in BAD_CASES for ids in case[1]]
+    calls = [ids for case in ENV_CASES for ids in case[1]] + [ids for case in BAD_CASES for ids in case[1]]
     got = None
-    for i, (name, ids, hidden) in enumerate(ENV_CASES):
+    at = 0
+    for i, (name, these, hidden) in enumerate(ENV_CASES):
         with t.case(name, hidden=hidden, hint=ENV_HINT):
             if i == 0:
                 got = t.call(run_visible, visible_devices_env, calls)
             _need(t, got)
-            report = got[i]
-            if report["outcome"][0] == "raised":
-                t.fail("", "a dict of variables", _outcome(report["outcome"]))
-            if not report["strings"]:
-                t.fail("return a dict of str to str (a child's environment holds only strings)",
-                       "dict[str, str]", report["outcome"][1])
-            t.equal(report["seen"], ",".join(map(str, ids)))
-            extra = {k: v for k, v in report["outcome"][1].items() if k != "CUDA_VISIBLE_DEVICES"}
-            if extra not in ({}, {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}):
-                t.fail("set only CUDA_VISIBLE_DEVICES (and optionally CUDA_DEVICE_ORDER=PCI_BUS_ID)", "", repr(extra))
+            for k, ids in enumerate(these):
+                report = got[at + k]
+                if report["outcome"][0] == "raised":
+                    t.fail("", "a dict of variables", _outcome(report["outcome"]))
+                if not report["strings"]:
+                    t.fail("return a dict of str to str (a child's environment holds only strings)",
+                           "dict[str, str]", report["outcome"][1])
+                t.equal(report["seen"], ",".join(map(str, ids)))
+                extra = {k: v for k, v in report["outcome"][1].items() if k != "CUDA_VISIBLE_DEVICES"}
+                if extra not in ({}, {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}):
+                    t.fail("set only CUDA_VISIBLE_DEVICES (and optionally CUDA_DEVICE_ORDER=PCI_BUS_ID)", "",
+                           repr(extra))
+        at += len(these)
     with t.case("leaves this process's own os.environ unchanged (the variables are for the child)",
                 hint="return a new dict; do not set os.environ here: CUDA has already read it in this process, "
                      "and every later child would inherit it"):
@@ -211,7 +217,7 @@ def _visible(t, visible_devices_env):
         changed = sorted({k for report in got for k in report["environ_changed"]})
         if changed:
             t.fail("", "os.environ unchanged", f"os.environ changed: {', '.join(changed)}")
-    first_bad = len(ENV_CASES)
+    first_bad = at
     for name, bad, hidden, hint in BAD_CASES:
         with t.case(name, hidden=hidden, hint=hint):
             _need(t, got)
