@@ -46,7 +46,9 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=None, d
 
     ``map_location`` puts the tensors on this rank's device (a checkpoint written
     from ``cuda:0`` would otherwise land on ``cuda:0`` on every rank), and
-    ``weights_only=True`` refuses anything but tensors and plain containers.
+    ``weights_only=True``, torch's default since 2.6 (written out for torch 2.4
+    and 2.5, where it was False), unpickles only tensors, primitive types and
+    plain containers, never arbitrary objects.
 
     Returns:
         The whole checkpoint dict (``epoch`` and extras).

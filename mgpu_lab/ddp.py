@@ -6,8 +6,8 @@ The pieces work in a rank started by :func:`mgpu_lab.launch` and under
 - :func:`wrap` and :func:`make_loader`: DDP with ``device_ids`` on GPUs, a
   ``DistributedSampler`` with a per-rank batch size;
 - :func:`fit` and :func:`train`: the training loop with ``set_epoch``,
-  gradient accumulation under ``no_sync`` and mixed precision (autocast; a
-  GradScaler on GPUs), counting the gradient all-reduces;
+  gradient accumulation under ``no_sync`` and mixed precision (autocast in
+  :func:`autocast_dtype`; a GradScaler with float16), counting the gradient all-reduces;
 - :func:`reference_train`: the same training in one process with the global
   batch, the result DDP must reproduce;
 - :func:`evaluate` and :func:`global_mean`: exact distributed evaluation;
@@ -39,7 +39,7 @@ from . import dist as mdist
 from .checkpoint import load_checkpoint, save_checkpoint
 
 __all__ = ["wrap", "make_loader", "fit", "train", "reference_train", "max_diff", "evaluate",
-           "global_mean", "save_checkpoint", "load_checkpoint", "cpu_state"]
+           "global_mean", "save_checkpoint", "load_checkpoint", "cpu_state", "autocast_dtype"]
 
 
 def _initialised() -> bool:
@@ -102,6 +102,16 @@ def _count_allreduces(model: DDP, stats: dict) -> None:
     model.register_comm_hook(None, hook)
 
 
+def autocast_dtype(device: torch.device) -> torch.dtype:
+    """bfloat16 where the hardware has it (CPUs; GPUs of compute capability 8.0+), else float16 (V100, T4).
+
+    bfloat16 has float32's range and needs no GradScaler; float16 does. ``autocast_dtype(cpu)`` is bfloat16.
+    """
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+        return torch.float16
+    return torch.bfloat16
+
+
 def fit(model: nn.Module, loader, optimizer, epochs: int, *, loss_fn=None, accumulate: int = 1,
         no_sync: bool = True, set_epoch: bool = True, amp: bool = False, start_epoch: int = 0,
         log_every: int | None = None, on_epoch_end=None) -> dict:
@@ -116,7 +126,7 @@ def fit(model: nn.Module, loader, optimizer, epochs: int, *, loss_fn=None, accum
         accumulate: batches per optimizer step; the first ``accumulate - 1`` run under
             ``model.no_sync()`` so DDP all-reduces gradients once per step.
         set_epoch: ``False`` reproduces the bug of the same order every epoch.
-        amp: autocast (float16 with a GradScaler on a GPU, bfloat16 on the CPU).
+        amp: autocast in :func:`autocast_dtype` (float16 with a GradScaler on older GPUs).
         start_epoch: the epoch to resume from.
         log_every: rank 0 prints the loss every this many optimizer steps (0: at
             epoch ends only; None: silent).
@@ -137,9 +147,8 @@ def fit(model: nn.Module, loader, optimizer, epochs: int, *, loss_fn=None, accum
     stats = {"losses": [], "steps": 0, "allreduces": 0 if is_ddp else None, "seconds": 0.0}
     if is_ddp:
         _count_allreduces(model, stats)
-    use_scaler = amp and device.type == "cuda"
-    scaler = torch.amp.GradScaler("cuda", enabled=use_scaler)
-    amp_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+    amp_dtype = autocast_dtype(device)
+    scaler = torch.amp.GradScaler("cuda", enabled=amp and amp_dtype == torch.float16)  # float16 only
     sampler = getattr(loader, "sampler", None)
     start = time.perf_counter()
     for epoch in range(start_epoch, epochs):

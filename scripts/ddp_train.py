@@ -42,7 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.1, help="learning rate, used as given")
     p.add_argument("--scale-lr", action="store_true", help="multiply --lr by the world size (linear scaling rule)")
     p.add_argument("--accumulate", type=int, default=1, help="batches per optimizer step (no_sync in between)")
-    p.add_argument("--amp", action="store_true", help="autocast (float16 + GradScaler on GPUs, bfloat16 on CPUs)")
+    p.add_argument("--amp", action="store_true", help="autocast: bfloat16 on CPUs and GPUs of compute capability 8.0+, "
+                   "float16 + GradScaler on older GPUs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", choices=["nccl", "gloo"], default=None, help="default: nccl on GPUs, else gloo")
     p.add_argument("--checkpoint-dir", default=None, help="rank 0 writes last.pt here after every epoch")

@@ -63,6 +63,14 @@ def test_fit_validates_and_runs_autocast_on_the_cpu():
     assert torch.isfinite(torch.tensor(stats["losses"])).all()
 
 
+def test_autocast_dtype_is_bfloat16_where_the_hardware_has_it_else_float16(monkeypatch):
+    assert ddp.autocast_dtype(torch.device("cpu")) == torch.bfloat16
+    for capability, dtype in (((7, 0), torch.float16), ((7, 5), torch.float16), ((8, 0), torch.bfloat16),
+                              ((9, 0), torch.bfloat16)):  # V100, T4, A100, H100
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert ddp.autocast_dtype(torch.device("cuda", 0)) == dtype, capability
+
+
 def test_make_loader_refuses_a_second_sampler_or_shuffle():
     with pytest.raises(ValueError, match="not sampler= or a DataLoader shuffle=True"):
         ddp.make_loader(DATA, 8, shuffle=True, num_replicas=1, rank=0, sampler=None)
@@ -135,10 +143,12 @@ def test_checkpoints_resume_exactly_where_an_uninterrupted_run_ends(tmp_path):
 def _wrapped_on_gpu():
     model = ddp.wrap(model_fn())
     stats = ddp.fit(model, ddp.make_loader(DATA, 6)[0], torch.optim.SGD(model.parameters(), lr=0.1), 1, amp=True)
-    return model.device_ids, str(next(model.parameters()).device), stats["steps"]
+    return (model.device_ids, str(next(model.parameters()).device), stats["steps"],
+            ddp.autocast_dtype(torch.device("cuda", 0)), all(torch.isfinite(torch.tensor(stats["losses"]))))
 
 
 @needs_gpu
-def test_on_a_gpu_ddp_gets_device_ids_and_amp_uses_a_grad_scaler():
-    got = launch(_wrapped_on_gpu, 1)
-    assert got[0][0] == [0] and got[0][1] == "cuda:0" and got[0][2] == 8
+def test_on_a_gpu_ddp_gets_device_ids_and_amp_trains_in_the_gpus_dtype():
+    device_ids, device, steps, dtype, finite = launch(_wrapped_on_gpu, 1)[0]
+    assert device_ids == [0] and device == "cuda:0" and steps == 8 and finite
+    assert dtype == (torch.bfloat16 if torch.cuda.get_device_capability(0) >= (8, 0) else torch.float16)

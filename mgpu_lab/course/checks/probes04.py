@@ -3,9 +3,16 @@
 Each probe calls the learner's function in a fresh process (``t.call``) or in
 real ranks (``t.ranks``) for :mod:`.lesson04`, and returns plain evidence for
 the checker to judge in the kernel: which samples each rank read and in which
-order, the weights it ended with, which rank called the download and what it
-found on return. They are module-level functions of an importable module, so a
-rank receives them by name and imports this module, which holds no judging.
+order, where the model and every batch were moved, the weights it ended with,
+which rank called the download and what it found on return, each rank's mean.
+They are module-level functions of an importable module, so a rank receives
+them by name and imports this module, which holds no judging.
+
+:func:`virtual_gpus` makes a rank a GPU rank in name on a machine without one:
+``mgpu_lab.dist.device()`` is ``cuda:LOCAL_RANK``, ``torch.cuda`` reports a GPU
+per local rank, and the model, the batches and DDP's ``device_ids`` record
+where they were sent while their data stays on the CPU. So "every rank on
+cuda:0", "the global rank as GPU index" and "labels left behind" show here.
 """
 from __future__ import annotations
 
@@ -14,11 +21,14 @@ import time
 
 import torch
 import torch.distributed as tdist
+from torch import nn
 from torch.utils.data import Dataset
 
 from mgpu_lab import dist as mdist
 from mgpu_lab.data import synthetic_classification
 from mgpu_lab.download import simulate_nodes
+from ._moves import Moved
+from ._moves import tag as _tag
 
 
 # -- shard_indices -----------------------------------------------------------------------
@@ -37,9 +47,83 @@ def shard_all(shard_indices, combos):
     return out
 
 
+# -- a node of virtual GPUs --------------------------------------------------------------
+def _cuda_name(device) -> str:
+    return str(torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda"))
+
+
+class PlacedNet(nn.Sequential):
+    """A network whose ``.to``/``.cuda``/``.cpu`` are logged as ``("model", device)``; it stays on the CPU."""
+
+    def to(self, *args, **kwargs):
+        device, dtype = torch._C._nn._parse_to(*args, **kwargs)[:2]
+        if device is not None:
+            Moved.log.append(("model", str(device)))
+        return super().to(dtype) if dtype is not None else self
+
+    def cuda(self, device=None):
+        Moved.log.append(("model", _cuda_name(device)))
+        return self
+
+    def cpu(self):
+        Moved.log.append(("model", "cpu"))
+        return self
+
+
+class Sample(Moved):
+    """A tagged sample whose tag survives the DataLoader's collation: each batch made is logged."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs)
+        if func is torch.stack and args and isinstance(args[0], (list, tuple)) and isinstance(args[0][0], Moved):
+            Moved.log.append((args[0][0].tag, "batch made"))
+            return _tag(out, args[0][0].tag)
+        return out
+
+
+def virtual_gpus(local_rank: int, count: int):
+    """Make this rank a GPU rank in name: ``count`` visible GPUs, this one ``cuda:local_rank``.
+
+    Tagged tensors moved to a GPU stay on the CPU (``Moved.virtual_cuda``);
+    ``torch.cuda.set_device`` and DDP's ``device_ids`` are logged, and DDP
+    wraps the (CPU) module without them. Returns a function that undoes it all.
+    """
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    saved = (torch.cuda.is_available, torch.cuda.device_count, torch.cuda.set_device,
+             torch.cuda.current_device, DDP.__init__, os.environ.get("MGPU_LAB_DEVICE"))
+    current = [0]
+    original_init = DDP.__init__
+
+    def set_device(device):
+        name = _cuda_name(device)
+        Moved.log.append(("set_device", name))
+        current[0] = torch.device(name).index or 0
+
+    def init(self, module, device_ids=None, output_device=None, *args, **kwargs):
+        ids = "None" if device_ids is None else ",".join(_cuda_name(d) for d in device_ids)
+        Moved.log.append(("DDP device_ids", ids))
+        original_init(self, module, None, None, *args, **kwargs)
+
+    torch.cuda.is_available, torch.cuda.device_count = (lambda: True), (lambda: count)
+    torch.cuda.set_device, torch.cuda.current_device = set_device, (lambda: current[0])
+    DDP.__init__ = init
+    os.environ["MGPU_LAB_DEVICE"] = f"cuda:{local_rank}"
+    Moved.virtual_cuda = True
+
+    def undo():
+        (torch.cuda.is_available, torch.cuda.device_count, torch.cuda.set_device,
+         torch.cuda.current_device, DDP.__init__, device) = saved
+        os.environ["MGPU_LAB_DEVICE"] = device or ""
+        Moved.virtual_cuda = False
+
+    return undo
+
+
 # -- ddp_train ---------------------------------------------------------------------------
 class Recorded(Dataset):
-    """A data set that appends every index it is asked for to a file (works in DataLoader workers too)."""
+    """A data set that appends every index it serves to a file and tags its samples ``inputs``/``labels``."""
 
     def __init__(self, inner, log_path: str):
         self.inner, self.log_path = inner, log_path
@@ -50,13 +134,25 @@ class Recorded(Dataset):
     def __getitem__(self, i):
         with open(self.log_path, "a") as f:
             f.write(f"{int(i)}\n")
-        return self.inner[i]
+        x, y = self.inner[i]
+        x, y = x.as_subclass(Sample), y.as_subclass(Sample)
+        x.tag, y.tag = "inputs", "labels"
+        return x, y
+
+
+def _layers():
+    torch.manual_seed(0)
+    return nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3)
 
 
 def check_model():
     """The model the ddp_train check trains: the same initial weights in every process."""
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3))
+    return nn.Sequential(*_layers())
+
+
+def placed_model():
+    """:func:`check_model`'s network (same weights) that logs where it is moved."""
+    return PlacedNet(*_layers())
 
 
 def check_data(n):
@@ -64,15 +160,23 @@ def check_data(n):
     return synthetic_classification(n, features=6, classes=3, seed=3)
 
 
-def run_ddp_train(ddp_train, n, epochs, batch_size, lr, log_dir):
-    """Probe: the learner's ddp_train in this rank, on a data set that records what it serves."""
+def run_ddp_train(ddp_train, n, epochs, batch_size, lr, log_dir, ranks_per_node):
+    """Probe: the learner's ddp_train in this rank of a simulated node of virtual GPUs."""
+    node = simulate_nodes(ranks_per_node)
     log = os.path.join(log_dir, f"rank{tdist.get_rank()}.log")
-    state = ddp_train(check_model, Recorded(check_data(n), log), epochs, batch_size, lr)
+    Moved.log = []
+    undo = virtual_gpus(mdist.local_rank(), ranks_per_node)
+    try:
+        state = ddp_train(placed_model, Recorded(check_data(n), log), epochs, batch_size, lr)
+    finally:
+        undo()
     seen = [int(line) for line in open(log)] if os.path.exists(log) else []
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        return {"state": None, "type": type(state).__name__, "seen": seen}
-    state = {k.removeprefix("module."): v.detach().cpu().clone() for k, v in state.items()}
-    return {"state": state, "type": "dict", "seen": seen}
+    out = {"seen": seen, "moves": list(Moved.log), "node": node, "local_rank": mdist.local_rank(),
+           "rank": tdist.get_rank(), "state": None, "type": type(state).__name__}
+    if isinstance(state, dict) and all(isinstance(v, torch.Tensor) for v in state.values()):
+        out["state"] = {k.removeprefix("module."): v.detach().cpu().as_subclass(torch.Tensor).clone()
+                        for k, v in state.items()}
+    return out
 
 
 # -- download_once -----------------------------------------------------------------------
@@ -107,13 +211,86 @@ def run_download_once(download_once, roots, ranks_per_node, rounds=2):
         path = fetch(roots[node])
         ok = isinstance(path, (str, os.PathLike)) and os.path.isfile(path)
         complete = ok and open(path, "rb").read() == PAYLOAD
-        out.append({"path": os.fspath(path) if ok else repr(path), "complete": complete})
+        out.append({"path": os.fspath(path) if ok else repr(path), "found": ok, "complete": complete})
         tdist.barrier()
-    return {"node": node, "rounds": out}
+    return {"node": node, "local_rank": mdist.local_rank(), "rounds": out}
+
+
+# -- several scenarios in one launch -----------------------------------------------------
+def run_scenarios(log_dir, one, scenarios) -> list:
+    """Run ``one(scenario)`` for each scenario in this rank; save the evidence so far after each.
+
+    A rank that raises in a scenario saves ``("raised", type, message)`` for it and
+    raises on (so the launch fails fast); :func:`read_scenarios` then recovers what
+    every rank did before, and the checker judges those scenarios all the same.
+    """
+    path = os.path.join(log_dir, f"rank{tdist.get_rank()}.pt")
+    done = []
+    for scenario in scenarios:
+        try:
+            done.append(("ok", one(scenario)))
+        except NotImplementedError:
+            raise
+        except Exception as exc:
+            done.append(("raised", type(exc).__name__, str(exc)[:300]))
+            torch.save(done, path)
+            raise
+        torch.save(done, path)
+    return done
+
+
+def read_scenarios(log_dir, world: int) -> list:
+    """What :func:`run_scenarios` saved, per rank (an empty list for a rank that saved nothing)."""
+    paths = [os.path.join(log_dir, f"rank{r}.pt") for r in range(world)]
+    return [torch.load(p, weights_only=False) if os.path.exists(p) else [] for p in paths]
 
 
 # -- global_mean -------------------------------------------------------------------------
-def run_global_mean(global_mean, sums, counts):
-    """Probe: this rank's (value, type name) of the learner's global_mean."""
-    value = global_mean(sums[tdist.get_rank()], counts[tdist.get_rank()])
-    return (value.item() if isinstance(value, torch.Tensor) else value), type(value).__name__
+def run_global_mean(global_mean, scenarios, log_dir):
+    """Probe: this rank's (value, type name) of the learner's global_mean in each scenario."""
+    me = tdist.get_rank()
+
+    def one(scenario):
+        sums, counts = scenario
+        value = global_mean(sums[me], counts[me])
+        return (value.item() if isinstance(value, torch.Tensor) else value), type(value).__name__
+
+    return run_scenarios(log_dir, one, scenarios)
+
+
+class Scenarios:
+    """Per-rank evidence of a :func:`run_scenarios` launch, handed out case by case.
+
+    ``get(t, k)`` inside the case of scenario ``k`` returns every rank's result;
+    for the scenario where the launch failed it raises the launch's error there
+    (so that case fails with it, a hang as a hang, NotImplementedError as "not
+    attempted"), and later scenarios fail as not run.
+    """
+
+    def __init__(self, per_rank: list, error=None):
+        self.per_rank, self.error = per_rank, error
+        self.complete = min((next((i for i, r in enumerate(rank) if r[0] != "ok"), len(rank))
+                             for rank in per_rank), default=0)
+
+    def get(self, t, k: int) -> list:
+        if k < self.complete:
+            return [rank[k][1] for rank in self.per_rank]
+        if k == self.complete and self.error is not None:
+            raise self.error
+        t.fail("not run: an earlier scenario of this check failed (see above)", got="skipped")
+
+
+def launch_scenarios(t, probe, world: int, answer, scenarios, timeout: float) -> Scenarios:
+    """In the kernel: one launch of ``probe(answer, scenarios, log_dir)`` in ``world`` ranks."""
+    import shutil
+    import tempfile
+
+    from mgpu_lab.launcher.errors import LaunchError
+
+    log_dir = tempfile.mkdtemp(prefix="mgpu-lab-scenarios-")
+    try:
+        return Scenarios(t.ranks(probe, world, answer, scenarios, log_dir, timeout=timeout))
+    except LaunchError as exc:
+        return Scenarios(read_scenarios(log_dir, world), exc)
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)

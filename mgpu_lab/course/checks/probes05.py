@@ -2,9 +2,10 @@
 
 :func:`probe_sampler` builds the learner's sampler for every rank of many
 configurations in one fresh process, re-seeding the global random generators
-before each rank as separate processes would differ; :func:`probe_sampler_ranks`
-and :func:`probe_join` run in real ranks. Each returns plain evidence (the
-lists, step counts, weights) that :mod:`.lesson05` judges in the kernel. They
+before each rank as separate processes would differ (and records whether the
+ranks' whole plans agree); :func:`probe_sampler_ranks` and :func:`probe_join`
+run in real ranks, the latter every scenario in one launch. Each returns plain
+evidence (the lists, step counts, weights) that :mod:`.lesson05` judges in the kernel. They
 are module-level functions of an importable module, so a rank receives them by
 name and imports this module, which holds no judging.
 """
@@ -27,7 +28,8 @@ def _reseed(value: int) -> None:
 def sampler_lists(cls, cfg: dict) -> dict:
     """Build the learner's sampler for every rank of one configuration; return what it yields."""
     world = cfg["num_replicas"]
-    out = {"is_sampler": [], "len": [], "epochs": [(e, []) for e in cfg["epochs"]]}
+    out = {"is_sampler": [], "len": [], "epochs": [(e, []) for e in cfg["epochs"]], "plans_differ": False}
+    plans = {}
     for r in range(world):
         _reseed(1000 + 17 * r)  # separate processes have separate global random states
         s = cls(cfg["costs"], world, r, shuffle=cfg["shuffle"], seed=cfg["seed"], drop_last=cfg["drop_last"])
@@ -36,6 +38,9 @@ def sampler_lists(cls, cfg: dict) -> dict:
         for e, lists in out["epochs"]:
             s.set_epoch(e)
             lists.append([operator.index(i) for i in s])
+            if r < 2 and e == cfg["epochs"][0] and callable(getattr(s, "plan", None)):  # ranks 0 and 1 agree?
+                plan = [[operator.index(i) for i in lst] for lst in s.plan()]
+                out["plans_differ"] |= plans.setdefault(e, plan) != plan
     return out
 
 
@@ -85,15 +90,23 @@ def join_batches(seed: int, rank: int, count: int) -> list:
     return [(torch.randn(6, 4, generator=g), torch.randn(6, 1, generator=g)) for _ in range(count)]
 
 
-def probe_join(train_with_join, counts: tuple, seed: int) -> dict:
-    """In a real rank: a DDP model, this rank's batches; the learner's loop, then a barrier."""
+def probe_join(train_with_join, scenarios: list, log_dir: str) -> list:
+    """In a real rank, per scenario ``(counts, seed)``: a DDP model, this rank's batches; the learner's
+    loop, then a barrier. Returns per scenario this rank's step count and final weights."""
     import torch.distributed as tdist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from .probes04 import run_scenarios
+
     rank = tdist.get_rank()
-    model = DDP(join_model(seed))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    steps = train_with_join(model, join_batches(seed, rank, counts[rank]), optimizer)
-    tdist.barrier()  # as before saving a checkpoint: hangs if a rank is still in a gradient all-reduce
-    return {"steps": steps if isinstance(steps, int) else repr(steps)[:100],
-            "weights": [p.detach().clone() for p in model.module.parameters()]}
+
+    def one(scenario):
+        counts, seed = scenario
+        model = DDP(join_model(seed))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        steps = train_with_join(model, join_batches(seed, rank, counts[rank]), optimizer)
+        tdist.barrier()  # as before saving a checkpoint: hangs if a rank is still in a gradient all-reduce
+        return {"steps": steps if isinstance(steps, int) else repr(steps)[:100],
+                "weights": [p.detach().clone() for p in model.module.parameters()]}
+
+    return run_scenarios(log_dir, one, scenarios)

@@ -1,0 +1,215 @@
+"""Lesson 04's checks against named wrong answers made from the solutions, and correct variants.
+
+Every mutant is the solution cell with one learner bug put in; its check must
+fail and say the words in ``expect``. Every variant is a correct answer written
+differently; it must get full marks.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+
+from mgpu_lab import dist as mdist
+from mgpu_lab.course.checks import exercises
+from mutation import ExerciseMutants, Mutant, Variant, drop_statement, judge_mutant, judge_variant, params, replace
+
+pytestmark = pytest.mark.timeout(600)
+
+# "__main__", as in a notebook: cloudpickle then ships the answers by value without searching sys.modules
+NAMESPACE = {"__name__": "__main__", "torch": torch, "math": math, "os": os, "time": time, "dist": dist,
+             "mdist": mdist, "nn": nn, "DDP": DDP, "DataLoader": DataLoader, "DistributedSampler": DistributedSampler}
+NB = "04_ddp.ipynb"
+PADDING = "(indices * math.ceil(missing / len(indices)))[:missing]"
+DEVICE = "device = mdist.device()"
+FETCH = "path = fn(root) if mdist.local_rank() == 0 else None"
+PICK = "return paths[dist.get_rank() - mdist.local_rank()]"
+MEAN = "(totals[0] / totals[1]).item()"
+
+SHARD_VARIANTS = [
+    Variant("tensors: repeat the permutation, slice with a stride", '''
+def shard_indices(n, rank, world_size, shuffle=False, seed=0, epoch=0, drop_last=False):
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)) if shuffle else torch.arange(n)
+    per_rank = n // world_size if drop_last else -(-n // world_size)
+    order = order.repeat(-(-per_rank * world_size // n))[: per_rank * world_size]
+    return order[rank::world_size]
+'''),
+    Variant("itertools: cycle the order", '''
+def shard_indices(n, rank, world_size, shuffle=False, seed=0, epoch=0, drop_last=False):
+    import itertools
+    g = torch.Generator()
+    g.manual_seed(seed + epoch)
+    order = torch.randperm(n, generator=g).tolist() if shuffle else list(range(n))
+    per_rank = n // world_size if drop_last else math.ceil(n / world_size)
+    padded = list(itertools.islice(itertools.cycle(order), per_rank * world_size))
+    return [padded[i] for i in range(rank, per_rank * world_size, world_size)]
+'''),
+]
+
+DDP_VARIANTS = [
+    Variant("set_device, .cuda(), LOCAL_RANK from the environment, F.cross_entropy", '''
+def ddp_train(model_fn, dataset, epochs, batch_size, lr):
+    import torch.nn.functional as F
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        model = DDP(model_fn().cuda(), device_ids=[local_rank])
+        device = torch.device("cuda")
+    else:
+        model, device = DDP(model_fn()), torch.device("cpu")
+    sampler = DistributedSampler(dataset, num_replicas=dist.get_world_size(), rank=dist.get_rank(), seed=0)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            optimizer.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(x.to(device, non_blocking=True)), y.to(device, non_blocking=True))
+            loss.backward()
+            optimizer.step()
+    return model.module.state_dict()
+'''),
+    Variant("the library: mgpu_lab.ddp.train (batches to the parameters' device)", '''
+from mgpu_lab import ddp as _library
+
+def ddp_train(model_fn, dataset, epochs, batch_size, lr):
+    return _library.train(model_fn, dataset, epochs, batch_size, lr)
+'''),
+]
+
+DOWNLOAD_VARIANTS = [
+    Variant("no barrier: all_gather_object waits for every rank's download", '''
+def download_once(fn):
+    def wrapper(root):
+        local_rank = int(os.environ["LOCAL_RANK"])
+        mine = fn(root) if local_rank == 0 else None
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        return everyone[dist.get_rank() - local_rank]
+    return wrapper
+'''),
+    Variant("one process group per node, broadcast from its local rank 0", '''
+def download_once(fn):
+    def wrapper(root):
+        per_node, world = mdist.local_world_size(), dist.get_world_size()
+        node_group, _ = dist.new_subgroups_by_enumeration(
+            [list(range(first, first + per_node)) for first in range(0, world, per_node)])
+        box = [fn(root) if mdist.local_rank() == 0 else None]
+        dist.broadcast_object_list(box, src=dist.get_rank() - mdist.local_rank(), group=node_group)
+        return box[0]
+    return wrapper
+'''),
+    Variant("the library: mgpu_lab.download.download_once", "from mgpu_lab.download import download_once\n"),
+]
+
+MEAN_VARIANTS = [
+    Variant("two all_reduce calls, float()", '''
+def global_mean(local_sum, local_count):
+    total = torch.tensor(float(local_sum), dtype=torch.float64)
+    count = torch.tensor(float(local_count), dtype=torch.float64)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    dist.all_reduce(count, op=dist.ReduceOp.SUM)
+    return float(total / count)
+'''),
+    Variant("all_gather_object of (sum, count) pairs", '''
+def global_mean(local_sum, local_count):
+    pairs = [None] * dist.get_world_size()
+    dist.all_gather_object(pairs, (local_sum, local_count))
+    return sum(s for s, _ in pairs) / sum(c for _, c in pairs)
+'''),
+    Variant("the library: mgpu_lab.ddp.global_mean", "from mgpu_lab.ddp import global_mean\n"),
+]
+
+SPECS = [
+    ExerciseMutants("04.shard_indices", NB, ("shard_indices",), mutants=[
+        Mutant("contiguous blocks instead of every world_size-th index",
+               replace("return indices[rank:total:world_size]",
+                       "return indices[rank * per_rank:(rank + 1) * per_rank]"), "contiguous"),
+        Mutant("no padding", drop_statement("indices +="), "pad the list"),
+        Mutant("padding repeats the list only once", replace(PADDING, "indices[:missing]"), "several times"),
+        Mutant("padding from the end of the list", replace(PADDING, "indices[-missing:]"), "first indices"),
+        Mutant("the seed without the epoch", replace("g.manual_seed(seed + epoch)", "g.manual_seed(seed)"),
+               "ignores the epoch"),
+        Mutant("the global RNG instead of a seeded generator",
+               replace("torch.randperm(n, generator=g)", "torch.randperm(n)"), "global rng"),
+        Mutant("drop_last ignored", replace("if drop_last and n % world_size:", "if False:"), "drop_last"),
+        Mutant("shuffle ignored", replace("if shuffle:", "if False:"), "must be shuffled"),
+    ], variants=SHARD_VARIANTS),
+    ExerciseMutants("04.ddp_train", NB, ("ddp_train",), mutants=[
+        Mutant("set_epoch never called", drop_statement("sampler.set_epoch"), "set_epoch"),
+        Mutant("DataLoader(shuffle=True) instead of the DistributedSampler",
+               replace("sampler=sampler)", "shuffle=True)"), ("whole data set", "DistributedSampler(dataset)")),
+        Mutant("lr scaled by the world size", replace("lr=lr)", "lr=lr * dist.get_world_size())"),
+               "lr * world_size"),
+        Mutant("no DDP: the ranks drift apart",
+               replace('DDP(model, device_ids=[device.index]) if device.type == "cuda" else DDP(model)', "model"),
+               "DistributedDataParallel"),
+        Mutant("labels left on the CPU", replace("x, y = x.to(device), y.to(device)", "x = x.to(device)"),
+               ("labels", "y.to(device)")),
+        Mutant("every rank on cuda:0 ('cuda')",
+               replace(DEVICE, 'device = torch.device("cuda" if torch.cuda.is_available() else "cpu")'),
+               "cuda:0"),
+        Mutant("the global rank as GPU index",
+               replace(DEVICE, 'device = torch.device("cuda", dist.get_rank()) '
+                               'if torch.cuda.is_available() else torch.device("cpu")'), "global rank"),
+        Mutant("DDP(device_ids=[global rank])", replace("device_ids=[device.index]", "device_ids=[dist.get_rank()]"),
+               "device_ids"),
+        Mutant("zero_grad never called", drop_statement("optimizer.zero_grad()"), "zero_grad"),
+        Mutant("batch_size taken as the global batch",
+               replace("batch_size=batch_size,", "batch_size=batch_size // dist.get_world_size(),"), "per rank"),
+    ], variants=DDP_VARIANTS),
+    ExerciseMutants("04.download_once", NB, ("download_once",), mutants=[
+        Mutant("every rank downloads", replace(FETCH, "path = fn(root)"), "every rank called fn"),
+        Mutant("global rank 0 downloads for every node",
+               replace("mdist.local_rank() == 0 else None", "dist.get_rank() == 0 else None"), "local rank"),
+        Mutant("ranks per node hard-coded (rank % 2)",
+               replace("mdist.local_rank() == 0 else None", "dist.get_rank() % 2 == 0 else None"),
+               "not its node's local rank 0"),
+        Mutant("no barrier: the others poll for the file",
+               replace(FETCH, "if mdist.local_rank() == 0:\n            return fn(root)\n"
+                              "        while not os.path.exists(os.path.join(root, 'data.bin')):\n"
+                              "            time.sleep(0.005)\n        return os.path.join(root, 'data.bin')"),
+               "before the file was complete"),
+        Mutant("the others call fn again after the barrier", replace(PICK, "return path or fn(root)"),
+               "only local rank 0 should"),
+        Mutant("node 0's path on every node", replace(PICK, "return paths[0]"), "node 0's path"),
+        Mutant("the path only on local rank 0", replace(PICK, "return path"), "every rank must return the path"),
+    ], variants=DOWNLOAD_VARIANTS),
+    ExerciseMutants("04.global_mean", NB, ("global_mean",), mutants=[
+        Mutant("the mean of the ranks' means",
+               (replace("[float(local_sum), float(local_count)]", "[local_sum / local_count, 1.0]"),
+                replace(MEAN, "(totals[0] / dist.get_world_size()).item()")), "averaged the ranks' means"),
+        Mutant("only the sum all-reduced", replace(MEAN, "(totals[0] / local_count).item()"),
+               "not this rank's own"),
+        Mutant("reduce to rank 0 instead of all_reduce",
+               replace("dist.all_reduce(totals)", "dist.reduce(totals, dst=0)"), "not reduce"),
+        Mutant("op MAX instead of SUM",
+               replace("dist.all_reduce(totals)", "dist.all_reduce(totals, op=dist.ReduceOp.MAX)"), "ReduceOp.SUM"),
+        Mutant("no division by the count", replace(MEAN, "totals[0].item()"), "total sum"),
+        Mutant("a tensor instead of a float", replace(MEAN, "totals[0] / totals[1]"), "float"),
+    ], variants=MEAN_VARIANTS),
+]
+
+
+@pytest.mark.parametrize("spec, mutant", params(SPECS, "mutants"))
+def test_mutant_fails_naming_its_bug(spec, mutant):
+    judge_mutant(spec, mutant, NAMESPACE)
+
+
+@pytest.mark.parametrize("spec, variant", params(SPECS, "variants"))
+def test_correct_variant_passes(spec, variant):
+    judge_variant(spec, variant, NAMESPACE)
+
+
+def test_every_exercise_has_five_mutants_and_two_variants():
+    by_id = {spec.exercise: spec for spec in SPECS}
+    for ex in exercises("04"):
+        assert ex.id in by_id, f"{ex.id} has no mutants"
+        assert len(by_id[ex.id].mutants) >= 5 and len(by_id[ex.id].variants) >= 2, ex.id
