@@ -37,7 +37,11 @@ from pathlib import Path
 
 import cloudpickle
 
-__all__ = ["torchrun_argv", "run", "call", "failure_summary", "Result", "WORKER"]
+__all__ = ["torchrun_argv", "run", "call", "failure_summary", "Result", "WORKER", "STORE_PER_ATTEMPT"]
+
+#: One rendezvous store per attempt. With the agent's store shared by every attempt (torch's default),
+#: restarted workers failed here in gloo's connection set-up ("Connection refused") on a loaded machine.
+STORE_PER_ATTEMPT = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 #: The script that runs a pickled function in every torchrun worker (see :func:`call`).
 WORKER = Path(__file__).resolve().parent / "torchrun_worker.py"
@@ -152,7 +156,7 @@ def call(fn, nproc: int, *args, max_restarts: int = 0, timeout: float = 180.0, e
     """Run ``fn(*args, **kwargs)`` in every worker of a real torchrun job; ``(results, Result)``.
 
     ``fn`` travels by value (cloudpickle), so a function defined in a notebook
-    cell works. Each worker initialises the process group
+    cell works. Restarts use one rendezvous store per attempt (:data:`STORE_PER_ATTEMPT`). Each worker initialises the process group
     (:func:`mgpu_lab.dist.setup`), runs ``fn`` and writes its return value;
     ``results`` lists them in rank order, or is None when the job failed.
 
@@ -167,7 +171,7 @@ def call(fn, nproc: int, *args, max_restarts: int = 0, timeout: float = 180.0, e
         with open(payload, "wb") as f:
             cloudpickle.dump((fn, args, kwargs), f)
         result = run(torchrun_argv(WORKER, payload, work, nproc=nproc, max_restarts=max_restarts, fork=fork),
-                     env=env, timeout=timeout, echo=echo)
+                     env={**STORE_PER_ATTEMPT, **(env or {})}, timeout=timeout, echo=echo)
         files = [os.path.join(work, _RESULT.format(r)) for r in range(nproc)]
         if result.returncode != 0 or not all(os.path.exists(p) for p in files):
             return None, result

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -156,7 +157,7 @@ def py_spy(pid: int, timeout: float = 20.0) -> str:
     if proc.returncode != 0:
         raise RuntimeError(f"py-spy dump --pid {pid} failed (exit {proc.returncode}): "
                            f"{(proc.stderr or proc.stdout).strip()[:500]}")
-    return proc.stdout
+    return re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout)  # py-spy colours its output even into a pipe
 
 
 class StackWatcher:

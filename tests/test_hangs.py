@@ -43,7 +43,8 @@ def test_the_flight_recorder_logs_a_real_hang_and_first_desync_finds_it():
     (log0, err0), (log1, err1) = launch(_skip_second_all_reduce, 2, init=False, timeout=60)
     assert log0 == [("all_reduce", (3,)), ("all_reduce", (1,))]
     assert log1 == [("all_reduce", (3,)), ("barrier", ())]
-    assert "Timed out" in err0 and "Timed out" in err1
+    # the first rank to time out leaves; the other may see that ("Connection closed by peer") before its own timeout
+    assert err0 and err1 and "Timed out" in err0 + err1, (err0, err1)
     assert hangs.first_desync([log0, log1]) == (1, [1])
 
 

@@ -72,10 +72,9 @@ def _atomic_save(t, atomic_save):
             if dry.get("raised") or dry["outcome"] != "new":
                 t.fail("a save over an existing file must leave the new object there",
                        "new", dry.get("raised") or dry["outcome"])
-        ops = ", ".join(got["dry"]["events"]) if got else ""
         for trial in (got or {}).get("events", []):
             trial["at"] = got["dry"]["events"][trial["k"] - 1] if trial["k"] <= len(got["dry"]["events"]) else "?"
-        with t.case(f"SIGKILL at each file operation of a save over an old file ({ops or 'open, rename, ...'}): "
+        with t.case("SIGKILL at each file operation of a save over an old file (open, rename, remove, copy, ...): "
                     "the old or the new object, never a torn file or none", hint=ATOMIC_HINT):
             if got is None:
                 t.fail("the first case did not finish")

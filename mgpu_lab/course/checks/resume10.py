@@ -223,7 +223,7 @@ def _torchrun_case(t, resumable_train) -> None:
         os.makedirs(logs)
         kill = ["step", 0, 1, 7]
         results, run_ = elastic.call(run_resumable, WORLD, resumable_train, CFG, os.path.join(work, "snap.pt"),
-                                     logs, None, kill, max_restarts=1, timeout=150)
+                                     logs, None, kill, max_restarts=1, timeout=300)
         if results is None:
             tail = [ln for ln in run_.output.splitlines() if ln.strip()][-6:]
             t.fail("torchrun's job failed (exit code " + str(run_.returncode) + "); its last lines: "
