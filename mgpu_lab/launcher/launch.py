@@ -27,26 +27,9 @@ import socket
 
 from . import procs
 
-if os.environ.get("MGPU_LAB_PREWARM", "1") != "0" and "MGPU_LAB_IN_RANK" not in os.environ:
-    # Start the forkserver before this process imports torch below: the two
-    # imports overlap, and the first launch finds the server (nearly) ready.
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
-        procs.prewarm()
-
-import cloudpickle  # noqa: E402
-
-from mgpu_lab import dist  # noqa: E402
-from . import rank as _rank  # noqa: E402
-from .errors import LaunchError, LaunchTimeout  # noqa: E402 (learners catch them as launch's)
-from .job import Job  # noqa: E402
-from .lifetime import interrupts_deferred  # noqa: E402
-from mgpu_lab.devices import cpu_count  # noqa: E402
-
-__all__ = ["launch", "run", "LaunchError", "LaunchTimeout", "prewarm", "banner"]
-
-MAX_TIMEOUT = 365 * 24 * 3600  # seconds: a year; longer ones overflow torch's timers (timedelta, ms)
-INIT_ATTEMPTS = 3  # gloo's loopback set-up fails about once in 150 launches here: retry it
-prewarm = procs.prewarm
+# Seconds (a year). A timeout is a deadline for a hang; far longer ones overflow the
+# datetime.timedelta that torch's timeouts take (inf and 1e17 ended in OverflowError).
+MAX_TIMEOUT = 365 * 24 * 3600
 
 
 def _timeout_from_env() -> float:
@@ -66,6 +49,27 @@ def _timeout_from_env() -> float:
 
 
 DEFAULT_TIMEOUT = _timeout_from_env()
+
+
+if os.environ.get("MGPU_LAB_PREWARM", "1") != "0" and "MGPU_LAB_IN_RANK" not in os.environ:
+    # Start the forkserver before this process imports torch below: the two
+    # imports overlap, and the first launch finds the server (nearly) ready.
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        procs.prewarm()
+
+import cloudpickle  # noqa: E402
+
+from mgpu_lab import dist  # noqa: E402
+from . import rank as _rank  # noqa: E402
+from .errors import LaunchError, LaunchTimeout  # noqa: E402 (learners catch them as launch's)
+from .job import Job  # noqa: E402
+from .lifetime import interrupts_deferred  # noqa: E402
+from mgpu_lab.devices import cpu_count  # noqa: E402
+
+__all__ = ["launch", "run", "LaunchError", "LaunchTimeout", "prewarm", "banner", "MAX_TIMEOUT", "DEFAULT_TIMEOUT"]
+
+INIT_ATTEMPTS = 3  # gloo's loopback set-up fails about once in 150 launches here: retry it
+prewarm = procs.prewarm
 
 
 def _validate(fn, nprocs, timeout, init) -> tuple[int, float]:

@@ -1,7 +1,9 @@
 """A real JupyterLab server and a real headless Chromium, for the learner's path.
 
 The server runs on a free 127.0.0.1 port with a token, over a throwaway copy of
-the notebooks, with its own settings (no news, every cell kept in the DOM).
+the notebooks, with its own settings (no news, every cell kept in the DOM) and
+the app exposed as ``window.jupyterapp``, so that tests find cells in the
+notebook's model rather than on screen (see ``lab.py``).
 Server, kernels and browser are always shut down, also when a test fails.
 Screenshots go to ``artifacts/browser/`` (not committed).
 """
@@ -74,7 +76,8 @@ def lab(tmp_path_factory):
     proc = subprocess.Popen(
         [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
          f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={work}", "--allow-root",
-         "--ServerApp.port_retries=0", "--LabApp.news_url=", "--ServerApp.disable_check_xsrf=False"],
+         "--ServerApp.port_retries=0", "--LabApp.news_url=", "--ServerApp.disable_check_xsrf=False",
+         "--LabApp.expose_app_in_browser=True"],  # window.jupyterapp: tests read the notebook's model
         cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -69,19 +69,20 @@ def test_solution_01_runs_and_every_check_block_shows_passed(lab, page):
     url, token, _ = lab
     book = Notebook(page, url, token, "solutions/01_devices.ipynb")
     book.run_all(timeout=300)
-    blocks = page.locator(".jp-NotebookPanel:visible .mgpu-check")
-    assert blocks.count() == 3
-    assert page.locator(".jp-NotebookPanel:visible .mgpu-check-passed").count() == 3
-    texts = blocks.all_inner_texts()
-    assert [t.splitlines()[0] for t in texts] == [
-        "01.pick_device: 6/6 passed", "01.train_step: 6/6 passed", "01.visible_devices_env: 6/6 passed"]
+    checks = book.cell_indices('check("01.')  # found in the model, each scrolled into view to be read
+    assert len(checks) == 3
+    heads = []
+    for i in checks:
+        out = book.output(i)
+        assert out.locator(".mgpu-check").count() == 1 and out.locator(".mgpu-check-passed").count() == 1
+        heads.append(out.locator(".mgpu-check").inner_text().splitlines()[0])
+    assert heads == ["01.pick_device: 6/6 passed", "01.train_step: 6/6 passed", "01.visible_devices_env: 6/6 passed"]
 
 
 def test_student_01_a_right_and_a_wrong_answer_typed_in_the_editor(lab, page):
     url, token, _ = lab
     book = Notebook(page, url, token, "notebooks/01_devices.ipynb")
-    first = book.cell_index("def pick_device")
-    book.cells.nth(first).locator(".cm-content").click()
+    book.select(book.cell_index("def pick_device"))
     book.menu("Run", "Run All Above Selected Cell")
     book.wait_idle(180)
     for source, exercise in ((PICK_DEVICE, "def pick_device"), (WRONG_VISIBLE, "def visible_devices_env")):
@@ -102,7 +103,7 @@ def test_lesson_04_launch_cells_show_every_rank_and_the_explorer_responds(lab, p
     url, token, _ = lab
     book = Notebook(page, url, token, "solutions/04_ddp.ipynb")
     explorer = book.cell_index("sampler_view.explorer(")
-    book.cells.nth(explorer).locator(".cm-content").click()
+    book.select(explorer)
     book.menu("Run", "Run All Above Selected Cell")
     book.wait_idle(240)
     for launch_cell in ("launch(hello, 2", "def wrap_demo"):
