@@ -41,7 +41,7 @@ from pathlib import Path
 
 from .checks import exercises
 from .checks._answers import ANSWERS_ENV
-from .judge import ANSWERS, Session, judge_all
+from .judge import ANSWERS, Session, clean, judge_all
 from .sandbox import Limits, Sandbox, protections
 
 DEFAULT_TIMEOUT = 600.0
@@ -106,7 +106,7 @@ def _events(data: bytes) -> list[dict]:
         if cell is not None and not (isinstance(cell, int) and not isinstance(cell, bool) and 0 <= cell < 10**6):
             continue
         out.append({"cell": cell, "ended": e.get("ended") if e.get("ended") in ("ok", "died", "error") else None,
-                    "why": str(e.get("why", ""))[:300]})
+                    "why": clean(e.get("why", ""), 300)})
     return out
 
 
@@ -155,7 +155,7 @@ def _run_notebook(box: Sandbox, timeout: float) -> str:
         return ended["why"] or "the notebook could not be run"
     if ended is None:
         what = "the sandbox could not start" if code == 97 else f"the grader's runner failed (exit {code})"
-        return f"{what}: {stderr.strip()[-500:]}"
+        return f"{what}: {clean(stderr.strip()[-500:])}"
     return ""
 
 
@@ -193,13 +193,14 @@ def _grade(path: Path, timeout: float, limits: Limits | None, expected) -> Noteb
     size = path.stat().st_size
     if size > NOTEBOOK_LIMIT:
         raise ValueError(f"the file has {size} bytes, more than the {NOTEBOOK_LIMIT} a notebook may have")
-    with Sandbox(limits) as box:
+    with Sandbox(limits) as box, Session(box, deadline=math.inf) as session:
         box.put(NAME, path.read_bytes())
+        session.start()  # in its own namespaces, beside the notebook: it imports torch while the notebook runs
         reason = _run_notebook(box, timeout)
-        # Judging starts once nothing of the notebook runs any more: what it left (a fork bomb,
-        # a process holding the sandbox user's process limit) cannot get in the way of its checks.
-        with Session(box, deadline=time.monotonic() + max(timeout, JUDGE_MIN)) as session:
-            results, notes = judge_all(box, expected, session)
+        # Judging starts once nothing of the notebook runs any more, with a runner that still answers.
+        session.deadline = time.monotonic() + max(timeout, JUDGE_MIN)
+        session.ready()
+        results, notes = judge_all(box, expected, session)
     grades = []
     for ex in expected:
         r = results.get(ex.id)

@@ -63,8 +63,12 @@ class _Request(cloudpickle.Pickler):
         return ("answer", obj.file, obj.name) if isinstance(obj, Answer) else None
 
 
-def _text(value, limit: int = 20000) -> str:
-    return "" if value is None else str(value)[:limit]
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")  # the sandbox's text must not drive the instructor's terminal
+
+
+def clean(value, limit: int = 20000) -> str:
+    """Text from the sandbox as the grader shows it: cut to ``limit``, control characters replaced."""
+    return "" if value is None else _CONTROL.sub("?", str(value)[:limit])
 
 
 def _int(value):
@@ -89,6 +93,19 @@ class Session:
         if self.proc is None:
             self._start()
         return self
+
+    def ready(self) -> None:
+        """Check that a runner started early still answers; one that does not is replaced at the next request.
+
+        It shares the sandbox user's limits with the notebook that ran beside it
+        (a fork bomb there may have starved it); nothing else of the notebook
+        can reach it (its own PID and network namespaces).
+        """
+        if self.proc is not None:
+            try:
+                self.local(os.getpid)
+            except Exception:  # noqa: BLE001 - whatever it answered, a fresh runner will do
+                self._stop()
 
     def _start(self) -> None:
         read, write = os.pipe()
@@ -150,7 +167,7 @@ class Session:
         try:
             self._write(frame(buf.getvalue()), until)
             header, payload = json.loads(self._frame(until)), self._frame(until)
-        except (OSError, EOFError, TimeoutError, ValueError) as exc:
+        except (OSError, EOFError, TimeoutError, ValueError, RecursionError) as exc:
             self._stop()  # a runner that hangs or talks nonsense is not asked again
             if isinstance(exc, TimeoutError):
                 raise LaunchTimeout(f"launch timed out after {timeout:g} s: the sandbox did not answer") from None
@@ -168,16 +185,16 @@ class Session:
             except Exception as exc:  # noqa: BLE001 - anything but plain data is refused
                 return self._unjudgeable(f"the reply could not be read as plain data ({type(exc).__name__})")
         if kind == "unjudgeable":
-            return self._unjudgeable(_text(header.get("message"), 300))
+            return self._unjudgeable(clean(header.get("message"), 300))
         if kind in ("launch", "timeout"):
             cls = LaunchTimeout if kind == "timeout" else LaunchError
-            raise cls(_text(header.get("message")), exc_type=_text(header.get("exc_type"), 200) or None,
-                      traceback=_text(header.get("traceback")), output=_text(header.get("output")),
-                      phase=_text(header.get("phase"), 20) or None, rank=_int(header.get("rank")),
+            raise cls(clean(header.get("message")), exc_type=clean(header.get("exc_type"), 200) or None,
+                      traceback=clean(header.get("traceback")), output=clean(header.get("output")),
+                      phase=clean(header.get("phase"), 20) or None, rank=_int(header.get("rank")),
                       world_size=_int(header.get("world_size")), exitcode=_int(header.get("exitcode")))
-        name = _text(header.get("type"), 100) if isinstance(header, dict) else ""
+        name = clean(header.get("type"), 100) if isinstance(header, dict) else ""
         cls = {"TypeError": TypeError, "ValueError": ValueError}.get(name, RuntimeError)
-        raise cls(_text(header.get("message") if isinstance(header, dict) else header, 2000))
+        raise cls(clean(header.get("message") if isinstance(header, dict) else header, 2000))
 
     @staticmethod
     def _unjudgeable(why: str):
@@ -229,7 +246,7 @@ def read_manifest(data: bytes | None, expected: list[Exercise]) -> tuple[dict, l
         elif isinstance(entry.get("file"), str) and _FILE.match(entry["file"]):
             found[ex] = {"file": entry["file"]}
         elif isinstance(entry.get("error"), str):
-            found[ex] = {"error": entry["error"][:500]}
+            found[ex] = {"error": clean(entry["error"], 500)}
         else:
             ignored.append(f"a malformed line for {ex}")
     notes = []
