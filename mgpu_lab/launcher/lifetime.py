@@ -107,8 +107,11 @@ def bind_rank(lifeline: Connection) -> None:
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # dies with the forkserver
     _drop_forkserver_alive_fd()
     rank_pid = os.getpid()
-    if os.fork() == 0:  # still single-threaded here: forking is safe
-        _guard(lifeline.fileno(), rank_pid)
+    try:
+        if os.fork() == 0:  # still single-threaded here: forking is safe
+            _guard(lifeline.fileno(), rank_pid)
+    except OSError:  # out of processes (a process limit): run unguarded, still dying with the forkserver
+        pass
     lifeline.close()
 
 
