@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
-from .probes01 import outcome, simulated_gpus
+from .probes01 import one_thread, outcome, simulated_gpus
 
 
 def fork_workers() -> None:
@@ -29,6 +29,7 @@ def fork_workers() -> None:
     its workers would then pickle the data set and import torch anew (seconds each).
     """
     multiprocessing.set_start_method("fork", force=True)
+    one_thread()
     # The "more workers than cores" warning names this machine's core count: keep check output stable.
     warnings.filterwarnings("ignore", message="This DataLoader will create")
 

@@ -26,8 +26,9 @@ _MOVES = (torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu)
 
 def run_split(split_batch, calls) -> list:
     """``split_batch(batch, n)`` for every ``(batch, n)``: the chunks as a list, or what else came."""
-    from .probes01 import outcome
+    from .probes01 import one_thread, outcome
 
+    one_thread()
     out = []
     for batch, n in calls:
         got = outcome(split_batch, batch, n)
@@ -261,6 +262,7 @@ def run_dp(data_parallel_forward, n_devices: int, batch_size: int) -> dict:
 
 def run_dps(data_parallel_forward, scenarios) -> list:
     """:func:`run_dp` for every ``(n_devices, batch_size)``, each an outcome."""
-    from .probes01 import outcome
+    from .probes01 import one_thread, outcome
 
+    one_thread()
     return [outcome(run_dp, data_parallel_forward, n, b) for n, b in scenarios]
