@@ -194,3 +194,21 @@ def test_spin_takes_about_the_time_asked():
     start = time.perf_counter()
     uneven.spin(0.02)
     assert time.perf_counter() - start >= 0.02
+
+
+def _join_loop(counts):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(4, 1))
+    g = torch.Generator().manual_seed(dist.get_rank())
+    batches = [(torch.randn(2, 4, generator=g), torch.randn(2, 1, generator=g))
+               for _ in range(counts[dist.get_rank()])]
+    steps = uneven.train_with_join(model, batches, torch.optim.SGD(model.parameters(), lr=0.1))
+    dist.barrier()  # hangs if a rank were still in a gradient all-reduce
+    return steps, model.module.weight.detach().clone()
+
+
+def test_train_with_join_lets_ranks_with_different_batch_counts_finish_with_one_model():
+    (steps0, w0), (steps1, w1) = launch(_join_loop, 2, (3, 5), timeout=60)
+    assert (steps0, steps1) == (3, 5) and torch.equal(w0, w1)
