@@ -76,6 +76,7 @@ def _two_stage(TwoStageNet, conv: bool, dev1, dev2) -> dict:
     except Exception as exc:  # noqa: BLE001 - judged as evidence
         return {**out, "raised": _raised(exc), "stage_log": list(Stage.log), "moves": list(Placed.moves)}
     out["stage_log"], out["moves"] = list(Stage.log), list(Placed.moves)
+    out["placed_after"] = {m.name: str(m.vdev) for m in net.modules() if isinstance(m, Stage)}
     out["output_type"] = "Tensor" if isinstance(got, torch.Tensor) else type(got).__name__
     if not isinstance(got, torch.Tensor):
         return out

@@ -34,6 +34,10 @@ def judge_stages(t, run) -> None:
             t.fail(f"{name} is on {placed or 'no device'}, not on {dev}: "
                    + ("it was never moved" if not moves else f"it was moved to {moves[-1]}"),
                    f"{name}.to({dev})", f"moves of {name}: {moves or 'none'}")
+        after = run.get("placed_after", {}).get(name, placed)
+        if after != dev:
+            t.fail(f"forward moved {name} to {after}: place the stages once, in __init__, and move the tensors "
+                   "to them in forward", f"{name} stays on {dev}", f"{name} on {after} after forward")
 
 
 def judge_input(t, run) -> None:
