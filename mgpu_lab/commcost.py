@@ -23,7 +23,7 @@ import time
 import torch
 import torch.distributed as tdist
 
-__all__ = ["SIZES", "time_ops", "fit_alpha_beta", "bus_factor", "table", "plot"]
+__all__ = ["SIZES", "time_ops", "fit_alpha_beta", "bus_factor", "human_size", "table", "plot"]
 
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]  # bytes
 _FACTORS = {"all_reduce": lambda w: 2 * (w - 1) / w, "all_gather": lambda w: (w - 1) / w,
@@ -112,7 +112,8 @@ def fit_alpha_beta(sizes, seconds) -> tuple[float, float]:
     return float(alpha), float(1 / beta) if beta > 0 else float("inf")
 
 
-def _human(size: float) -> str:
+def human_size(size: float) -> str:
+    """Bytes in the largest binary unit that keeps the number >= 1, e.g. ``human_size(4096) == "4 KiB"``."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if size < 1024 or unit == "GiB":
             return f"{size:.0f} {unit}"
@@ -127,7 +128,7 @@ def table(sizes, result: dict, op: str = "all_reduce") -> str:
     lines = [f"{'size':>9} {'time (us)':>10} {'algbw (GB/s)':>13} {'busbw (GB/s)':>13}"]
     for size, seconds in zip(sizes, result[op]):
         algbw = size / seconds / 1e9
-        lines.append(f"{_human(size):>9} {seconds * 1e6:>10.1f} {algbw:>13.3f} {algbw * factor:>13.3f}")
+        lines.append(f"{human_size(size):>9} {seconds * 1e6:>10.1f} {algbw:>13.3f} {algbw * factor:>13.3f}")
     return "\n".join(lines)
 
 

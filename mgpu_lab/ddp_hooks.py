@@ -118,6 +118,9 @@ def compile_probe(cap_mb: float, width: int = 512, depth: int = 4) -> dict:
     how TorchDynamo cut the model. Returns the graph count, the number of buckets
     DDP all-reduced, and whether the gradients equal those of the uncompiled DDP.
     """
+    import logging
+
+    torch._logging.set_logs(dynamo=logging.ERROR)  # not the warning that DDP's record_function is ignored
     graphs = []
 
     def counting_backend(gm, example_inputs):
@@ -148,7 +151,8 @@ def throughput_probe(model_fn, batch: int = 64, steps: int = 8) -> dict:
     """In a rank: median seconds of a DDP training step (batch per rank) and samples/s of all ranks.
 
     Every rank computes with one thread, so one rank uses one CPU core whatever the
-    world size (on a GPU, one GPU).
+    world size (on a GPU, one GPU). ``cpu share`` is the CPU time the slowest-served
+    rank got over the timed steps' wall time: near 1 when it had a core to itself.
     """
     from . import dist as mdist
 
@@ -158,10 +162,10 @@ def throughput_probe(model_fn, batch: int = 64, steps: int = 8) -> dict:
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     x = torch.randn(batch, next(model.parameters()).shape[1], device=device)
-    times = []
+    times, cpu = [], 0.0
     for i in range(steps + 2):
         tdist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         opt.zero_grad()
         ddp(x).square().mean().backward()
         opt.step()
@@ -169,11 +173,14 @@ def throughput_probe(model_fn, batch: int = 64, steps: int = 8) -> dict:
             torch.cuda.synchronize(device)
         if i >= 2:  # the first steps build the buckets and warm up
             times.append(time.perf_counter() - t0)
+            cpu += time.process_time() - c0
     step = torch.tensor([statistics.median(times)])
     tdist.all_reduce(step, op=tdist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
+    share = torch.tensor([cpu / sum(times)])
+    tdist.all_reduce(share, op=tdist.ReduceOp.MIN)
     world = tdist.get_world_size()
     return {"seconds per step": step.item(), "samples per second": world * batch / step.item(),
-            "device": str(device)}
+            "cpu share": share.item(), "device": str(device)}
 
 
 def single_process_throughput(model_fn, batch: int, device_ids: list[int], steps: int = 8) -> float:

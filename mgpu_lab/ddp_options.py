@@ -5,8 +5,8 @@ gradient_as_bucket_view, static_graph, and SyncBatchNorm against per-rank statis
   count with and without ``no_sync``, and where the gradients live with
   ``gradient_as_bucket_view``;
 - :func:`batchnorm_probe`: per-rank BatchNorm statistics against the statistics of
-  the whole global batch, computed as SyncBatchNorm does (sums and counts all-reduced);
-  on GPUs also the real ``nn.SyncBatchNorm``, which refuses CPU tensors.
+  the whole global batch (the ones SyncBatchNorm normalises with), here from all-reduced
+  sums and counts; on GPUs also the real ``nn.SyncBatchNorm``, which refuses CPU tensors.
 
 Example:
     >>> from mgpu_lab import launch, ddp_options
@@ -118,7 +118,8 @@ def batchnorm_probe(channels: int = 3, batch: int = 64, shift: float = 2.0) -> d
     Rank ``r`` draws its batch around ``r * shift`` (data that differs per rank, as
     with a sampler that groups by source). A BatchNorm in training mode normalises
     with the statistics of its own input; SyncBatchNorm with those of the global
-    batch, computed from every rank's sum, sum of squares and count.
+    batch (it all-gathers every rank's mean, inverse std and count); here they are
+    computed from every rank's sum, sum of squares and count, all-reduced.
 
     Returns:
         ``local_mean``/``local_var`` (this rank), ``synced_mean``/``synced_var`` (from
@@ -133,7 +134,7 @@ def batchnorm_probe(channels: int = 3, batch: int = 64, shift: float = 2.0) -> d
     x = torch.randn(batch, channels) + rank * shift
     mean, var = x.mean(0), x.var(0, unbiased=False)
     stats = torch.cat([x.sum(0), x.square().sum(0), torch.tensor([float(batch)])])
-    tdist.all_reduce(stats)  # what SyncBatchNorm exchanges: sums, sums of squares, counts
+    tdist.all_reduce(stats)  # the global statistics, from sums, sums of squares and counts
     total = stats[-1]
     synced_mean = stats[:channels] / total
     synced_var = stats[channels:2 * channels] / total - synced_mean.square()

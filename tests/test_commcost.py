@@ -51,3 +51,26 @@ def test_timing_in_two_ranks_gives_a_table_and_a_plot():
     assert busbw == algbw  # 2 ranks: 2(W-1)/W = 1
     ax = commcost.plot(sizes, result, ("all_reduce", "ring"))
     assert len(ax.lines) == 3 and "fit:" in ax.get_legend().get_texts()[-1].get_text()
+
+
+def _bench():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "collectives.py"
+    spec = importlib.util.spec_from_file_location("bench_collectives", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_benchmark_prints_both_algorithms_side_by_side_and_checks_its_arguments():
+    bench = _bench()
+    assert bench.sizes_up_to(1) == [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20]
+    result = {"world_size": 4, "all_reduce": [1e-3, 2e-3], "ring": [2e-3, 3e-3]}
+    header, small, large = bench.table([4096, 1 << 20], result).splitlines()
+    assert "all_reduce us" in header and "ring/all_reduce" in header
+    assert small.split()[-1] == "2.00" and large.split()[-1] == "1.50"
+    assert float(large.split()[5]) == pytest.approx((1 << 20) / 2e-3 / 1e9 * 1.5, abs=1e-3)  # busbw, 4 ranks
+    with pytest.raises(SystemExit):
+        bench.main(["--world", "1"])

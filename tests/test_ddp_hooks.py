@@ -37,7 +37,9 @@ def test_throughput_counts_every_ranks_samples(two):
     for res in two:
         t = res["throughput"]
         assert t["device"] == "cpu" and t["samples per second"] == pytest.approx(2 * 8 / t["seconds per step"])
+        assert 0 < t["cpu share"] <= 4  # the rank process: its compute thread and gloo's
     assert two[0]["throughput"]["seconds per step"] == two[1]["throughput"]["seconds per step"]  # the max
+    assert two[0]["throughput"]["cpu share"] == two[1]["throughput"]["cpu share"]  # the min
 
 
 def test_compile_cuts_one_graph_per_bucket_and_keeps_the_gradients(two):
