@@ -78,3 +78,15 @@ def test_another_world_size_resumes_the_snapshot_epoch_from_its_start(tmp_path):
     after = torch.load(path, weights_only=True)
     assert after["step"] == 24 and len(after["rng"]) == 1  # epoch 0 redone with 12 steps per epoch, then epoch 1
     assert all(torch.isfinite(v).all() for v in state.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_rng_state_keeps_the_gpu_generator_that_dropout_draws_from():
+    device = torch.device("cuda", 0)
+    state = snapshot.rng_state(device)
+    assert set(state) == {"cpu", "cuda"}
+    a = torch.rand(3, device=device)
+    moved = {k: v.to(device) for k, v in state.items()}  # as if loaded with map_location=device
+    snapshot.set_rng_state(moved, device)
+    assert torch.equal(torch.rand(3, device=device), a)
