@@ -1,9 +1,15 @@
 """Helpers shared by the checker tests (tests/test_checks_NN.py)."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
+import cloudpickle
 import nbformat
+
+# The stub travels to the check's ranks by value: by reference every rank would
+# import this module, and nbformat with it (seconds each on a loaded machine).
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 def solutions_from(notebook: Path, names: tuple[str, ...], namespace: dict | None = None) -> dict:
     """The exercise functions exactly as a solution notebook defines them (its solution cells run)."""
