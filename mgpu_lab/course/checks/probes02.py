@@ -78,8 +78,12 @@ def run_loaders(make_loader, scenarios: dict) -> dict:
 
 
 # -- seed_worker ----------------------------------------------------------------------
+_WORKER_ERROR: list = []  # in a worker: what the learner's seed_worker raised there, if anything
+
+
 class Draws(Dataset):
-    """Item i: (worker id, one draw from Python's random, one from NumPy's global generator)."""
+    """Item i: (worker id, one draw from Python's random, one from NumPy's global generator), or, where
+    the worker's ``seed_worker`` raised, (worker id, "raised", error type, message)."""
 
     def __init__(self, n: int):
         self.n = n
@@ -89,14 +93,21 @@ class Draws(Dataset):
 
     def __getitem__(self, index: int):
         info = get_worker_info()
-        return (info.id if info is not None else -1, random.random(), float(np.random.rand()))
+        worker = info.id if info is not None else -1
+        if _WORKER_ERROR:
+            return (worker, "raised", *_WORKER_ERROR)
+        return (worker, random.random(), float(np.random.rand()))
 
 
 def _first_draws(loader) -> dict:
     """The first draw of each generator in each worker, over one epoch of ``loader``."""
     first = {}
-    for worker, r, n in loader:
-        first.setdefault(worker, (round(r, 12), round(n, 12)))
+    for item in loader:
+        if item[1] == "raised":
+            if item[2] == "NotImplementedError":
+                raise NotImplementedError(item[3])
+            return {"error": f"{item[2]} in a worker: {item[3]}"}
+        first.setdefault(item[0], (round(item[1], 12), round(item[2], 12)))
     return {"random": [first[w][0] for w in sorted(first)], "numpy": [first[w][1] for w in sorted(first)]}
 
 
@@ -107,7 +118,9 @@ def run_seeds(seed_worker, generator_seed: int = 7, num_workers: int = 2) -> dic
 
     Every worker first gets back the random state of this process (what fork
     copies, and what forked workers kept before PyTorch 1.9 reseeded NumPy),
-    then the learner's ``seed_worker(worker_id)`` runs.
+    then the learner's ``seed_worker(worker_id)`` runs. What it raises is sent
+    back as data: a worker that fails its init leaves a DataLoader whose
+    shutdown waits seconds for it.
     """
     fork_workers()
     random.seed(1234)
@@ -117,20 +130,23 @@ def run_seeds(seed_worker, generator_seed: int = 7, num_workers: int = 2) -> dic
     def init(worker_id):
         random.setstate(parent[0])
         np.random.set_state(parent[1])
-        seed_worker(worker_id)
+        try:
+            seed_worker(worker_id)
+        except BaseException as exc:  # noqa: BLE001 - reported with the items
+            _WORKER_ERROR[:] = [type(exc).__name__, str(exc).splitlines()[0] if str(exc) else ""]
 
     def loader():
         return DataLoader(Draws(2 * num_workers), batch_size=None, num_workers=num_workers, worker_init_fn=init,
                           generator=torch.Generator().manual_seed(generator_seed), multiprocessing_context="fork")
 
-    try:
-        first = loader()
-        return {"epoch1": _first_draws(first), "epoch2": _first_draws(first), "again": _first_draws(loader())}
-    except Exception as exc:  # noqa: BLE001 - the worker's error, re-raised by the DataLoader
-        if isinstance(exc, NotImplementedError):
-            raise
-        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-        return {"error": f"{type(exc).__name__} in a worker: {lines[-1] if lines else ''}"}
+    first = loader()
+    out = {}
+    for name, source in (("epoch1", first), ("epoch2", first), ("again", None)):
+        got = _first_draws(source if source is not None else loader())
+        if "error" in got:
+            return got
+        out[name] = got
+    return out
 
 
 # -- best_num_workers -----------------------------------------------------------------
