@@ -166,11 +166,11 @@ def _run_static(t, torchrun_command, script) -> None:
 GRADED_ENV = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_DEBUG", "NCCL_DEBUG_SUBSYS")
 
 
-def _runnable(t, argv):
-    """The learner's command, or when grading, the command rebuilt from what torchrun read of it."""
+def _runnable(t, argv, args=None):
+    """The learner's command, or when grading, the command rebuilt from what torchrun read of it (``args``)."""
     if not t.grading:
         return argv
-    args = parse_torchrun(argv)[0]
+    args = parse_torchrun(argv)[0] if args is None else args
     return ["torchrun", f"--nnodes={args.nnodes}", f"--nproc-per-node={args.nproc_per_node}",
             f"--node-rank={args.node_rank}", f"--master-addr={args.master_addr}",
             f"--master-port={args.master_port}", args.training_script]
