@@ -87,7 +87,8 @@ def test_cli_scores_right_answers_stubs_and_unchecked_exercises_in_a_table_json_
     assert {"notebook": str(stub), "exercise": "01.pick_device", "status": "not attempted"}.items() <= rows[4].items()
     assert rows[-1]["exercise"] == "TOTAL" and rows[-1]["points"] == "0" and rows[-1]["completed"] == "False"
     gs = {d.name: json.loads((d / "results.json").read_text()) for d in out_gs.iterdir()}
-    assert set(gs) == {"01_right", "01_stub", "01_broken"} and (gs["01_right"]["score"], gs["01_stub"]["score"]) == (6, 0)
+    assert set(gs) == {"01_right", "01_stub", "01_broken"}
+    assert (gs["01_right"]["score"], gs["01_stub"]["score"], gs["01_broken"]["score"]) == (6, 0, 0)
     tests = gs["01_right"]["tests"]
     assert sum(t["max_score"] for t in tests) == 18 and sum(t["score"] for t in tests) == 6
     cases = [t for t in tests if t["name"].startswith("01.pick_device #")]

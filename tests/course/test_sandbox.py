@@ -75,7 +75,8 @@ def test_a_process_in_the_sandbox_gets_its_user_directory_environment_limits_and
     os.chmod(tmp_path, 0o777)  # even a folder anyone may write is out of reach: it is not in the sandbox
     limits = Limits(memory=3 << 30, processes=300, file_size=1 << 20, cpu_time=77)
     with Sandbox(limits) as box:
-        proc = box.start([sys.executable, "-c", INSIDE, addr or "10.255.255.1", str(listener.getsockname()[1]), str(target)],
+        port = str(listener.getsockname()[1])
+        proc = box.start([sys.executable, "-c", INSIDE, addr or "10.255.255.1", port, str(target)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err.decode()
