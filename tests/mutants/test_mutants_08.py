@@ -159,10 +159,6 @@ DCP = ExerciseMutants("08.dcp_checkpoint", NB, ("save_checkpoint", "load_checkpo
         "    model_state, optim_state = get_state_dict(model, optimizer)\n    dcp.save",
         "    model_state, optim_state = get_state_dict(model, optimizer, "
         "options=StateDictOptions(full_state_dict=True))\n    dcp.save"), "full_state_dict"),
-    Mutant("the full state gathered on rank 0 (lesson 04's way)", replace(
-        "    model_state, optim_state = get_state_dict(model, optimizer)\n    dcp.save",
-        "    model_state, optim_state = get_state_dict(model, optimizer, "
-        "options=StateDictOptions(full_state_dict=True, cpu_offload=True))\n    dcp.save"), "full_state_dict"),
     Mutant("the model saved without the optimizer", replace('dcp.save({"model": model_state, "optim": optim_state}',
                                                             'dcp.save({"model": model_state}'), "optimizer"),
     Mutant("torch.save on rank 0", replace(
@@ -173,11 +169,6 @@ DCP = ExerciseMutants("08.dcp_checkpoint", NB, ("save_checkpoint", "load_checkpo
     Mutant("a checkpoint directory per rank", replace(
         "checkpoint_id=path)", 'checkpoint_id=os.path.join(path, f"rank{dist.get_rank()}"))', count=0),
         "rank1"),  # dcp.save then fails, or writes rank0/ ... rank3/ (which of the two depends on timing)
-    Mutant("other keys when loading", (
-        replace('state = {"model": model_state, "optim": optim_state}',
-                'state = {"model": model_state, "optimizer": optim_state}'),
-        replace('optim_state_dict=state["optim"]', 'optim_state_dict=state["optimizer"]')),
-        ("missing key", "keys you saved")),
     Mutant("the optimizer's own state_dict(): empty before its first step", replace(
         "    model_state, optim_state = get_state_dict(model, optimizer)\n    state =",
         "    model_state, optim_state = get_state_dict(model, optimizer)[0], optimizer.state_dict()\n    state ="),
