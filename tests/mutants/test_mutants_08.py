@@ -19,8 +19,8 @@ NB = "08_sharding.ipynb"
 ZERO = ExerciseMutants("08.zero_memory", NB, ("zero_memory",), mutants=[
     Mutant("shard rounded down", replace("-(-n_params // world_size)", "n_params // world_size"), "rounds down"),
     Mutant("shard as a float", replace("-(-n_params // world_size)", "n_params / world_size"), "return an int"),
-    Mutant("stage 1 shards the gradients too", replace("grads = n_params if stage < 2", "grads = n_params if stage < 1"),
-           "stage 1"),
+    Mutant("stage 1 shards the gradients too",
+           replace("grads = n_params if stage < 2", "grads = n_params if stage < 1"), "stage 1"),
     Mutant("stage 3 keeps the parameters whole", replace("params = n_params if stage < 3 else shard",
                                                          "params = n_params"), "stage 3"),
     Mutant("optimizer state fixed at 8 bytes", replace("optim * optim_bytes", "optim * 8"), "optim_bytes"),

@@ -107,7 +107,8 @@ def _dcp_evidence(layout, loaded=None, load_error=None):
 
 def _layout(chunks):
     return {"files": {".metadata": 1, **{f"__{r}_0.distcp": 1 for r in range(4)}},
-            "tensors": {"model.w": {"shape": [8], "chunks": chunks, "files": [f"__{r}_0.distcp" for r in range(chunks)]}}}
+            "tensors": {"model.w": {"shape": [8], "chunks": chunks,
+                                    "files": [f"__{r}_0.distcp" for r in range(chunks)]}}}
 
 
 def test_dcp_judges_say_what_is_wrong():
