@@ -66,7 +66,8 @@ def newest_checkpoint(directory: str | None) -> tuple[str, int] | None:
     if not directory or not os.path.isdir(directory):
         return None
     found = [(int(m.group(1)), os.path.join(directory, name)) for name in os.listdir(directory)
-             if (m := re.fullmatch(r"epoch-(\d+)", name)) and os.path.isfile(os.path.join(directory, name, ".metadata"))]
+             if (m := re.fullmatch(r"epoch-(\d+)", name))
+             and os.path.isfile(os.path.join(directory, name, ".metadata"))]
     return (max(found)[1], max(found)[0]) if found else None
 
 

@@ -86,7 +86,9 @@ def _zero_memory(t, zero_memory):
           "padded gradient, SGD on this rank's shard, all-gather the full parameter")
 def _sharded_sgd_step(t, sharded_sgd_step):
     results = None
-    with t.case("3 ranks, 12 elements: every rank returns param - lr x the mean of the 3 ranks' gradients"):
+    with t.case("3 ranks, 12 elements: every rank returns param - lr x the mean of the 3 ranks' gradients",
+                hint="reduce-scatter the gradient, divide by world_size, update your block of the parameter, "
+                     "all-gather the blocks"):
         results = t.ranks(run_sgd_cases, 3, sharded_sgd_step, SGD_CASES, SGD_LR, timeout=90)
         judge_result(t, results, 0)
     cases = [

@@ -193,10 +193,10 @@ def _fresh(seed: int):
 
 
 def run_dcp_save(save_checkpoint, load_checkpoint, path: str) -> dict:
-    """Probe (4 ranks): train 2 Adam steps, save with the learner's function, load into a fresh model."""
+    """Probe (4 ranks): an Adam step, save with the learner's function, load into a fresh model and optimizer."""
     model, opt = _fresh(seed=2)
     x, y = fsdp.batch(8, 6)
-    fsdp.train_steps(model, opt, x, y, 2)
+    fsdp.train_steps(model, opt, x, y, 1)  # Adam's state exists after its first step
     rank0 = tdist.get_rank() == 0
     try:
         save_checkpoint(model, opt, path)
@@ -209,6 +209,8 @@ def run_dcp_save(save_checkpoint, load_checkpoint, path: str) -> dict:
     out = {"saved": saved if rank0 else None}
     out["files"] = sorted(os.listdir(path)) if os.path.isdir(path) else []
     out["layout"] = distcp.layout(path) if rank0 and os.path.isfile(os.path.join(path, ".metadata")) else None
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        return {**out, "load_error": "not run: there is no DCP checkpoint (.metadata) to load"}
     fresh, fresh_opt = _fresh(seed=7)
     try:
         load_checkpoint(fresh, fresh_opt, path)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from checking import solutions_from, stub
+from checking import solutions_from
 from mgpu_lab.course.checks import check, exercises
 from mgpu_lab.course.checks._core import CaseFailed, Exercise, Tester
 from mgpu_lab.course.checks import judges08
@@ -20,6 +20,11 @@ from mutation import prelude
 
 pytestmark = pytest.mark.timeout(400)
 NOTEBOOK = Path(__file__).resolve().parents[3] / "solutions" / "08_sharding.ipynb"
+# The stub is made by exec and bound to no module attribute, so cloudpickle sends it by value:
+# a stub it can find in a module (checking.stub, or a global here) is sent by reference, and
+# every rank then imports that test module, nbformat and all (seconds of CPU per rank).
+_STUBS: dict = {}
+exec("def stub(*args, **kwargs):\n    raise NotImplementedError('write this function')\n", _STUBS)
 POINTS = {"08.zero_memory": 9, "08.sharded_sgd_step": 7, "08.shard_model": 5, "08.dcp_checkpoint": 5}
 ANSWERS = {"08.zero_memory": ("zero_memory",), "08.sharded_sgd_step": ("sharded_sgd_step",),
            "08.shard_model": ("shard_model",), "08.dcp_checkpoint": ("save_checkpoint", "load_checkpoint")}
@@ -44,7 +49,7 @@ def test_solution_gets_full_marks(exercise_id, solution):
 
 @pytest.mark.parametrize("exercise_id", sorted(POINTS))
 def test_stub_is_not_attempted(exercise_id):
-    result = check(exercise_id, *([stub] * len(ANSWERS[exercise_id])))
+    result = check(exercise_id, *([_STUBS["stub"]] * len(ANSWERS[exercise_id])))
     assert result.status == "not attempted" and result.points == 0, str(result)
 
 
@@ -102,7 +107,8 @@ def _dcp_evidence(layout, loaded=None, load_error=None):
 
 def _layout(chunks):
     return {"files": {".metadata": 1, **{f"__{r}_0.distcp": 1 for r in range(4)}},
-            "tensors": {"model.w": {"shape": [8], "chunks": chunks, "files": [f"__{r}_0.distcp" for r in range(chunks)]}}}
+            "tensors": {"model.w": {"shape": [8], "chunks": chunks,
+                                    "files": [f"__{r}_0.distcp" for r in range(chunks)]}}}
 
 
 def test_dcp_judges_say_what_is_wrong():
