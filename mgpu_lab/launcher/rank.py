@@ -152,9 +152,12 @@ def rank_main(payload: bytes, spec: dict, out, err, stacks, chan, lifeline) -> N
     except SystemExit as exc:
         code = exit_status(exc.code)
         if code == 0:  # sys.exit(0) or sys.exit(): the rank finished, as under torchrun
-            if tdist.is_available() and tdist.is_initialized():
-                tdist.destroy_process_group()
             msg = ("ok", cloudpickle.dumps(None))
+            try:
+                if tdist.is_available() and tdist.is_initialized():
+                    tdist.destroy_process_group()
+            except Exception as teardown:  # noqa: BLE001 - reported like any other error
+                msg, code = ("error", dict(describe_exception(teardown), phase="fn")), 1
         else:
             if not isinstance(exc.code, int):
                 print(exc.code, file=sys.stderr)  # as Python prints sys.exit("message")
