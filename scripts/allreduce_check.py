@@ -75,7 +75,11 @@ def main(argv=None) -> int:
           f"{'OK' if ok else 'WRONG'} in {time.perf_counter() - start:.2f} s", flush=True)
     if args.json:
         report = {**env, "hostname": host, "backend": backend, "sum": got[0], "expected": expected, "ok": ok}
-        print("ALLREDUCE_CHECK " + json.dumps(report), flush=True)
+        # One write: under PYTHONUNBUFFERED print() writes the text and the newline
+        # separately, and the ranks of a node share one pipe, so two reports could
+        # end up on one line.
+        sys.stdout.write("ALLREDUCE_CHECK " + json.dumps(report) + "\n")
+        sys.stdout.flush()
     dist.destroy_process_group()
     if args.abort_after_destroy == rank:
         print(f"rank {rank}/{world}: aborting after destroy_process_group (--abort-after-destroy)", flush=True)

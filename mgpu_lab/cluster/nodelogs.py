@@ -177,10 +177,14 @@ def probe_reports(result: RunResult) -> list[dict]:
     simulated node whose log it came from. The script prints them with ``--json``
     or ``ALLREDUCE_CHECK_JSON=1``.
     """
-    found = []
+    found, decoder, tag = [], json.JSONDecoder(), "ALLREDUCE_CHECK "
     for n in result.nodes:
         for line in n.lines:
-            if line.startswith("ALLREDUCE_CHECK "):
+            # Reports anywhere in the line: ranks that share a node's pipe may interleave.
+            at = line.find(tag)
+            while at >= 0:
                 with contextlib.suppress(ValueError):
-                    found.append({**json.loads(line.split(" ", 1)[1]), "node": n.node.rank})
+                    report, _ = decoder.raw_decode(line, at + len(tag))
+                    found.append({**report, "node": n.node.rank})
+                at = line.find(tag, at + len(tag))
     return sorted(found, key=lambda r: int(r.get("RANK") or -1))

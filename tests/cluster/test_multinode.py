@@ -6,6 +6,7 @@ making the capability check say no.
 """
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -388,6 +389,23 @@ def test_probe_reports_parse_json_lines():
     run = multinode.NodeRun(node, ["x"], {}, 0, ["noise", "ALLREDUCE_CHECK " + json.dumps(report),
                                                  "ALLREDUCE_CHECK {broken"], 1.0, "", True)
     assert probe_reports(multinode.RunResult([run], 10, 1.0, True)) == [{**report, "node": 1}]
+
+
+def test_probe_reports_of_two_ranks_that_wrote_on_one_line():
+    # Two ranks of a node share its pipe: unbuffered print() writes text and newline
+    # apart, so one line can hold both reports (a CI run counted 3 of 4 ranks so).
+    node = multinode.Node(0, "node0", "a", "eth0", None)
+    a, b = {"RANK": "1", "sum": 10.0}, {"RANK": "0", "sum": 10.0}
+    line = "ALLREDUCE_CHECK " + json.dumps(a) + "ALLREDUCE_CHECK " + json.dumps(b)
+    run = multinode.NodeRun(node, ["x"], {}, 0, [line, ""], 1.0, "", True)
+    assert probe_reports(multinode.RunResult([run], 10, 1.0, True)) == [{**b, "node": 0}, {**a, "node": 0}]
+
+
+def test_the_probe_script_writes_each_report_in_one_write():
+    tree = ast.parse(PROBE_SCRIPT.read_text())
+    prints = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "print"
+              and "ALLREDUCE_CHECK" in ast.unparse(n)]
+    assert prints == [], "print() of a report writes its newline apart: reports of two ranks can share a line"
 
 
 # -- mgpu-lab doctor --nodes N ---------------------------------------------------------------
