@@ -87,13 +87,15 @@ attempted = True
 # Its visible_devices_env says everything it sees in its error, which lands in the grades' outputs.
 LEAK = """
 def visible_devices_env(ids):
-    raise ValueError("kernel " + repr(sorted(ENV.items())) + " ranks " + repr(sorted(os.environ.items())))
+    def seen(env):  # short enough that the case's message keeps it whole
+        return sorted((k, v) for k, v in env.items() if k in ("HOME", "MGPU_LAB_TEST_SECRET") or {secret!r} in v)
+    raise ValueError("kernel " + repr(seen(ENV)) + " ranks " + repr(seen(os.environ)))
 check('01.visible_devices_env', visible_devices_env)
 """
 FORGE = """
 import json, os
 def pick_device(index=None):
-    return "cpu"
+    return None  # wrong in every case: whatever it earns, it earns from the forged records
 check('01.pick_device', pick_device)
 folder = os.environ.get("MGPU_LAB_GRADE_ANSWERS", "answers")
 os.makedirs(folder, exist_ok=True)
@@ -156,14 +158,21 @@ def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def test_hostile_submissions_are_contained_and_the_honest_one_is_graded_right(tmp_path, monkeypatch):
+@pytest.fixture
+def listener():
+    """A socket listening on the machine's outside address, closed after the test
+    (left open, a later test that counts listening sockets saw it)."""
+    with socket.socket() as sock:
+        sock.bind((_outside_address() or "0.0.0.0", 0))
+        sock.listen(8)
+        sock.settimeout(0.2)
+        yield sock
+
+
+def test_hostile_submissions_are_contained_and_the_honest_one_is_graded_right(tmp_path, monkeypatch, listener):
     monkeypatch.setenv("MGPU_LAB_TEST_SECRET", SECRET)
     limits = Limits(memory=8 << 30, processes=400, file_size=1 << 30, cpu_time=600)
     addr = _outside_address()
-    listener = socket.socket()
-    listener.bind((addr or "0.0.0.0", 0))
-    listener.listen(8)
-    listener.settimeout(0.2)
     sentinel = subprocess.Popen(["sleep", "600"])
     drop = tmp_path / "drop"
     drop.mkdir(mode=0o777)
@@ -177,7 +186,7 @@ def test_hostile_submissions_are_contained_and_the_honest_one_is_graded_right(tm
     escape = _nb(subs, "01_escape.ipynb", ESCAPE.format(secret=SECRET, addr=addr or "10.255.255.1",
                                                         port=listener.getsockname()[1], targets=targets,
                                                         mark=MARK, sentinel=sentinel.pid),
-                 CONTAINED, CHECK, LEAK)
+                 CONTAINED, CHECK, LEAK.format(secret=SECRET))
     forge = _nb(subs, "01_forge.ipynb", "from mgpu_lab import check", FORGE)
     bomb = _nb(subs, "01_bomb.ipynb", BOMB.format(mark=MARK, hog=12 << 30), CONTAINED, CHECK)
     before = {p.pid for p in _left_behind()}
