@@ -3,9 +3,11 @@
 Two modes, each a process the grader starts in the submission's
 :class:`~mgpu_lab.course.sandbox.Sandbox`:
 
-``notebook NAME FD``
+``notebook NAME FD [SKIPS]``
     Executes the notebook in a Jupyter kernel (started here, so inside the
-    sandbox), writing its progress to file descriptor ``FD`` as JSON lines:
+    sandbox), all but the demo cells that :func:`mgpu_lab.course.cells.plan`
+    lets it skip (``SKIPS``: a JSON list of the sources of the lesson's cells
+    tagged for skipping), writing its progress to file descriptor ``FD`` as JSON lines:
     ``{"cell": i}`` when cell ``i`` starts, ``{"ended": "ok"}``,
     ``{"ended": "died", "cell": i}`` or ``{"ended": "error", "why": ...}``.
     ``MGPU_LAB_GRADE_ANSWERS`` is set, so every ``check(...)`` in the kernel
@@ -58,8 +60,24 @@ def frame(data: bytes) -> bytes:
 
 
 # -- notebook mode -----------------------------------------------------------------------
-def run_notebook(name: str, fd: int) -> int:
-    """Execute ``name`` in a fresh kernel (cells that raise do not stop it); report progress on ``fd``."""
+def _skip_demos(nb, skips: str | None) -> list[int]:
+    """Drop the cells grading may skip from ``nb``; the original index of every cell left."""
+    from mgpu_lab.course.cells import plan
+
+    kept = list(range(len(nb.cells)))
+    if not skips:
+        return kept
+    with open(skips, encoding="utf-8") as f:
+        skippable = set(json.load(f))
+    code = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+    dropped = {code[j] for j in plan([nb.cells[i].source for i in code], skippable)}
+    nb.cells = [c for i, c in enumerate(nb.cells) if i not in dropped]
+    return [i for i in kept if i not in dropped]
+
+
+def run_notebook(name: str, fd: int, skips: str | None = None) -> int:
+    """Execute ``name`` in a fresh kernel (cells that raise do not stop it, demo cells that no exercise
+    needs are skipped); report progress on ``fd``, with the cells' indices in the notebook as submitted."""
     out = os.fdopen(fd, "w", buffering=1)
 
     def note(**event):
@@ -71,6 +89,7 @@ def run_notebook(name: str, fd: int) -> int:
         from nbclient.exceptions import DeadKernelError
 
         nb = nbformat.read(name, as_version=4)
+        index = _skip_demos(nb, skips)
     except Exception as exc:  # noqa: BLE001 - whatever is wrong with the file, say it
         note(ended="error", why=f"the notebook could not be read: {type(exc).__name__}: {exc}"[:300])
         return 0
@@ -79,8 +98,8 @@ def run_notebook(name: str, fd: int) -> int:
     cell = {"index": None}
 
     def started(cell_index, **_):
-        cell["index"] = cell_index
-        note(cell=cell_index)
+        cell["index"] = index[cell_index]
+        note(cell=index[cell_index])
 
     client.on_cell_start = lambda cell, cell_index: started(cell_index)
     try:
@@ -193,11 +212,11 @@ def serve(folder: str, fd: int) -> int:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) == 3 and argv[0] == "notebook":
-        return run_notebook(argv[1], int(argv[2]))
+    if len(argv) in (3, 4) and argv[0] == "notebook":
+        return run_notebook(argv[1], int(argv[2]), *argv[3:])
     if len(argv) == 3 and argv[0] == "serve":
         return serve(argv[1], int(argv[2]))
-    print("usage: python -m mgpu_lab.course.runner notebook NAME FD | serve ANSWERS FD", file=sys.stderr)
+    print("usage: python -m mgpu_lab.course.runner notebook NAME FD [SKIPS] | serve ANSWERS FD", file=sys.stderr)
     return 2
 
 
