@@ -134,19 +134,56 @@ def _add_grade(subparsers) -> None:
                         help="also write OUT/<submission>/results.json in Gradescope's autograder format")
     parser.add_argument("--timeout", type=_seconds, default=600.0,
                         help="seconds per notebook, and again (at least 300) for judging its checks (default: 600)")
+    parser.add_argument("--jobs", "-j", type=_jobs, default=None, metavar="N",
+                        help="notebooks graded at once, each in its own sandbox (default: what this machine's "
+                             "cores and memory fit)")
+    parser.add_argument("--results", type=Path, default=Path(".mgpu-lab-grades"), metavar="DIR",
+                        help="where each notebook's grade is kept, by content: a re-run grades only what is new "
+                             "or changed (default: .mgpu-lab-grades)")
+    parser.add_argument("--force", action="store_true", help="grade every notebook again, kept grades or not")
+    parser.add_argument("--all-cells", action="store_true",
+                        help="run the demo cells too (by default grading skips those tagged skip-in-grading that "
+                             "no exercise needs)")
+    parser.add_argument("--plot", type=Path, metavar="PNG",
+                        help="also draw the class summary (pass rate and most common failure per exercise)")
     parser.set_defaults(handler=_grade)
 
 
+def _jobs(text: str) -> int:
+    from mgpu_lab.course.batch import check_jobs
+
+    try:
+        return check_jobs(int(text))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"{text!r}: {err}") from None
+
+
 def _grade(args) -> int:
+    from mgpu_lab.course.batch import default_jobs
     from mgpu_lab.course.grade import grade, report, write_csv, write_json
     from mgpu_lab.course.gradescope import write_gradescope
+    from mgpu_lab.course.summary import plot, summarize, table
 
     missing = [str(p) for p in args.paths if not p.is_file()]
     if missing:
         print(f"mgpu-lab grade: no such notebook: {', '.join(missing)}", file=sys.stderr)
         return 2
-    grades = grade(args.paths, timeout=args.timeout)
+    from mgpu_lab.course.isolation import slot_user
+
+    jobs = args.jobs or min(default_jobs(), len(args.paths))
+    users = ", ".join(str(slot_user(k)[0]) for k in range(jobs)) if slot_user(0)[1] is not None else ""
+    print(f"mgpu-lab grade: {len(args.paths)} notebook(s), {jobs} at a time"
+          + (f" (each sandbox its own user: {users})" if jobs > 1 and users else "")
+          + f"; grades kept in {args.results}" + (" (re-grading all: --force)" if args.force else ""),
+          file=sys.stderr, flush=True)
+    grades = grade(args.paths, timeout=args.timeout, jobs=jobs, store=args.results, force=args.force,
+                   all_cells=args.all_cells, progress=True)
     print(report(grades))
+    rows = summarize(grades)
+    if len(grades) > 1:
+        print("\nclass summary\n" + table(rows))
+    if args.plot:
+        print(f"class summary drawn in {plot(rows, args.plot)}")
     if args.json:
         write_json(grades, args.json)
     if args.csv:

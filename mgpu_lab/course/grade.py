@@ -28,6 +28,7 @@ Example:
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -39,6 +40,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .batch import Store, check_jobs, fingerprint, run_batch
+from .cells import reference_skips
 from .checks import exercises
 from .checks._answers import ANSWERS_ENV
 from .judge import ANSWERS, Session, clean, judge_all
@@ -49,6 +52,7 @@ JUDGE_MIN = 300.0  # seconds judging may take at least (the sandbox's runner sta
 NOTEBOOK_LIMIT = 256 << 20  # bytes: larger files are not run
 PROGRESS_LIMIT = 1 << 20
 NAME = "submission.ipynb"
+SKIPS = "skippable.json"
 
 
 @dataclass
@@ -110,13 +114,15 @@ def _events(data: bytes) -> list[dict]:
     return out
 
 
-def _run_notebook(box: Sandbox, timeout: float) -> str:
-    """Run the notebook in ``box`` for at most ``timeout`` s; why it did not complete ("" if it did)."""
+def _run_notebook(box: Sandbox, timeout: float, skips: set[str]) -> str:
+    """Run the notebook in ``box`` for at most ``timeout`` s, skipping the demos ``skips`` allows
+    (:mod:`~mgpu_lab.course.cells`); why it did not complete ("" if it did)."""
+    box.put(SKIPS, json.dumps(sorted(skips)).encode())
     read, write = os.pipe()
     with tempfile.TemporaryFile() as err:
         try:
             proc = box.start([sys.executable, "-P", "-s", "-m", "mgpu_lab.course.runner", "notebook", NAME,
-                              str(write)], pass_fds=(write,), stderr=err,
+                              str(write), SKIPS], pass_fds=(write,), stderr=err,
                              env={ANSWERS_ENV: f"{box.inside}/{ANSWERS}"})
         finally:
             os.close(write)
@@ -159,13 +165,17 @@ def _run_notebook(box: Sandbox, timeout: float) -> str:
     return ""
 
 
-def grade_notebook(path: Path | str, timeout: float = DEFAULT_TIMEOUT, limits: Limits | None = None) -> NotebookGrade:
+def grade_notebook(path: Path | str, timeout: float = DEFAULT_TIMEOUT, limits: Limits | None = None, *,
+                   slot: int = 0, all_cells: bool = False) -> NotebookGrade:
     """Run one notebook in a sandbox and judge its checks.
 
     Args:
         path: the notebook.
         timeout: seconds the notebook may run (and again, at least 300, for judging its checks).
         limits: the sandbox's resource limits (default :class:`Limits`).
+        slot: which of the sandboxes graded at once this is (each slot has its own user).
+        all_cells: run the demo cells too (by default those tagged ``skip-in-grading``
+            in the lesson's reference notebooks are skipped when no exercise needs them).
 
     Returns:
         Its grade: every exercise of its lesson (``NN_`` prefix of the file name;
@@ -182,21 +192,21 @@ def grade_notebook(path: Path | str, timeout: float = DEFAULT_TIMEOUT, limits: L
     lesson = _lesson_of(path)
     expected = [e for e in exercises() if lesson is None or e.lesson == lesson]
     try:
-        return _grade(path, timeout, limits, expected)
+        return _grade(path, timeout, limits, expected, slot, set() if all_cells else reference_skips(lesson))
     except Exception as exc:  # noqa: BLE001 - one notebook must never stop the batch
         return NotebookGrade(str(path), [ExerciseGrade(e.id, 0, e.points, "not judged") for e in expected],
                              completed=False, reason=f"the grader could not judge this notebook "
                              f"({type(exc).__name__}: {str(exc)[:300]}); 0 points for what it could not judge")
 
 
-def _grade(path: Path, timeout: float, limits: Limits | None, expected) -> NotebookGrade:
+def _grade(path: Path, timeout: float, limits: Limits | None, expected, slot: int, skips: set[str]) -> NotebookGrade:
     size = path.stat().st_size
     if size > NOTEBOOK_LIMIT:
         raise ValueError(f"the file has {size} bytes, more than the {NOTEBOOK_LIMIT} a notebook may have")
-    with Sandbox(limits) as box, Session(box, deadline=math.inf) as session:
+    with Sandbox(limits, slot=slot) as box, Session(box, deadline=math.inf) as session:
         box.put(NAME, path.read_bytes())
         session.start()  # in its own namespaces, beside the notebook: it imports torch while the notebook runs
-        reason = _run_notebook(box, timeout)
+        reason = _run_notebook(box, timeout, skips)
         # Judging starts once nothing of the notebook runs any more, with a runner that still answers.
         session.deadline = time.monotonic() + max(timeout, JUDGE_MIN)
         session.ready()
@@ -212,16 +222,55 @@ def _grade(path: Path, timeout: float, limits: Limits | None, expected) -> Noteb
     return NotebookGrade(str(path), grades, completed=not reason, reason=reason, notes=notes)
 
 
-def grade(paths, timeout: float = DEFAULT_TIMEOUT, limits: Limits | None = None) -> list[NotebookGrade]:
-    """Grade several notebooks one after the other (see :func:`grade_notebook`); never stops early."""
+def grade(paths, timeout: float = DEFAULT_TIMEOUT, limits: Limits | None = None, *, jobs: int = 1,
+          store: Path | str | None = None, force: bool = False, all_cells: bool = False,
+          progress: bool = False) -> list[NotebookGrade]:
+    """Grade several notebooks (see :func:`grade_notebook`), ``jobs`` at once; never stops early.
+
+    Args:
+        paths, timeout, limits, all_cells: as :func:`grade_notebook` takes them.
+        jobs: notebooks graded at once, each in its own sandbox
+            (:func:`~mgpu_lab.course.batch.default_jobs` fits this machine).
+        store: a folder where each notebook's grade is kept, by its content
+            and what grades it: a later run takes it from there instead of grading
+            the same notebook again (None: keep nothing).
+        force: grade again what ``store`` holds.
+        progress: show a progress line on stderr.
+
+    Returns:
+        One grade per path, in their order.
+    """
     timeout = check_timeout(timeout)
-    out = []
-    for p in paths:
-        try:
-            out.append(grade_notebook(p, timeout, limits))
-        except FileNotFoundError as exc:
-            out.append(NotebookGrade(str(p), [], completed=False, reason=str(exc)))
-    return out
+    check_jobs(jobs)
+    kept = None
+    if store is not None:
+        kept = Store(store, fingerprint(timeout, limits, all_cells))
+    work = functools.partial(_grade_or_missing, timeout=timeout, limits=limits, all_cells=all_cells)
+    return run_batch(paths, work, jobs=jobs, store=kept, force=force, to_dict=_to_dict, from_dict=_from_dict,
+                     failed=lambda p, why: _failed(p, why), complete=lambda g: g.completed, progress=progress)
+
+
+def _grade_or_missing(path, *, timeout, limits, all_cells, slot) -> NotebookGrade:
+    try:
+        return grade_notebook(path, timeout, limits, slot=slot, all_cells=all_cells)
+    except FileNotFoundError as exc:
+        return NotebookGrade(str(path), [], completed=False, reason=str(exc))
+
+
+def _failed(path, reason: str) -> NotebookGrade:
+    lesson = _lesson_of(Path(path))
+    return NotebookGrade(str(path), [ExerciseGrade(e.id, 0, e.points, "not judged") for e in exercises()
+                                     if lesson is None or e.lesson == lesson], completed=False, reason=reason)
+
+
+def _to_dict(g: NotebookGrade) -> dict:
+    return asdict(g)
+
+
+def _from_dict(data: dict, path: Path) -> NotebookGrade:
+    """A kept grade, for the notebook now at ``path`` (the same content may have had another name)."""
+    return NotebookGrade(str(path), [ExerciseGrade(**e) for e in data["exercises"]], data["completed"],
+                         data["reason"], data["notes"])
 
 
 def report(grades: list[NotebookGrade], limits: Limits | None = None) -> str:

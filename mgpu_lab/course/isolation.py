@@ -22,7 +22,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field
 
-__all__ = ["Limits", "Protections", "protections", "ENV_KEEP", "UNSHARE"]
+__all__ = ["Limits", "Protections", "protections", "slot_user", "ENV_KEEP", "UNSHARE"]
 
 GiB = 1 << 30
 # What of the grader's environment a sandbox keeps: nothing that could hold a secret.
@@ -74,6 +74,37 @@ class Protections:
                + f"{limits.file_size / GiB:g} GiB per file, {limits.cpu_time} s CPU per process"]
         text = "sandbox: " + "; ".join(got)
         return text + ("\nsandbox: not had here: " + "; ".join(self.missing) if self.missing else "")
+
+
+SLOT_UIDS = range(65001, 65534)  # no user has them on Debian (65000-65533 are not allocated) or most systems
+
+
+@functools.cache
+def slot_user(slot: int) -> tuple[str | None, int | None, int | None]:
+    """The user of the ``slot``-th sandbox graded at once: ``(name, uid, gid)``.
+
+    Slot 0 is :func:`protections`' user. Others get their own uid (the first free
+    ones of :data:`SLOT_UIDS`, no user of this machine) and its group, so that
+    two sandboxes never share a process limit (RLIMIT_NPROC counts a user's
+    processes): a fork bomb in one cannot starve another. Without a sandbox
+    user (not root) every slot is the grader's own.
+    """
+    prot = protections()
+    if slot == 0 or prot.uid is None:
+        return prot.user, prot.uid, prot.gid
+    free = (u for u in SLOT_UIDS if not _has_user(u))
+    for _ in range(slot - 1):
+        next(free)
+    uid = next(free)
+    return f"uid{uid}", uid, prot.gid
+
+
+def _has_user(uid: int) -> bool:
+    try:
+        pwd.getpwuid(uid)
+    except KeyError:
+        return False
+    return True
 
 
 def _try_unshare(prefix: list[str]) -> bool:

@@ -41,6 +41,7 @@ Example:
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import os
 import shutil
@@ -54,7 +55,7 @@ from pathlib import Path
 
 import psutil
 
-from .isolation import ENV_KEEP, UNSHARE, Limits, Protections, protections
+from .isolation import ENV_KEEP, UNSHARE, Limits, Protections, protections, slot_user
 
 __all__ = ["Limits", "Protections", "protections", "Sandbox", "ENV_KEEP"]
 
@@ -73,8 +74,12 @@ def _python_paths() -> list[str]:
     return sorted({os.path.realpath(p) for p in paths})
 
 
+# Loaded here: a child between fork and exec must not dlopen (another thread may hold its lock).
+_LIBC = ctypes.CDLL(None)
+
+
 def _die_with_grader() -> None:  # runs in the child between fork and exec
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: no sandbox outlives its grader
+    _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: no sandbox outlives its grader
 
 
 class Sandbox:
@@ -83,6 +88,8 @@ class Sandbox:
     Args:
         limits: resource limits (default :class:`Limits`).
         env: variables to add to the allow-listed environment of every command.
+        slot: which of the sandboxes that run at once this is: each slot has a
+            user of its own (:func:`~mgpu_lab.course.isolation.slot_user`).
 
     Attributes:
         work: the sandbox's directory on this machine.
@@ -90,9 +97,12 @@ class Sandbox:
             with namespaces).
     """
 
-    def __init__(self, limits: Limits | None = None, env: dict | None = None):
+    def __init__(self, limits: Limits | None = None, env: dict | None = None, slot: int = 0):
         self.limits = limits or Limits()
         self.prot = protections()
+        user, uid, gid = slot_user(slot)
+        if uid != self.prot.uid:
+            self.prot = dataclasses.replace(self.prot, user=user, uid=uid, gid=gid)
         self.base = Path(tempfile.mkdtemp(prefix="mgpu-grade-"))
         self.work = self.base / "work"
         self.work.mkdir(mode=0o700)

@@ -71,7 +71,7 @@ def test_cli_scores_right_answers_stubs_and_unchecked_exercises_in_a_table_json_
     broken.write_bytes(b"\x89PNG not a notebook {")
     out_json, out_csv, out_gs = tmp_path / "g.json", tmp_path / "g.csv", tmp_path / "gradescope"
     assert main(["grade", str(right), str(stub), str(broken), "--json", str(out_json), "--csv", str(out_csv),
-                 "--gradescope", str(out_gs)]) == 0
+                 "--gradescope", str(out_gs), "--results", str(tmp_path / "kept"), "--jobs", "1"]) == 0
     text = capsys.readouterr().out
     assert text.startswith("sandbox: ") and f"{right}: 6/18" in text and f"{stub}: 0/18" in text
     data = json.loads(out_json.read_text())
@@ -108,7 +108,7 @@ def test_whatever_breaks_the_grader_on_one_notebook_gives_it_zero_with_the_reaso
     first, second = _nb(tmp_path, "01_a.ipynb", "1"), _nb(tmp_path, "01_b.ipynb", "2")
     missing = tmp_path / "01_gone.ipynb"
 
-    def fake(path, timeout, limits, expected):
+    def fake(path, timeout, limits, expected, *_slot_and_skips):
         if path == first:
             raise KeyError("points")  # as a malformed record once broke the whole batch
         return NotebookGrade(str(path), [], reason="")
@@ -151,7 +151,7 @@ def test_the_timeout_must_be_a_positive_finite_number(tmp_path, capsys, bad):
 
 
 def test_cli_names_a_missing_notebook(tmp_path, capsys):
-    assert main(["grade", str(tmp_path / "nope.ipynb")]) == 2
+    assert main(["grade", str(tmp_path / "nope.ipynb"), "--results", str(tmp_path / "kept")]) == 2
     assert "no such notebook" in capsys.readouterr().err
 
 
