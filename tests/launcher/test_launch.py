@@ -195,7 +195,7 @@ def test_a_hang_is_stopped_after_the_timeout_with_every_ranks_stack():
     assert "rank_main" not in msg and "multiprocessing" not in msg  # only the learner's frames
 
 
-def test_keyboard_interrupt_stops_every_rank(tmp_path):
+def test_keyboard_interrupt_stops_every_rank(tmp_path, python_sigint):
     base = str(tmp_path / "pid")
     files = [f"{base}.{r}" for r in (0, 1)]
     stop = threading.Event()

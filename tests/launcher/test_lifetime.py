@@ -228,7 +228,7 @@ def _stopped_count(text: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def test_ctrl_c_at_any_point_of_start_up_stops_every_started_rank_and_says_so(monkeypatch, capsys):
+def test_ctrl_c_at_any_point_of_start_up_stops_every_started_rank_and_says_so(monkeypatch, capsys, python_sigint):
     from mgpu_lab.launcher import procs
 
     launch(lambda: 0, 1)  # the forkserver and the resource tracker stay; ranks must not
