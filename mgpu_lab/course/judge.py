@@ -213,9 +213,9 @@ class Session:
             return self._unjudgeable(f"{type(values).__name__} instead of one result per rank")
         return values
 
-    def local(self, fn, *args):
+    def local(self, fn, *args, timeout: float = 60.0):
         """``fn(*args)`` in the sandbox's runner (a checker's helper, e.g. reading files the ranks wrote)."""
-        return self._ask({"op": "local", "fn": fn, "args": args}, 60.0)
+        return self._ask({"op": "local", "fn": fn, "args": args}, timeout)
 
     def close(self) -> None:
         self._stop()

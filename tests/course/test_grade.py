@@ -4,77 +4,96 @@ Hostile submissions are in test_grade_hostile.py; the sandbox's parts in test_sa
 """
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import json
 from pathlib import Path
 
-import nbformat
 import psutil
 import pytest
-from nbformat.v4 import new_code_cell, new_notebook
+from submissions import CHECK_PICK_DEVICE, HEADER, PICK_DEVICE, notebook
 
 from mgpu_lab.cli import main
-from mgpu_lab.course.grade import grade_notebook
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(900)
 
-RIGHT = """
-import torch
-from mgpu_lab import check
-def pick_device(index=None):
-    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if index is None:
-        return torch.device("cuda", 0) if n else torch.device("cpu")
-    if not 0 <= index < n:
-        raise ValueError(f"{n} GPUs visible")
-    return torch.device("cuda", index)
-"""
-STUB = """
-import torch
-from mgpu_lab import check
-def pick_device(index=None):
+RIGHT = PICK_DEVICE
+STUB = HEADER + """def pick_device(index=None):
     raise NotImplementedError("write your solution here")
 """
-CHECK = "check('01.pick_device', pick_device)"
-
-
-def _nb(tmp_path, name, *sources):
-    path = tmp_path / name
-    nbformat.write(new_notebook(cells=[new_code_cell(s) for s in sources]), path)
-    return path
+CHECK = CHECK_PICK_DEVICE
+_nb = notebook
 
 
 def _by_id(grade):
-    return {e.exercise: e for e in grade.exercises}
+    return {e.exercise if hasattr(e, "exercise") else e["exercise"]: e for e in
+            (grade.exercises if hasattr(grade, "exercises") else grade["exercises"])}
 
 
-def test_a_hanging_notebook_keeps_earlier_points_and_says_where_it_stopped(tmp_path):
-    path = _nb(tmp_path, "01_hang.ipynb", RIGHT, CHECK, "import time\ntime.sleep(1000)")
+HANG_TIMEOUT = 90  # the kernel, torch and the sandbox start inside this budget, on a loaded machine too
+ROOT = Path(__file__).resolve().parents[2]
+LESSONS = sorted(p.name for p in (ROOT / "solutions").glob("*.ipynb"))
+
+
+@pytest.fixture(scope="module")
+def graded_class(tmp_path_factory):
+    """One ``mgpu-lab grade`` run over a class, two at a time: every lesson's solution notebook and
+    student copy, and notebooks that answer right, answer nothing, hang, kill their kernel and are no
+    notebook at all. The tests below read its report, JSON, CSV, Gradescope results and plot."""
+    folder = tmp_path_factory.mktemp("class")
+    subs = {"right": _nb(folder, "01_right.ipynb", RIGHT, CHECK),
+            "stub": _nb(folder, "01_stub.ipynb", STUB, "pick_device()", CHECK),  # an error cell does not stop it
+            "hang": _nb(folder, "01_hang.ipynb", RIGHT, CHECK, "import time\ntime.sleep(1000)"),
+            "dies": _nb(folder, "01_dies.ipynb", RIGHT, CHECK, "import os\nos._exit(1)", CHECK)}
+    subs["broken"] = folder / "01_broken.ipynb"
+    subs["broken"].write_bytes(b"\x89PNG not a notebook {")
+    course = [ROOT / kind / name for name in LESSONS for kind in ("solutions", "notebooks")]
+    out = {"json": folder / "g.json", "csv": folder / "g.csv", "gs": folder / "gradescope",
+           "png": folder / "class.png"}
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    g = grade_notebook(path, timeout=60)  # the kernel, torch and the sandbox start inside this budget
-    assert _by_id(g)["01.pick_device"].points == 6
-    assert not g.completed and "stopped after 60 s" in g.reason and "cell 2" in g.reason
-    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = main(["grade", *map(str, [*subs.values(), *course]), "--json", str(out["json"]), "--csv",
+                     str(out["csv"]), "--gradescope", str(out["gs"]), "--plot", str(out["png"]), "--results",
+                     str(folder / "kept"), "--jobs", "2", "--timeout", str(HANG_TIMEOUT)])
+    left = {p.pid for p in psutil.Process().children(recursive=True)} - before
+    data = {d["path"]: d for d in json.loads(out["json"].read_text())}
+    return dict(code=code, out=stdout.getvalue(), err=stderr.getvalue(), subs=subs, files=out, data=data,
+                folder=folder, left=left)
 
 
-def test_a_notebook_that_kills_its_kernel_keeps_earlier_points(tmp_path):
-    g = grade_notebook(_nb(tmp_path, "01_dies.ipynb", RIGHT, CHECK, "import os\nos._exit(1)", CHECK),
-                       timeout=120)
-    assert _by_id(g)["01.pick_device"].points == 6
-    assert not g.completed and g.reason == "the kernel died while running cell 2"
+def test_every_solution_notebook_gets_full_marks_and_every_student_copy_zero(graded_class):
+    data = graded_class["data"]
+    for name in LESSONS:
+        solution, student = data[str(ROOT / "solutions" / name)], data[str(ROOT / "notebooks" / name)]
+        assert solution["completed"] and student["completed"], (name, solution["reason"], student["reason"])
+        wrong = {e["exercise"]: [c for c in e["cases"] if not c["passed"]] or e["note"]
+                 for e in solution["exercises"] if e["points"] != e["max_points"]}
+        assert solution["points"] == solution["max_points"] > 0 and not wrong, (name, wrong)
+        assert student["points"] == 0 and student["max_points"] == solution["max_points"]
+        assert {e["status"] for e in student["exercises"]} == {"not attempted"}, name
+    assert graded_class["code"] == 0 and graded_class["left"] == set()
 
 
-def test_cli_scores_right_answers_stubs_and_unchecked_exercises_in_a_table_json_and_csv(tmp_path, capsys):
-    right = _nb(tmp_path, "01_right.ipynb", RIGHT, CHECK)
-    stub = _nb(tmp_path, "01_stub.ipynb", STUB, "pick_device()", CHECK)  # an error cell does not stop grading
-    broken = tmp_path / "01_broken.ipynb"
-    broken.write_bytes(b"\x89PNG not a notebook {")
-    out_json, out_csv, out_gs = tmp_path / "g.json", tmp_path / "g.csv", tmp_path / "gradescope"
-    assert main(["grade", str(right), str(stub), str(broken), "--json", str(out_json), "--csv", str(out_csv),
-                 "--gradescope", str(out_gs), "--results", str(tmp_path / "kept"), "--jobs", "1"]) == 0
-    text = capsys.readouterr().out
+def test_a_hanging_notebook_keeps_earlier_points_and_says_where_it_stopped(graded_class):
+    g = graded_class["data"][str(graded_class["subs"]["hang"])]
+    assert _by_id(g)["01.pick_device"]["points"] == 6
+    assert not g["completed"] and f"stopped after {HANG_TIMEOUT} s" in g["reason"] and "cell 2" in g["reason"]
+
+
+def test_a_notebook_that_kills_its_kernel_keeps_earlier_points(graded_class):
+    g = graded_class["data"][str(graded_class["subs"]["dies"])]
+    assert _by_id(g)["01.pick_device"]["points"] == 6
+    assert not g["completed"] and g["reason"] == "the kernel died while running cell 2"
+
+
+def test_cli_scores_right_answers_stubs_and_unchecked_exercises_in_a_table_json_and_csv(graded_class):
+    right, stub, broken = (graded_class["subs"][k] for k in ("right", "stub", "broken"))
+    out_csv, out_gs = graded_class["files"]["csv"], graded_class["files"]["gs"]
+    text = graded_class["out"]
     assert text.startswith("sandbox: ") and f"{right}: 6/18" in text and f"{stub}: 0/18" in text
-    data = json.loads(out_json.read_text())
+    data = [graded_class["data"][str(p)] for p in (right, stub, broken)]
     assert [(d["points"], d["max_points"], d["completed"], d["reason"]) for d in data[:2]] == [
         (6, 18, True, ""), (0, 18, True, "")]
     assert (data[2]["points"], data[2]["max_points"], data[2]["completed"]) == (0, 18, False)
@@ -83,10 +102,17 @@ def test_cli_scores_right_answers_stubs_and_unchecked_exercises_in_a_table_json_
     assert statuses[0] == {"01.pick_device": (6, "passed"), "01.train_step": (0, "not checked"),
                            "01.visible_devices_env": (0, "not checked")}
     assert statuses[1]["01.pick_device"] == (0, "not attempted")
-    rows = list(csv.DictReader(out_csv.open()))
-    assert {"notebook": str(stub), "exercise": "01.pick_device", "status": "not attempted"}.items() <= rows[4].items()
-    assert rows[-1]["exercise"] == "TOTAL" and rows[-1]["points"] == "0" and rows[-1]["completed"] == "False"
-    gs = {d.name: json.loads((d / "results.json").read_text()) for d in out_gs.iterdir()}
+    rows = [r for r in csv.DictReader(out_csv.open()) if r["notebook"] == str(stub)]
+    assert {"exercise": "01.pick_device", "status": "not attempted"}.items() <= rows[0].items()
+    assert rows[-1]["exercise"] == "TOTAL" and rows[-1]["points"] == "0" and rows[-1]["completed"] == "True"
+    total = next(r for r in csv.DictReader(out_csv.open())
+                 if r["notebook"] == str(broken) and r["exercise"] == "TOTAL")
+    assert total["points"] == "0" and total["completed"] == "False"
+    folders = list(out_gs.iterdir())
+    assert len(folders) == 5 + 2 * len(LESSONS)
+    # named by the path below the submissions' common folder (here "/": they come from two places)
+    gs = {d.name.split("__")[-1]: json.loads((d / "results.json").read_text()) for d in folders
+          if d.name.endswith(("__01_right", "__01_stub", "__01_broken"))}
     assert set(gs) == {"01_right", "01_stub", "01_broken"}
     assert (gs["01_right"]["score"], gs["01_stub"]["score"], gs["01_broken"]["score"]) == (6, 0, 0)
     tests = gs["01_right"]["tests"]
@@ -98,6 +124,27 @@ def test_cli_scores_right_answers_stubs_and_unchecked_exercises_in_a_table_json_
     assert all(t["visibility"] == "visible" for t in tests if t not in hidden)
     assert {t["name"]: t["output"] for t in gs["01_stub"]["tests"]}["01.pick_device: not attempted"].startswith(
         "not attempted")
+
+
+def test_the_batch_shows_its_progress_and_ends_with_the_class_summary_and_its_plot(graded_class):
+    n = 5 + 2 * len(LESSONS)
+    err, out = graded_class["err"], graded_class["out"]
+    assert f"mgpu-lab grade: {n} notebook(s), 2 at a time" in err
+    assert f"grading: {n}/{n} done, 3 incomplete" in err  # hang, dies, broken
+    summary = out[out.index("class summary"):]
+    # 01.pick_device: right, hang, dies and the solution passed; stub, broken and the student copy did not
+    assert "01.pick_device                    7      4   57%" in summary
+    assert "2x not attempted" in summary and "1x no check cell ran" in summary
+    assert graded_class["files"]["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_second_run_takes_every_grade_from_the_first(graded_class, capsys):
+    course = [str(p) for p in graded_class["subs"].values()]
+    assert main(["grade", *course, "--results", str(graded_class["folder"] / "kept"), "--jobs", "2",
+                 "--timeout", str(HANG_TIMEOUT)]) == 0
+    captured = capsys.readouterr()
+    assert "grading: 5/5 done (5 kept from an earlier run), 3 incomplete" in captured.err
+    assert f"{graded_class['subs']['right']}: 6/18" in captured.out
 
 
 def test_whatever_breaks_the_grader_on_one_notebook_gives_it_zero_with_the_reason_and_the_batch_goes_on(
@@ -153,15 +200,3 @@ def test_the_timeout_must_be_a_positive_finite_number(tmp_path, capsys, bad):
 def test_cli_names_a_missing_notebook(tmp_path, capsys):
     assert main(["grade", str(tmp_path / "nope.ipynb"), "--results", str(tmp_path / "kept")]) == 2
     assert "no such notebook" in capsys.readouterr().err
-
-
-def test_a_real_lesson_scores_full_marks_as_solution_and_zero_as_student_copy():
-    root = Path(__file__).resolve().parents[2]
-    solution = grade_notebook(root / "solutions" / "03_data_parallel.ipynb", timeout=240)
-    student = grade_notebook(root / "notebooks" / "03_data_parallel.ipynb", timeout=240)
-    assert solution.completed and student.completed, (solution.reason, student.reason)
-    assert {e.exercise for e in solution.exercises} == {"03.split_batch", "03.data_parallel_forward"}
-    assert solution.points == solution.max_points > 0
-    assert all(e.status == "passed" for e in solution.exercises)
-    assert student.points == 0 and student.max_points == solution.max_points
-    assert all(e.status == "not attempted" for e in student.exercises)

@@ -19,10 +19,9 @@ import socket
 import subprocess
 from pathlib import Path
 
-import nbformat
 import psutil
 import pytest
-from nbformat.v4 import new_code_cell, new_notebook
+from submissions import CHECK_PICK_DEVICE, HEADER, PICK_DEVICE, PICK_DEVICE_BODY, notebook
 
 import mgpu_lab.course.grade as grade_module
 from mgpu_lab.course.grade import grade, report, write_csv, write_json
@@ -35,19 +34,12 @@ pytestmark = [pytest.mark.timeout(900), pytest.mark.slow,
 
 SECRET = "mgpu-test-secret-7f3a9c"
 MARK = "313.0173"  # the sleep of every process a submission tries to leave behind
-RIGHT_BODY = """
-    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if index is None:
-        return torch.device("cuda", 0) if n else torch.device("cpu")
-    if not 0 <= index < n:
-        raise ValueError(f"{n} GPUs visible")
-    return torch.device("cuda", index)
-"""
-HONEST = "import torch\nfrom mgpu_lab import check\ndef pick_device(index=None):" + RIGHT_BODY
+RIGHT_BODY = PICK_DEVICE_BODY
+HONEST = PICK_DEVICE
 # Right only if the cell of attacks ran to its end (`attempted`) and nothing escaped.
-CONTAINED = ("import torch\nfrom mgpu_lab import check\ndef pick_device(index=None):\n"
+CONTAINED = (HEADER + "def pick_device(index=None):\n"
              "    if escaped or not attempted:\n        return 'escaped: ' + ', '.join(escaped)" + RIGHT_BODY)
-CHECK = "check('01.pick_device', pick_device)"
+CHECK = CHECK_PICK_DEVICE
 
 ESCAPE = """
 import json, os, socket, subprocess
@@ -135,10 +127,7 @@ attempted = len(pids) > 20
 """
 
 
-def _nb(folder: Path, name: str, *sources: str) -> Path:
-    path = folder / name
-    nbformat.write(new_notebook(cells=[new_code_cell(s) for s in sources]), path)
-    return path
+_nb = notebook
 
 
 def _outside_address() -> str | None:

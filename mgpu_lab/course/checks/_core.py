@@ -17,6 +17,8 @@ When a grader runs the notebook, ``check`` judges nothing (it saves the answers,
 from __future__ import annotations
 
 import inspect
+import shutil
+import tempfile
 import traceback
 from contextlib import contextmanager
 
@@ -57,6 +59,7 @@ class Tester:
         self.exercise = ex
         self.cases: list[Case] = []
         self._runner, self._local, self.grading = runner, local, grading
+        self._scratch: list[str] = []
         # After one call hangs, later calls fail at once: a hanging answer must
         # not cost the learner CALL_TIMEOUT seconds per remaining case.
         self._hung = False
@@ -145,13 +148,33 @@ class Tester:
         timeout = CALL_TIMEOUT if timeout is None else timeout
         return self._run(fn, nprocs, args, kwargs, backend=backend, timeout=timeout, init=True)
 
-    def local(self, fn, *args):
+    def local(self, fn, *args, timeout: float = 60.0):
         """Run a checker's helper ``fn(*args)`` (module level) where the learner's code runs.
 
         For what the checker must see there and nowhere else, e.g. files the
-        learner's code wrote: a grader runs it in the sandbox and gets plain data back.
+        learner's code wrote: a grader runs it in the sandbox (within ``timeout``
+        seconds) and gets plain data back.
         """
-        return fn(*args) if self._local is None else self._local(fn, *args)
+        return fn(*args) if self._local is None else self._local(fn, *args, timeout=timeout)
+
+    def scratch(self, prefix: str) -> str:
+        """A new empty directory where the learner's code runs (a grader's sandbox when grading).
+
+        Read what the learner's code wrote there with :meth:`local`. It is removed
+        when the check ends (a grader removes the whole sandbox).
+        """
+        return self.remove_after(self.local(tempfile.mkdtemp, None, prefix))
+
+    def remove_after(self, path: str | None) -> str | None:
+        """Remove the directory ``path`` (made where the learner's code runs) when the check ends."""
+        if path and not self.grading:
+            self._scratch.append(path)
+        return path
+
+    def cleanup(self) -> None:
+        """Remove the directories of :meth:`scratch` and :meth:`remove_after`."""
+        while self._scratch:
+            shutil.rmtree(self._scratch.pop(), ignore_errors=True)
 
     def _run(self, fn, nprocs, args, kwargs, **options):
         if self._runner is None:
@@ -240,6 +263,8 @@ def judge(ex: Exercise, t: Tester, answers: tuple = (), named: dict | None = Non
     except Exception as exc:  # noqa: BLE001 - a broken answer must not break the check cell
         note = f"the check stopped early: {type(exc).__name__}: {exc}"
         traceback.clear_frames(exc.__traceback__)
+    finally:
+        t.cleanup()
     if len(t.cases) > ex.points:
         raise RuntimeError(f"checker of {ex.id} judged {len(t.cases)} cases but declares {ex.points} points")
     while len(t.cases) < ex.points:

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
-import tempfile
 
 import torch
 
@@ -124,13 +122,9 @@ def _ddp_train(t, ddp_train):
     with t.case(f"{s['world']} ranks: every rank reads its own quarter of the data each epoch (a "
                 "DistributedSampler, not shuffle=True)", hint="ddp_train runs inside each rank with the process "
                 "group initialised: don't call init_process_group or destroy_process_group"):
-        log_dir = t.local(tempfile.mkdtemp, None, "mgpu-lab-04-")  # t.local: where the ranks run (a grader's sandbox)
-        try:
-            results = t.ranks(run_ddp_train, s["world"], ddp_train, s["n"], s["epochs"], s["batch"], s["lr"],
-                              log_dir, s["per_node"], timeout=90)
-        finally:
-            if not t.grading:  # a grader deletes the whole sandbox
-                shutil.rmtree(log_dir, ignore_errors=True)
+        log_dir = t.scratch("mgpu-lab-04-")  # where the ranks run (a grader's sandbox)
+        results = t.ranks(run_ddp_train, s["world"], ddp_train, s["n"], s["epochs"], s["batch"], s["lr"],
+                          log_dir, s["per_node"], timeout=90)
         judge_shards(t, results, s["n"], s["world"], s["epochs"])
     cases = [
         ("the data order changes from epoch to epoch (sampler.set_epoch)", judge_order, ""),
@@ -202,42 +196,38 @@ def _download_once(t, download_once):
     only on local rank 0 or node 0's path everywhere, a barrier not every rank
     reaches (a hang).
     """
-    roots = [t.local(tempfile.mkdtemp, None, f"mgpu-lab-04-node{i}-") for i in range(2)]
-    try:
-        results = None
-        with t.case("2 nodes x 3 ranks: fn is called once per node, on local rank 0 (global ranks 0 and 3)",
-                    hint="call fn only where mgpu_lab.dist.local_rank() == 0; the other ranks wait at a barrier"):
-            results = t.ranks(run_download_once, 6, download_once, roots, 3, timeout=DOWNLOAD_TIMEOUT)
-            callers = t.local(_callers, roots, 0)  # the learner's files are read where they were written
-            if callers != [[0], [3]]:
-                calls = [len(c) for c in callers]
-                hint = ("every rank called fn: only local rank 0 should, the others wait and then use its path"
-                        if min(calls) > 1 else
-                        "a node did not download: use the local rank (LOCAL_RANK), not the global rank; every "
-                        "node has its own disk" if 0 in calls else
-                        "fn ran on a rank that is not its node's local rank 0: read the local rank with "
-                        "mgpu_lab.dist.local_rank(), don't compute it from the global rank")
-                t.fail(hint, "fn called by ranks [[0], [3]] (per node)", f"by ranks {callers}")
-        for name, judge in (("every rank returns its own node's path", _judge_paths),
-                            ("no rank returns before its node's file is complete", _judge_complete)):
-            with t.case(name):
-                if results is None:
-                    t.fail("not judged: the first case did not finish")
-                judge(t, results, roots, 0) if judge is _judge_paths else judge(t, results, 0)
-        with t.case("a second call downloads nothing and again returns the complete file",
-                    hint="the second call must go through the same steps: local rank 0 calls fn, which finds "
-                         "the file; the others wait and return the path"):
+    roots = [t.scratch(f"mgpu-lab-04-node{i}-") for i in range(2)]
+    results = None
+    with t.case("2 nodes x 3 ranks: fn is called once per node, on local rank 0 (global ranks 0 and 3)",
+                hint="call fn only where mgpu_lab.dist.local_rank() == 0; the other ranks wait at a barrier"):
+        results = t.ranks(run_download_once, 6, download_once, roots, 3, timeout=DOWNLOAD_TIMEOUT)
+        callers = t.local(_callers, roots, 0)  # the learner's files are read where they were written
+        if callers != [[0], [3]]:
+            calls = [len(c) for c in callers]
+            hint = ("every rank called fn: only local rank 0 should, the others wait and then use its path"
+                    if min(calls) > 1 else
+                    "a node did not download: use the local rank (LOCAL_RANK), not the global rank; every "
+                    "node has its own disk" if 0 in calls else
+                    "fn ran on a rank that is not its node's local rank 0: read the local rank with "
+                    "mgpu_lab.dist.local_rank(), don't compute it from the global rank")
+            t.fail(hint, "fn called by ranks [[0], [3]] (per node)", f"by ranks {callers}")
+    for name, judge in (("every rank returns its own node's path", _judge_paths),
+                        ("no rank returns before its node's file is complete", _judge_complete)):
+        with t.case(name):
             if results is None:
                 t.fail("not judged: the first case did not finish")
-            calls = t.local(_log_counts, roots, "calls.log", 1)
-            downloads = t.local(_log_counts, roots, "downloads.log", 1)
-            if max(calls) > 1 or any(downloads):
-                t.fail("", "at most 1 call and 0 downloads per node", f"calls {calls}, downloads {downloads}")
-            _judge_paths(t, results, roots, 1)
-            _judge_complete(t, results, 1)
-    finally:
-        for root in roots if not t.grading else ():  # a grader deletes the whole sandbox
-            shutil.rmtree(root, ignore_errors=True)
+            judge(t, results, roots, 0) if judge is _judge_paths else judge(t, results, 0)
+    with t.case("a second call downloads nothing and again returns the complete file",
+                hint="the second call must go through the same steps: local rank 0 calls fn, which finds "
+                     "the file; the others wait and return the path"):
+        if results is None:
+            t.fail("not judged: the first case did not finish")
+        calls = t.local(_log_counts, roots, "calls.log", 1)
+        downloads = t.local(_log_counts, roots, "downloads.log", 1)
+        if max(calls) > 1 or any(downloads):
+            t.fail("", "at most 1 call and 0 downloads per node", f"calls {calls}, downloads {downloads}")
+        _judge_paths(t, results, roots, 1)
+        _judge_complete(t, results, 1)
 
 
 # -- global_mean -------------------------------------------------------------------------

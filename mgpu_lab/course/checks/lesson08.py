@@ -10,8 +10,6 @@ this module judges, in the kernel.
 from __future__ import annotations
 
 import functools
-import shutil
-import tempfile
 
 from mgpu_lab import fsdp
 from ._core import exercise
@@ -169,38 +167,35 @@ def _shard_model(t, shard_model):
           "load_checkpoint(model, optimizer, path) with torch.distributed.checkpoint: saved by 4 ranks, "
           "loaded by 2 and 4, no rank gathers the full state")
 def _dcp_checkpoint(t, save_checkpoint, load_checkpoint):
-    path = tempfile.mkdtemp(prefix="mgpu-lab-08-dcp-")
-    try:
-        saved = loaded2 = None
-        with t.case("4 ranks save: a DCP checkpoint in path, a .metadata file and one __<rank>_0.distcp per rank",
-                    hint="in every rank: model_state, optim_state = get_state_dict(model, optimizer); "
-                         "dcp.save({'model': model_state, 'optim': optim_state}, checkpoint_id=path)"):
-            saved = t.ranks(run_dcp_save, 4, save_checkpoint, load_checkpoint, path, timeout=150)
-            judge_dcp(t, "files", saved)
-        for name, what, hint in [
-            ("no rank gathered the full state: every tensor of 4+ rows is stored as 4 slices, one in each rank's "
-             "file", "sharded", "get_state_dict(model, optimizer) with the default options: each rank keeps its "
-             "shards (DTensors); StateDictOptions(full_state_dict=True) gathers every tensor first"),
-            ("the optimizer state is saved: exp_avg and exp_avg_sq of every parameter", "optim",
-             "save both state dicts get_state_dict returns: the model's and the optimizer's"),
-            ("loaded into 4 fresh ranks: every model and optimizer tensor equals the saved one", "load4",
-             "in every rank: state = {'model': ..., 'optim': ...} from get_state_dict(model, optimizer) (the "
-             "optimizer's own state_dict() is keyed by numbers and empty before its first step), with the keys "
-             "you saved; dcp.load(state, checkpoint_id=path); set_state_dict(model, optimizer, "
-             "model_state_dict=state['model'], optim_state_dict=state['optim'])"),
-        ]:
-            with t.case(name, hint=hint):
-                need(t, saved)
-                judge_dcp(t, what, saved)
-        with t.case("loaded into 2 ranks (resharded from 4): every tensor equals the saved one",
-                    hint="DCP reshards when every rank loads into its own sharded state dict: no path per rank, "
-                         "no torch.load"):
+    path = t.scratch("mgpu-lab-08-dcp-")  # where the ranks run (a grader's sandbox)
+    saved = loaded2 = None
+    with t.case("4 ranks save: a DCP checkpoint in path, a .metadata file and one __<rank>_0.distcp per rank",
+                hint="in every rank: model_state, optim_state = get_state_dict(model, optimizer); "
+                     "dcp.save({'model': model_state, 'optim': optim_state}, checkpoint_id=path)"):
+        saved = t.ranks(run_dcp_save, 4, save_checkpoint, load_checkpoint, path, timeout=150)
+        judge_dcp(t, "files", saved)
+    for name, what, hint in [
+        ("no rank gathered the full state: every tensor of 4+ rows is stored as 4 slices, one in each rank's "
+         "file", "sharded", "get_state_dict(model, optimizer) with the default options: each rank keeps its "
+         "shards (DTensors); StateDictOptions(full_state_dict=True) gathers every tensor first"),
+        ("the optimizer state is saved: exp_avg and exp_avg_sq of every parameter", "optim",
+         "save both state dicts get_state_dict returns: the model's and the optimizer's"),
+        ("loaded into 4 fresh ranks: every model and optimizer tensor equals the saved one", "load4",
+         "in every rank: state = {'model': ..., 'optim': ...} from get_state_dict(model, optimizer) (the "
+         "optimizer's own state_dict() is keyed by numbers and empty before its first step), with the keys "
+         "you saved; dcp.load(state, checkpoint_id=path); set_state_dict(model, optimizer, "
+         "model_state_dict=state['model'], optim_state_dict=state['optim'])"),
+    ]:
+        with t.case(name, hint=hint):
             need(t, saved)
-            if saved[0].get("layout") is None or "load_error" in saved[0] or saved[0].get("loaded") is None:
-                t.fail("not run: saving and loading on 4 ranks must work first")
-            loaded2 = t.ranks(run_dcp_load, 2, load_checkpoint, path, timeout=150)
-            judge_dcp(t, "load2", saved, loaded2)
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
+            judge_dcp(t, what, saved)
+    with t.case("loaded into 2 ranks (resharded from 4): every tensor equals the saved one",
+                hint="DCP reshards when every rank loads into its own sharded state dict: no path per rank, "
+                     "no torch.load"):
+        need(t, saved)
+        if saved[0].get("layout") is None or "load_error" in saved[0] or saved[0].get("loaded") is None:
+            t.fail("not run: saving and loading on 4 ranks must work first")
+        loaded2 = t.ranks(run_dcp_load, 2, load_checkpoint, path, timeout=150)
+        judge_dcp(t, "load2", saved, loaded2)
 
 

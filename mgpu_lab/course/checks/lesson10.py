@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import tempfile
 
 from mgpu_lab import hangs
@@ -59,65 +58,60 @@ def _judge_trials(t, trials, allowed, hint):
 @exercise("10.atomic_save", points=6, description="atomic_save(obj, path): torch.save such that a process killed "
           "at any moment leaves the old file or the new one at path, never a torn one")
 def _atomic_save(t, atomic_save):
-    root = tempfile.mkdtemp(prefix="mgpu-lab-10-atomic-")
-    other = _other_filesystem(root)
-    try:
-        got = None
-        with t.case("saves the object (torch.load(path) gives it back) and a second save replaces it",
-                    hint="torch.save the object, and make sure path holds it when atomic_save returns"):
-            got = t.call(atomic_probe, atomic_save, root, other, timeout=120)
-            if got["plain"] != ["old", "new"]:
-                t.fail("", "['old', 'new'] after saving the old then the new object", got["plain"])
-            dry = got["dry"]
-            if dry.get("raised") or dry["outcome"] != "new":
-                t.fail("a save over an existing file must leave the new object there",
-                       "new", dry.get("raised") or dry["outcome"])
-        for trial in (got or {}).get("events", []):
-            trial["at"] = got["dry"]["events"][trial["k"] - 1] if trial["k"] <= len(got["dry"]["events"]) else "?"
-        with t.case("SIGKILL at each file operation of a save over an old file (open, rename, remove, copy, ...): "
-                    "the old or the new object, never a torn file or none", hint=ATOMIC_HINT):
-            if got is None:
-                t.fail("the first case did not finish")
-            _judge_trials(t, got["events"], ("old", "new"),
-                          "path must never be missing or half written: don't remove it before the rename, "
-                          + ATOMIC_HINT)
-        with t.case("killed mid-write (the writer dies the moment a file it writes reaches 1 byte, or half the "
-                    "object's size: RLIMIT_FSIZE), from the start and after each file operation: the old or "
-                    "the new object", hint=ATOMIC_HINT):
-            if got is None:
-                t.fail("the first case did not finish")
-            _judge_trials(t, got["bytes"], ("old", "new"),
-                          "path was left half written: never write (or copy) into path itself; " + ATOMIC_HINT)
-        with t.case("an object torch.save cannot pickle: the error reaches the caller and the old file is intact",
-                    hint="let torch.save's exception propagate (no bare except), and write to a temporary file "
-                         "so that a failed save never touches path"):
-            if got is None:
-                t.fail("the first case did not finish")
-            bad = got["bad"]
-            if not bad.get("raised"):
-                t.fail("atomic_save returned as if it had saved: let the pickling error propagate",
-                       "an exception", "returned normally")
-            if bad["outcome"] != "old":
-                t.fail("the failed save damaged path: " + ATOMIC_HINT, "old", bad["outcome"])
-        with t.case("no old file yet: a writer killed at any point leaves no file or the complete new one",
-                    hidden=True):
-            if got is None:
-                t.fail("the first case did not finish")
-            _judge_trials(t, got["fresh"], ("missing", "new"), ATOMIC_HINT)
-        with t.case("the temporary file is made in path's directory (it works with the system temp dir on "
-                    "another file system)", hint="os.replace cannot move a file across file systems: create the "
-                    "temporary file next to path, e.g. tempfile.mkstemp(dir=os.path.dirname(path)) or path + "
-                    "'.tmp', not in the system temp dir"):
-            if got is None:
-                t.fail("the first case did not finish")
-            cross = got["cross"]
-            if cross is not None and (cross.get("raised") or cross["outcome"] != "new"):
-                t.fail("", f"the new object at path, with TMPDIR={other}",
-                       f"raised {cross['raised']}" if cross.get("raised") else cross["outcome"])
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-        if other:
-            shutil.rmtree(other, ignore_errors=True)
+    root = t.scratch("mgpu-lab-10-atomic-")  # where the learner's code runs (a grader's sandbox)
+    other = t.remove_after(t.local(_other_filesystem, root))
+    got = None
+    with t.case("saves the object (torch.load(path) gives it back) and a second save replaces it",
+                hint="torch.save the object, and make sure path holds it when atomic_save returns"):
+        got = t.call(atomic_probe, atomic_save, root, other, timeout=120)
+        if got["plain"] != ["old", "new"]:
+            t.fail("", "['old', 'new'] after saving the old then the new object", got["plain"])
+        dry = got["dry"]
+        if dry.get("raised") or dry["outcome"] != "new":
+            t.fail("a save over an existing file must leave the new object there",
+                   "new", dry.get("raised") or dry["outcome"])
+    for trial in (got or {}).get("events", []):
+        trial["at"] = got["dry"]["events"][trial["k"] - 1] if trial["k"] <= len(got["dry"]["events"]) else "?"
+    with t.case("SIGKILL at each file operation of a save over an old file (open, rename, remove, copy, ...): "
+                "the old or the new object, never a torn file or none", hint=ATOMIC_HINT):
+        if got is None:
+            t.fail("the first case did not finish")
+        _judge_trials(t, got["events"], ("old", "new"),
+                      "path must never be missing or half written: don't remove it before the rename, "
+                      + ATOMIC_HINT)
+    with t.case("killed mid-write (the writer dies the moment a file it writes reaches 1 byte, or half the "
+                "object's size: RLIMIT_FSIZE), from the start and after each file operation: the old or "
+                "the new object", hint=ATOMIC_HINT):
+        if got is None:
+            t.fail("the first case did not finish")
+        _judge_trials(t, got["bytes"], ("old", "new"),
+                      "path was left half written: never write (or copy) into path itself; " + ATOMIC_HINT)
+    with t.case("an object torch.save cannot pickle: the error reaches the caller and the old file is intact",
+                hint="let torch.save's exception propagate (no bare except), and write to a temporary file "
+                     "so that a failed save never touches path"):
+        if got is None:
+            t.fail("the first case did not finish")
+        bad = got["bad"]
+        if not bad.get("raised"):
+            t.fail("atomic_save returned as if it had saved: let the pickling error propagate",
+                   "an exception", "returned normally")
+        if bad["outcome"] != "old":
+            t.fail("the failed save damaged path: " + ATOMIC_HINT, "old", bad["outcome"])
+    with t.case("no old file yet: a writer killed at any point leaves no file or the complete new one",
+                hidden=True):
+        if got is None:
+            t.fail("the first case did not finish")
+        _judge_trials(t, got["fresh"], ("missing", "new"), ATOMIC_HINT)
+    with t.case("the temporary file is made in path's directory (it works with the system temp dir on "
+                "another file system)", hint="os.replace cannot move a file across file systems: create the "
+                "temporary file next to path, e.g. tempfile.mkstemp(dir=os.path.dirname(path)) or path + "
+                "'.tmp', not in the system temp dir"):
+        if got is None:
+            t.fail("the first case did not finish")
+        cross = got["cross"]
+        if cross is not None and (cross.get("raised") or cross["outcome"] != "new"):
+            t.fail("", f"the new object at path, with TMPDIR={other}",
+                   f"raised {cross['raised']}" if cross.get("raised") else cross["outcome"])
 
 
 # -- first_desync ----------------------------------------------------------------------

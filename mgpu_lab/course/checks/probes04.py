@@ -281,16 +281,14 @@ class Scenarios:
 
 
 def launch_scenarios(t, probe, world: int, answer, scenarios, timeout: float) -> Scenarios:
-    """In the kernel: one launch of ``probe(answer, scenarios, log_dir)`` in ``world`` ranks."""
-    import shutil
-    import tempfile
+    """In the kernel: one launch of ``probe(answer, scenarios, log_dir)`` in ``world`` ranks.
 
+    ``log_dir`` is made where the ranks run (a grader's sandbox) and read there.
+    """
     from mgpu_lab.launcher.errors import LaunchError
 
-    log_dir = tempfile.mkdtemp(prefix="mgpu-lab-scenarios-")
+    log_dir = t.scratch("mgpu-lab-scenarios-")
     try:
         return Scenarios(t.ranks(probe, world, answer, scenarios, log_dir, timeout=timeout))
     except LaunchError as exc:
-        return Scenarios(read_scenarios(log_dir, world), exc)
-    finally:
-        shutil.rmtree(log_dir, ignore_errors=True)
+        return Scenarios(t.local(read_scenarios, log_dir, world), exc)

@@ -113,10 +113,11 @@ def first_difference(steps: list, ref: list, start: int, rank: int) -> str | Non
     return None
 
 
-def _judge_run(t, log_dir: str, final: int, start: int, results) -> None:
+def _judge_run(t, final_logs: list, final: int, start: int, results) -> None:
+    """Judge the final attempt: ``final_logs`` are its ranks' logs, ``results`` their return values."""
     ref = reference()
     for r in range(WORLD):
-        why = first_difference(_steps(read_log(log_dir, final, r)), ref["trace"][r], start, r)
+        why = first_difference(_steps(final_logs[r]), ref["trace"][r], start, r)
         if why:
             t.fail(why, "the uninterrupted run's weights, step by step", "see hint")
     states = [res["state"] for res in results]
@@ -132,7 +133,7 @@ def _judge_run(t, log_dir: str, final: int, start: int, results) -> None:
 def _attempts(t, resumable_train, schedule: list, work: str) -> tuple[list, int]:
     """Run attempt after attempt (each killed as ``schedule`` says, the last one not); its results."""
     path, logs = os.path.join(work, "snapshot.pt"), os.path.join(work, "logs")
-    os.makedirs(logs, exist_ok=True)
+    t.local(os.makedirs, logs, 0o777, True)
     for a, kill in enumerate(schedule):
         try:
             results = t.ranks(run_resumable, WORLD, resumable_train, CFG, path, logs, a, kill, timeout=RUN_TIMEOUT)
@@ -153,13 +154,16 @@ def _attempts(t, resumable_train, schedule: list, work: str) -> tuple[list, int]
 
 
 def _run_case(t, resumable_train, schedule: list):
-    work = tempfile.mkdtemp(prefix="mgpu-lab-10-resume-")
-    try:
-        results, final = _attempts(t, resumable_train, schedule, work)
-        _judge_run(t, os.path.join(work, "logs"), final, resumed_from(schedule), results)
-        return [read_log(os.path.join(work, "logs"), a, r) for a in range(final + 1) for r in range(WORLD)]
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    work = t.scratch("mgpu-lab-10-resume-")  # where the ranks run (a grader's sandbox); read there
+    results, final = _attempts(t, resumable_train, schedule, work)
+    logs = t.local(read_logs, os.path.join(work, "logs"), final + 1, WORLD)
+    _judge_run(t, logs[final * WORLD:], final, resumed_from(schedule), results)
+    return logs
+
+
+def read_logs(log_dir: str, attempts: int, world: int) -> list[list[dict]]:
+    """Every attempt's log of every rank, attempt by attempt (:func:`read_log`)."""
+    return [read_log(log_dir, a, r) for a in range(attempts) for r in range(world)]
 
 
 def _count_saves(logs: list) -> list[int]:
@@ -217,17 +221,25 @@ def _resumable_train(t, resumable_train):
 
 def _torchrun_case(t, resumable_train) -> None:
     t._skip_if_hung()
-    work = tempfile.mkdtemp(prefix="mgpu-lab-10-torchrun-")
-    try:
-        logs = os.path.join(work, "logs")
-        os.makedirs(logs)
-        kill = ["step", 0, 1, 7]
-        results, run_ = elastic.call(run_resumable, WORLD, resumable_train, CFG, os.path.join(work, "snap.pt"),
-                                     logs, None, kill, max_restarts=1, timeout=300)
-        if results is None:
-            tail = [ln for ln in run_.output.splitlines() if ln.strip()][-6:]
-            t.fail("torchrun's job failed (exit code " + str(run_.returncode) + "); its last lines: "
-                   + " | ".join(tail)[-900:], "exit code 0 after one restart", run_.returncode)
-        _judge_run(t, logs, 1, resumed_from([kill, None]), results)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    kill = ["step", 0, 1, 7]
+    work = t.scratch("mgpu-lab-10-torchrun-")
+    # torchrun runs where the learner's code runs: in a grader's sandbox, never in the grader
+    results, returncode, tail, logs = t.local(torchrun_attempts, resumable_train, work, kill, timeout=330)
+    if results is None:
+        t.fail("torchrun's job failed (exit code " + str(returncode) + "); its last lines: "
+               + " | ".join(tail)[-900:], "exit code 0 after one restart", returncode)
+    _judge_run(t, logs, 1, resumed_from([kill, None]), results)
+
+
+def torchrun_attempts(resumable_train, work: str, kill: list):
+    """In the learner's environment: ``resumable_train`` under real torchrun with one restart.
+
+    Returns:
+        ``(results or None, torchrun's exit code, its last output lines, the second attempt's logs)``.
+    """
+    logs = os.path.join(work, "logs")
+    os.makedirs(logs, exist_ok=True)
+    results, run_ = elastic.call(run_resumable, WORLD, resumable_train, CFG, os.path.join(work, "snap.pt"),
+                                 logs, None, kill, max_restarts=1, timeout=300)
+    tail = [ln for ln in run_.output.splitlines() if ln.strip()][-6:]
+    return results, run_.returncode, tail, [read_log(logs, 1, r) for r in range(WORLD)]
