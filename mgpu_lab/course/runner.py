@@ -93,7 +93,11 @@ def run_notebook(name: str, fd: int, skips: str | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - whatever is wrong with the file, say it
         note(ended="error", why=f"the notebook could not be read: {type(exc).__name__}: {exc}"[:300])
         return 0
-    client = NotebookClient(nb, timeout=None, allow_errors=True, kernel_name="python3",
+    # The kernel's check cells launch nothing (they save the answers): no process server to warm up beside
+    # it. And once the last cell has run, the kernel is killed, not asked to shut down (seconds); the
+    # sandbox ends everything it started anyway.
+    os.environ["MGPU_LAB_PREWARM"] = "0"
+    client = NotebookClient(nb, timeout=None, allow_errors=True, kernel_name="python3", shutdown_kernel="immediate",
                             resources={"metadata": {"path": os.getcwd()}})
     cell = {"index": None}
 

@@ -16,8 +16,9 @@ from multiprocessing import context, forkserver, popen_forkserver, spawn
 import psutil
 
 # server first (the forkserver's own quick exit); torchvision too: the data lessons
-# use it in every rank (a missing one is skipped).
-_PRELOAD = ["mgpu_lab.launcher.server", "mgpu_lab.launcher.rank", "torchvision"]
+# use it in every rank (a missing one is skipped); torch._dynamo: the first optimizer of
+# a process imports it (seconds per rank), and only the forkserver should pay for it.
+_PRELOAD = ["mgpu_lab.launcher.server", "mgpu_lab.launcher.rank", "torch._dynamo", "torchvision"]
 _lock = threading.Lock()
 
 

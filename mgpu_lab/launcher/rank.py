@@ -21,7 +21,6 @@ import traceback
 import cloudpickle
 import torch
 import torch.distributed as tdist
-import torch._dynamo  # noqa: F401  (the first optimizer of a process imports it: seconds per rank)
 import torch.nn.parallel  # noqa: F401  (preloaded: most lessons wrap with DDP)
 
 from . import procs
