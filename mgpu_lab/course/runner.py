@@ -59,6 +59,15 @@ def frame(data: bytes) -> bytes:
     return struct.pack(">Q", len(data)) + data
 
 
+def write_all(fd: int, data: bytes) -> None:
+    """Write every byte of ``data`` to ``fd``: a write to a pipe that a signal interrupts after part of
+    the data returns what it wrote, and an unbuffered file's ``write`` does not try again (a reply cut
+    that way left the grader waiting for its rest until the timeout)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
 # -- notebook mode -----------------------------------------------------------------------
 def _skip_demos(nb, skips: str | None) -> list[int]:
     """Drop the cells grading may skip from ``nb``; the original index of every cell left."""
@@ -202,7 +211,6 @@ def serve(folder: str, fd: int) -> int:
     from mgpu_lab.launcher.launch import prewarm
 
     prewarm()
-    out = os.fdopen(fd, "wb", buffering=0)
     os.dup2(2, 1)  # stray prints (e.g. while unpickling an answer) must not mix with the replies
     answers = _Answers(folder)
     while (data := read_frame(sys.stdin.buffer)) is not None:
@@ -211,7 +219,7 @@ def serve(folder: str, fd: int) -> int:
         except Exception as exc:  # noqa: BLE001 - e.g. an answer that cannot be loaded here
             header, payload = {"kind": "error", "type": type(exc).__name__, "message": str(exc)}, b""
         header = json.dumps(header, default=str).encode()
-        out.write(frame(header) + frame(payload))
+        write_all(fd, frame(header) + frame(payload))
     return 0
 
 

@@ -212,3 +212,39 @@ def test_lesson_07_runs_outside_the_sandbox_only_the_command_its_cases_judged_wh
     assert _runnable(SimpleNamespace(grading=True), argv, args) == [
         "torchrun", "--nnodes=2", "--nproc-per-node=2", "--node-rank=1", "--master-addr=10.213.7.1",
         "--master-port=29500", "probe.py"]
+
+
+def test_a_reply_cut_by_a_signal_is_written_to_its_end():
+    """A blocking write to a pipe that a signal interrupts returns what it wrote; the runner's replies
+    loop until every byte is out (an unbuffered file's write() would have dropped the rest)."""
+    import signal
+    import threading
+    import time
+
+    from mgpu_lab.course.runner import write_all
+
+    data = os.urandom(4 << 20)
+    read, write = os.pipe()
+    got = bytearray()
+
+    def reader():
+        while chunk := os.read(read, 65536):
+            got.extend(chunk)
+            time.sleep(0.0005)  # slower than the writer: the pipe fills, the write blocks
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    previous = signal.signal(signal.SIGALRM, lambda *_: None)
+    signal.setitimer(signal.ITIMER_REAL, 0.002, 0.002)  # interrupt the blocked write, again and again
+    try:
+        with open(write, "wb", buffering=0, closefd=False) as raw:
+            first = raw.write(data)  # what the runner did before: one write() call
+        write_all(write, data[first:])
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        os.close(write)
+    thread.join(30)
+    os.close(read)
+    assert first < len(data), "the signal did not cut the single write(): the test shows nothing"
+    assert bytes(got) == data
