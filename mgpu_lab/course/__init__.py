@@ -4,5 +4,6 @@
 ``isolation`` says what this machine can isolate, ``sandbox_init`` closes a
 sandbox, ``runner`` runs the notebook and the learner's code inside it,
 ``judge`` runs the checkers outside it, ``gradescope`` writes Gradescope's
-results).
+results; ``cells`` decides which demo cells grading skips, ``batch`` grades
+many at once and keeps their grades, ``summary`` sums up a class).
 """

@@ -230,7 +230,9 @@ def grade(paths, timeout: float = DEFAULT_TIMEOUT, limits: Limits | None = None,
     Args:
         paths, timeout, limits, all_cells: as :func:`grade_notebook` takes them.
         jobs: notebooks graded at once, each in its own sandbox
-            (:func:`~mgpu_lab.course.batch.default_jobs` fits this machine).
+            (:func:`~mgpu_lab.course.batch.default_jobs` fits this machine). More
+            than 1 starts worker processes with ``spawn``: in a script, call
+            ``grade`` under ``if __name__ == "__main__":`` (the CLI does).
         store: a folder where each notebook's grade is kept, by its content
             and what grades it: a later run takes it from there instead of grading
             the same notebook again (None: keep nothing).
