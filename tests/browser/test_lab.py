@@ -8,6 +8,8 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
+from submissions import PICK_DEVICE_BODY
+
 from .lab import Notebook
 
 pytestmark = pytest.mark.timeout(600)
@@ -47,16 +49,7 @@ def test_long_launches_show_a_live_progress_bar_per_rank(lab, page):
     assert "'done'" in book.output(1).inner_text()
 
 
-PICK_DEVICE = '''import torch
-
-def pick_device(index=None):
-    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if index is None:
-        return torch.device("cuda", 0) if n else torch.device("cpu")
-    if not 0 <= index < n:
-        raise ValueError(f"index {index}: {n} GPU(s) visible")
-    return torch.device("cuda", index)
-'''
+PICK_DEVICE = "import torch\n\ndef pick_device(index=None):" + PICK_DEVICE_BODY
 
 WRONG_VISIBLE = '''def visible_devices_env(ids):
     if len(set(ids)) != len(ids) or any(not isinstance(i, int) or i < 0 for i in ids):
