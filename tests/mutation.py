@@ -231,3 +231,43 @@ def judge_variant(spec: ExerciseMutants, variant: Variant, namespace: dict):
     result = check(spec.exercise, *define(variant.source, spec.names, namespace, f"<variant {variant.name}>"))
     assert result.points == result.max_points, f"correct variant {variant.name!r} of {spec.exercise} lost points:\n{result}"
     return result
+
+
+def mutant_tests(specs: list[ExerciseMutants], lesson: str, namespace: dict | Callable[[], dict], *,
+                 before: Callable | None = None, after: Callable | None = None) -> tuple:
+    """The three tests of every ``tests/mutants/test_mutants_NN.py``, for the module to bind by name::
+
+        test_mutant_fails_naming_its_bug, test_correct_variant_passes, test_every_exercise_has_five_mutants_and_two_variants = \\
+            mutant_tests(SPECS, "01", NAMESPACE)
+
+    ``namespace`` is what the solution cell sees (a dict, or a function that makes one, called
+    per test). ``before(mutant)`` runs before a mutant is judged (it may ``pytest.skip``);
+    ``after(mutant, result)`` adds assertions on the failed result.
+    """
+    import pytest
+
+    def names() -> dict:
+        return namespace() if callable(namespace) else namespace
+
+    @pytest.mark.parametrize("spec, mutant", params(specs, "mutants"))
+    def test_mutant_fails_naming_its_bug(spec, mutant):
+        if before is not None:
+            before(mutant)
+        result = judge_mutant(spec, mutant, names())
+        if after is not None:
+            after(mutant, result)
+
+    @pytest.mark.parametrize("spec, variant", params(specs, "variants"))
+    def test_correct_variant_passes(spec, variant):
+        judge_variant(spec, variant, names())
+
+    def test_every_exercise_has_five_mutants_and_two_variants():
+        from mgpu_lab.course.checks import exercises
+
+        counts = {spec.exercise: (len(spec.mutants), len(spec.variants)) for spec in specs}
+        assert sorted(counts) == sorted(e.id for e in exercises(lesson)), counts
+        for spec in specs:
+            assert len(spec.mutants) >= 5 and len(spec.variants) >= 2, f"{spec.exercise}: {counts[spec.exercise]}"
+            assert len({m.name for m in spec.mutants}) == len(spec.mutants), f"{spec.exercise}: two mutants share a name"
+
+    return test_mutant_fails_naming_its_bug, test_correct_variant_passes, test_every_exercise_has_five_mutants_and_two_variants

@@ -9,9 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mgpu_lab.course.checks import exercises
-from mutation import (ExerciseMutants, Mutant, Variant, drop_statement, judge_mutant, judge_variant, params,
-                      replace, sub)
+from mutation import ExerciseMutants, Mutant, Variant, drop_statement, mutant_tests, replace, sub
 
 pytestmark = pytest.mark.timeout(300)
 NOTEBOOK = "01_devices.ipynb"
@@ -152,19 +150,5 @@ def visible_devices_env(ids):
 SPECS = [PICK, STEP, VISIBLE]
 
 
-@pytest.mark.parametrize("spec, mutant", params(SPECS, "mutants"))
-def test_mutant_fails_naming_its_bug(spec, mutant):
-    judge_mutant(spec, mutant, NAMESPACE)
-
-
-@pytest.mark.parametrize("spec, variant", params(SPECS, "variants"))
-def test_correct_variant_passes(spec, variant):
-    judge_variant(spec, variant, NAMESPACE)
-
-
-def test_every_exercise_has_five_mutants_and_two_variants():
-    by_id = {spec.exercise: spec for spec in SPECS}
-    assert sorted(by_id) == [e.id for e in exercises("01")]
-    for spec in SPECS:
-        assert len(spec.mutants) >= 5 and len(spec.variants) >= 2, spec.exercise
-        assert len({m.name for m in spec.mutants}) == len(spec.mutants), f"{spec.exercise}: two mutants share a name"
+test_mutant_fails_naming_its_bug, test_correct_variant_passes, test_every_exercise_has_five_mutants_and_two_variants = \
+    mutant_tests(SPECS, "01", NAMESPACE)

@@ -15,8 +15,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, get_worker_info
 
-from mgpu_lab.course.checks import exercises
-from mutation import (ExerciseMutants, Mutant, Variant, judge_mutant, judge_variant, params, replace, sub)
+from mutation import ExerciseMutants, Mutant, Variant, mutant_tests, replace, sub
 
 pytestmark = pytest.mark.timeout(300)
 NOTEBOOK = "02_data_loading.ipynb"
@@ -142,19 +141,5 @@ def best_num_workers(dataset, candidates, batch_size, n_batches):
 SPECS = [LOADER, SEED, BEST]
 
 
-@pytest.mark.parametrize("spec, mutant", params(SPECS, "mutants"))
-def test_mutant_fails_naming_its_bug(spec, mutant):
-    judge_mutant(spec, mutant, NAMESPACE)
-
-
-@pytest.mark.parametrize("spec, variant", params(SPECS, "variants"))
-def test_correct_variant_passes(spec, variant):
-    judge_variant(spec, variant, NAMESPACE)
-
-
-def test_every_exercise_has_five_mutants_and_two_variants():
-    by_id = {spec.exercise: spec for spec in SPECS}
-    assert sorted(by_id) == [e.id for e in exercises("02")]
-    for spec in SPECS:
-        assert len(spec.mutants) >= 5 and len(spec.variants) >= 2, spec.exercise
-        assert len({m.name for m in spec.mutants}) == len(spec.mutants), f"{spec.exercise}: two mutants share a name"
+test_mutant_fails_naming_its_bug, test_correct_variant_passes, test_every_exercise_has_five_mutants_and_two_variants = \
+    mutant_tests(SPECS, "02", NAMESPACE)

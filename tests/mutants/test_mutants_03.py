@@ -12,10 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from mgpu_lab.course.checks import exercises
 from mgpu_lab.data_parallel import gather, parallel_apply, replicate, scatter
-from mutation import (ExerciseMutants, Mutant, Variant, cell_of, define, drop_statement, judge_mutant,
-                      judge_variant, params, replace)
+from mutation import ExerciseMutants, Mutant, Variant, cell_of, define, drop_statement, mutant_tests, replace
 
 pytestmark = pytest.mark.timeout(300)
 NOTEBOOK = "03_data_parallel.ipynb"
@@ -111,19 +109,5 @@ SPECS = [SPLIT, DP]
 NAMESPACE = {**BASE, "split_batch": define(cell_of(SPLIT), ("split_batch",), BASE)[0]}
 
 
-@pytest.mark.parametrize("spec, mutant", params(SPECS, "mutants"))
-def test_mutant_fails_naming_its_bug(spec, mutant):
-    judge_mutant(spec, mutant, NAMESPACE)
-
-
-@pytest.mark.parametrize("spec, variant", params(SPECS, "variants"))
-def test_correct_variant_passes(spec, variant):
-    judge_variant(spec, variant, NAMESPACE)
-
-
-def test_every_exercise_has_five_mutants_and_two_variants():
-    by_id = {spec.exercise: spec for spec in SPECS}
-    assert sorted(by_id) == [e.id for e in exercises("03")]
-    for spec in SPECS:
-        assert len(spec.mutants) >= 5 and len(spec.variants) >= 2, spec.exercise
-        assert len({m.name for m in spec.mutants}) == len(spec.mutants), f"{spec.exercise}: two mutants share a name"
+test_mutant_fails_naming_its_bug, test_correct_variant_passes, test_every_exercise_has_five_mutants_and_two_variants = \
+    mutant_tests(SPECS, "03", NAMESPACE)

@@ -15,8 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Sampler
 
-from mgpu_lab.course.checks import exercises
-from mutation import ExerciseMutants, Mutant, Variant, drop_statement, judge_mutant, judge_variant, params, replace
+from mutation import ExerciseMutants, Mutant, Variant, drop_statement, mutant_tests, replace
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -140,18 +139,5 @@ SPECS = [
 ]
 
 
-@pytest.mark.parametrize("spec, mutant", params(SPECS, "mutants"))
-def test_mutant_fails_naming_its_bug(spec, mutant):
-    judge_mutant(spec, mutant, NAMESPACE)
-
-
-@pytest.mark.parametrize("spec, variant", params(SPECS, "variants"))
-def test_correct_variant_passes(spec, variant):
-    judge_variant(spec, variant, NAMESPACE)
-
-
-def test_every_exercise_has_five_mutants_and_two_variants():
-    by_id = {spec.exercise: spec for spec in SPECS}
-    for ex in exercises("05"):
-        assert ex.id in by_id, f"{ex.id} has no mutants"
-        assert len(by_id[ex.id].mutants) >= 5 and len(by_id[ex.id].variants) >= 2, ex.id
+test_mutant_fails_naming_its_bug, test_correct_variant_passes, test_every_exercise_has_five_mutants_and_two_variants = \
+    mutant_tests(SPECS, "05", NAMESPACE)

@@ -13,9 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from mgpu_lab.course.checks import exercises
-from mutation import (ExerciseMutants, Mutant, Variant, drop_statement, judge_mutant, judge_variant, params,
-                      replace, sub)
+from mutation import ExerciseMutants, Mutant, Variant, drop_statement, mutant_tests, replace, sub
 
 pytestmark = pytest.mark.timeout(300)
 NOTEBOOK = "06_model_parallel.ipynb"
@@ -182,18 +180,5 @@ def bubble_fraction(n_stages, n_micro):
 SPECS = [TWO_STAGE, PIPELINED, BUBBLE]
 
 
-@pytest.mark.parametrize("spec, mutant", params(SPECS, "mutants"))
-def test_mutant_fails_naming_its_bug(spec, mutant):
-    judge_mutant(spec, mutant, NAMESPACE)
-
-
-@pytest.mark.parametrize("spec, variant", params(SPECS, "variants"))
-def test_correct_variant_passes(spec, variant):
-    judge_variant(spec, variant, NAMESPACE)
-
-
-def test_every_exercise_has_five_mutants_and_two_variants():
-    specs = {spec.exercise: spec for spec in SPECS}
-    assert sorted(specs) == [e.id for e in exercises("06")]
-    assert all(len(s.mutants) >= 5 and len(s.variants) >= 2 for s in SPECS), \
-        {s.exercise: (len(s.mutants), len(s.variants)) for s in SPECS}
+test_mutant_fails_naming_its_bug, test_correct_variant_passes, test_every_exercise_has_five_mutants_and_two_variants = \
+    mutant_tests(SPECS, "06", NAMESPACE)

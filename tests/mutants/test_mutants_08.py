@@ -6,11 +6,11 @@ Every variant is a correct answer written differently; it must get full marks.
 """
 from __future__ import annotations
 
+import functools
+
 import pytest
 
-from mgpu_lab.course.checks import exercises
-from mutation import (ExerciseMutants, Mutant, Variant, drop_statement, judge_mutant, judge_variant, params,
-                      prelude, replace)
+from mutation import ExerciseMutants, Mutant, Variant, drop_statement, mutant_tests, prelude, replace
 
 pytestmark = pytest.mark.timeout(600)
 NB = "08_sharding.ipynb"
@@ -217,7 +217,7 @@ def load_checkpoint(model, optimizer, path):
 SPECS = [ZERO, SGD, SHARD, DCP]
 
 
-@pytest.fixture(scope="module")
+@functools.cache
 def namespace() -> dict:
     """The notebook's first cell (its imports), as every solution cell sees it."""
     ns: dict = {}
@@ -225,19 +225,5 @@ def namespace() -> dict:
     return ns
 
 
-def test_every_exercise_of_lesson_08_has_five_mutants_and_two_variants():
-    ids = {e.id for e in exercises("08")}
-    assert ids == {spec.exercise for spec in SPECS}
-    for spec in SPECS:
-        assert len(spec.mutants) >= 5 and len(spec.variants) >= 2, spec.exercise
-        assert len({m.name for m in spec.mutants}) == len(spec.mutants), spec.exercise
-
-
-@pytest.mark.parametrize("spec, mutant", params(SPECS, "mutants"))
-def test_mutant_fails_naming_its_bug(spec, mutant, namespace):
-    judge_mutant(spec, mutant, namespace)
-
-
-@pytest.mark.parametrize("spec, variant", params(SPECS, "variants"))
-def test_correct_variant_gets_full_marks(spec, variant, namespace):
-    judge_variant(spec, variant, namespace)
+test_mutant_fails_naming_its_bug, test_correct_variant_passes, test_every_exercise_has_five_mutants_and_two_variants = \
+    mutant_tests(SPECS, "08", namespace)

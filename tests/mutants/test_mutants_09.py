@@ -1,10 +1,11 @@
 """Lesson 09's named mutants (learner bugs put into the solution's source) and correct variants."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 
-from mutation import (ExerciseMutants, Mutant, Variant, drop_statement, judge_mutant, judge_variant, params,
-                      prelude, replace)
+from mutation import ExerciseMutants, Mutant, Variant, mutant_tests, prelude, replace
 
 pytestmark = pytest.mark.timeout(600)
 NOTEBOOK = "09_inside_ddp.ipynb"
@@ -177,26 +178,13 @@ def bf16_compress_hook(state, bucket):
 SPECS = [RING, BUCKETS, HOOK]
 
 
-@pytest.fixture(scope="module")
-def namespace():
-    ns = {}
-    exec(compile(prelude(NOTEBOOK), f"<{NOTEBOOK} imports>", "exec"), ns)
+@functools.cache
+def namespace() -> dict:
+    """The notebook's first cell (its imports), as every solution cell sees it."""
+    ns: dict = {}
+    exec(compile(prelude(NOTEBOOK), "<prelude 09>", "exec"), ns)
     return ns
 
 
-def test_every_exercise_of_lesson_09_has_five_mutants_and_two_variants():
-    from mgpu_lab.course.checks import exercises
-
-    assert sorted(s.exercise for s in SPECS) == [e.id for e in exercises("09")]
-    for spec in SPECS:
-        assert len(spec.mutants) >= 5 and len(spec.variants) >= 2, spec.exercise
-
-
-@pytest.mark.parametrize("spec,mutant", params(SPECS, "mutants"))
-def test_mutant_fails_naming_its_bug(spec, mutant, namespace):
-    judge_mutant(spec, mutant, namespace)
-
-
-@pytest.mark.parametrize("spec,variant", params(SPECS, "variants"))
-def test_correct_variant_gets_full_marks(spec, variant, namespace):
-    judge_variant(spec, variant, namespace)
+test_mutant_fails_naming_its_bug, test_correct_variant_passes, test_every_exercise_has_five_mutants_and_two_variants = \
+    mutant_tests(SPECS, "09", namespace)
