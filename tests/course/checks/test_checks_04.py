@@ -5,7 +5,6 @@ versions among them) are tests/mutants/test_mutants_04.py.
 """
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 
@@ -14,7 +13,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from checking import solutions_from
 from mgpu_lab import ddp
 from mgpu_lab.course.checks import check, exercises, lesson04, probes04
 from mgpu_lab.course.checks._moves import Moved
@@ -29,28 +27,9 @@ NOTEBOOK = Path(__file__).resolve().parents[3] / "solutions" / "04_ddp.ipynb"
 NAMES = ("shard_indices", "ddp_train", "global_mean", "download_once")
 
 
-@pytest.fixture(scope="module")
-def solutions():
-    from torch import nn
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    from torch.utils.data import DataLoader, DistributedSampler
-
-    from mgpu_lab import dist as mdist
-
-    return solutions_from(NOTEBOOK, NAMES, {"__name__": "__main__", "torch": torch, "math": math, "dist": dist,
-                                            "mdist": mdist, "nn": nn, "DDP": DDP, "DataLoader": DataLoader,
-                                            "DistributedSampler": DistributedSampler})
-
-
 def test_lesson_04_registers_its_four_exercises_with_one_point_per_case():
     got = {e.id: e.points for e in exercises("04")}
     assert got == {"04.ddp_train": 6, "04.download_once": 4, "04.global_mean": 4, "04.shard_indices": 6}
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_the_solution_gets_full_marks(solutions, name):
-    result = check(f"04.{name}", solutions[name])
-    assert result.points == result.max_points, result
 
 
 def _stub(*args, **kwargs):  # checking.stub would travel by reference: every rank would import nbformat

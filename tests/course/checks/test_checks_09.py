@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from checking import case_starting, solutions_from
+from checking import case_starting
 from mgpu_lab.course.checks import check, exercises
 
 pytestmark = pytest.mark.timeout(300)
@@ -26,22 +26,9 @@ def _by_value(source: str, name: str):
 ANSWERS = {"stub": _by_value("def stub(*args, **kwargs):\n    raise NotImplementedError('write this')\n", "stub")}
 
 
-@pytest.fixture(scope="module")
-def solutions():
-    namespace = {}
-    exec("import torch\nimport torch.distributed as dist", namespace)
-    return solutions_from(NOTEBOOK, NAMES, namespace)
-
-
 def test_lesson_09_registers_its_three_exercises_with_one_point_per_case():
     got = {e.id: e.points for e in exercises("09")}
     assert got == {"09.bf16_compress_hook": 5, "09.bucket_assignment": 7, "09.ring_allreduce": 8}
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_the_solution_gets_full_marks(solutions, name):
-    result = check(f"09.{name}", solutions[name])
-    assert result.points == result.max_points, result
 
 
 @pytest.mark.parametrize("name", NAMES)
