@@ -107,8 +107,10 @@ def run(argv: list[str], *, env: dict | None = None, timeout: float = 180.0, ech
     """
     start = time.monotonic()
     lines: list[str] = []
-    proc = subprocess.Popen(argv, env=_env(env), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, errors="replace", start_new_session=True)
+    # torchrun leaves a log folder (torchelastic_*) and error files in the temp dir: this run's own, removed after it
+    tmp = tempfile.TemporaryDirectory(prefix="mgpu-lab-run-", ignore_cleanup_errors=True)
+    proc = subprocess.Popen(argv, env=_env({"TMPDIR": tmp.name, **(env or {})}), cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True)
     timer = _Timer(timeout, proc)
     try:
         for line in proc.stdout:
@@ -121,6 +123,7 @@ def run(argv: list[str], *, env: dict | None = None, timeout: float = 180.0, ech
     finally:
         timer.cancel()
         _kill_group(proc)
+        tmp.cleanup()
     code = None if timer.fired else proc.returncode
     return Result(list(argv), code, "\n".join(lines), time.monotonic() - start)
 

@@ -41,3 +41,18 @@ def test_run_keeps_the_output_and_stops_a_command_at_its_time_limit():
     assert done.returncode == 3 and done.lines("hello") == ["hello"]
     slow = elastic.run([sys.executable, "-c", "import time; time.sleep(30)"], echo=False, timeout=1)
     assert slow.returncode is None and slow.seconds < 20
+
+
+def test_torchrun_leaves_nothing_in_the_temp_dir(tmp_path):
+    """torchrun makes a log folder (torchelastic_*) in the temp dir of every run and never removes it."""
+    import tempfile
+    from pathlib import Path
+
+    script = tmp_path / "where.py"
+    script.write_text("import tempfile\nprint('TMP', tempfile.gettempdir())\n")
+    before = set(Path(tempfile.gettempdir()).glob("torchelastic_*"))
+    done = elastic.run(elastic.torchrun_argv(script, nproc=1), echo=False, timeout=90)
+    assert done.returncode == 0, done.output
+    used = Path(done.lines("^TMP ")[0].split()[1])
+    assert used != Path(tempfile.gettempdir()) and not used.exists()  # the run's own, removed after it
+    assert set(Path(tempfile.gettempdir()).glob("torchelastic_*")) == before

@@ -32,6 +32,7 @@ import contextlib
 import itertools
 import shlex
 import socket
+import tempfile
 import weakref
 from pathlib import Path
 
@@ -272,8 +273,12 @@ class SimCluster:
                 late = f"   (starts {when:g} s late)" if isinstance(when, float) and when else (
                     f"   (starts once node{when} has exited)" if isinstance(when, int) else "")
                 print(f"[node{r.node.rank}] $ {shown}{shlex.join(r.argv)}{late}", flush=True)
-        return run_nodes(runs, [e or {} for e in envs], starts, timeout=timeout, after_failure=after_failure,
-                         echo=echo, cwd=cwd, net=self._owned.net, owned=self._owned.procs)
+        # torchrun leaves a log folder (torchelastic_*) and error files in the temp dir of every run:
+        # they go into one of the run's own, removed after it
+        with tempfile.TemporaryDirectory(prefix="mgpu-lab-run-", ignore_cleanup_errors=True) as tmp:
+            return run_nodes(runs, [{"TMPDIR": tmp, **(e or {})} for e in envs], starts, timeout=timeout,
+                             after_failure=after_failure, echo=echo, cwd=cwd, net=self._owned.net,
+                             owned=self._owned.procs)
 
     # -- lifetime ---------------------------------------------------------------------
     def close(self) -> None:

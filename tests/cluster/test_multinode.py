@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -165,6 +166,18 @@ SLEEPER = """
 
 def _pids(result) -> list[int]:
     return [int(p) for n in result.nodes for line in n.lines if line.startswith("pids") for p in line.split()[1:]]
+
+
+def test_each_run_has_a_temp_dir_of_its_own_removed_after_it(no_netns):
+    """torchrun leaves its log folder (torchelastic_*) in the temp dir of every run: not in /tmp for good."""
+    with SimCluster(2) as cluster:
+        result = cluster.run([py("import tempfile; print(tempfile.gettempdir())")] * 2, timeout=30, echo=False)
+        mine_too = cluster.run([py("import os; print(os.environ['TMPDIR'])")] * 2, env={"TMPDIR": "/var/tmp"},
+                               timeout=30, echo=False)
+    used = {n.lines[0] for n in result.nodes}
+    assert len(used) == 1 and not used & {tempfile.gettempdir(), "/tmp"}
+    assert not Path(used.pop()).exists()
+    assert [n.lines for n in mine_too.nodes] == [["/var/tmp"]] * 2  # the caller's TMPDIR wins
 
 
 @pytest.mark.parametrize("isolated", [True, False])
