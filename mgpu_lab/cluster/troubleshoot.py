@@ -30,7 +30,7 @@ __all__ = ["Fault", "FAULTS", "TABLE", "TRAPS", "FaultRun", "reproduce", "setup"
 PG_TIMEOUT = 3      # seconds a rank waits for the others (the script's --timeout), default 30 min
 RDZV_TIMEOUT = 4    # seconds torchrun's rendezvous waits, default 15 min (static) / 10 min (c10d)
 AFTER_FAILURE = 3   # seconds the other nodes may go on once one has failed
-RUN_TIMEOUT = 60    # the bound on every run, start-up included
+RUN_TIMEOUT = 120   # the bound on every run, start-up included (a loaded machine needs minutes to start 16 torchruns)
 
 
 @dataclass(frozen=True)
