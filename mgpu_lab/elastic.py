@@ -108,22 +108,21 @@ def run(argv: list[str], *, env: dict | None = None, timeout: float = 180.0, ech
     start = time.monotonic()
     lines: list[str] = []
     # torchrun leaves a log folder (torchelastic_*) and error files in the temp dir: this run's own, removed after it
-    tmp = tempfile.TemporaryDirectory(prefix="mgpu-lab-run-", ignore_cleanup_errors=True)
-    proc = subprocess.Popen(argv, env=_env({"TMPDIR": tmp.name, **(env or {})}), cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True)
-    timer = _Timer(timeout, proc)
-    try:
-        for line in proc.stdout:
-            line = line.rstrip("\n")
-            lines.append(line)
-            shown = show(line) if show else line
-            if echo and shown is not None:
-                print(shown, flush=True)
-        proc.wait()
-    finally:
-        timer.cancel()
-        _kill_group(proc)
-        tmp.cleanup()
+    with tempfile.TemporaryDirectory(prefix="mgpu-lab-run-", ignore_cleanup_errors=True) as tmp:
+        proc = subprocess.Popen(argv, env=_env({"TMPDIR": tmp, **(env or {})}), cwd=cwd, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True)
+        timer = _Timer(timeout, proc)
+        try:
+            for line in proc.stdout:
+                line = line.rstrip("\n")
+                lines.append(line)
+                shown = show(line) if show else line
+                if echo and shown is not None:
+                    print(shown, flush=True)
+            proc.wait()
+        finally:
+            timer.cancel()
+            _kill_group(proc)
     code = None if timer.fired else proc.returncode
     return Result(list(argv), code, "\n".join(lines), time.monotonic() - start)
 

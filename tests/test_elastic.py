@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -45,9 +47,6 @@ def test_run_keeps_the_output_and_stops_a_command_at_its_time_limit():
 
 def test_torchrun_leaves_nothing_in_the_temp_dir(tmp_path):
     """torchrun makes a log folder (torchelastic_*) in the temp dir of every run and never removes it."""
-    import tempfile
-    from pathlib import Path
-
     script = tmp_path / "where.py"
     script.write_text("import tempfile\nprint('TMP', tempfile.gettempdir())\n")
     before = set(Path(tempfile.gettempdir()).glob("torchelastic_*"))
