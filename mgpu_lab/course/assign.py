@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import nbformat
+from .nbio import nbformat as _nbformat
+
+nbformat = _nbformat()
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 CHECK_OUTPUT = "# NBVAL_CHECK_OUTPUT"

@@ -93,7 +93,9 @@ def run_notebook(name: str, fd: int, skips: str | None = None) -> int:
         out.write(json.dumps(event) + "\n")
 
     try:
-        import nbformat
+        from mgpu_lab.course.nbio import nbformat as import_nbformat
+
+        nbformat = import_nbformat()  # before nbclient, which imports it too
         from nbclient import NotebookClient
         from nbclient.exceptions import DeadKernelError
 
