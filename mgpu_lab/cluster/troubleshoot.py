@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from .multinode import PROBE_SCRIPT, SimCluster
 from .nodelogs import LOG_PREFIX, RunResult
 
-__all__ = ["Fault", "FAULTS", "TABLE", "TRAPS", "FaultRun", "reproduce", "setup"]
+__all__ = ["Fault", "FAULTS", "TABLE", "TRAPS", "SAME_FIX", "FaultRun", "reproduce", "setup"]
 
 PG_TIMEOUT = 3      # seconds a rank waits for the others (the script's --timeout), default 30 min
 RDZV_TIMEOUT = 4    # seconds torchrun's rendezvous waits, default 15 min (static) / 10 min (c10d)
@@ -110,6 +110,10 @@ FAULTS = {f.key: f for f in [
 #: The troubleshooting table of the lesson, and the traps measured on the simulated nodes.
 TABLE = ["wrong_interface", "hostname_loopback", "blocked_port", "world_size_mismatch", "late_node"]
 TRAPS = ["hostname_loopback", "c10d_no_is_host", "c10d_no_local_addr", "exit_barrier"]
+#: Faults whose fixed job is another fault's fixed job (the right interface, every node, all at once;
+#: c10d with is_host and --local-addr): ``reproduce(..., fixed=True)`` runs such a job once for both.
+SAME_FIX = {"hostname_loopback": "wrong_interface", "blocked_port": "wrong_interface",
+            "world_size_mismatch": "wrong_interface", "c10d_no_local_addr": "c10d_no_is_host"}
 
 
 def setup(key: str, cluster: SimCluster, fixed: bool = False) -> dict:
@@ -163,6 +167,7 @@ class FaultRun:
     fault: Fault
     fixed: bool
     result: RunResult
+    same_as: str = ""  # fixed: the fault whose fixed job this was (the same job), if not this one
 
     @property
     def as_expected(self) -> bool:
@@ -188,6 +193,7 @@ class FaultRun:
         f, r = self.fault, self.result
         if self.fixed:
             head = f"{f.title}, fixed: {'OK' if r.ok else 'STILL FAILING'} in {r.seconds:.1f} s"
+            head += f" (the same job as the fix of {FAULTS[self.same_as].title})" if self.same_as else ""
         else:
             verdict = "FAILED" if not r.ok else "did NOT fail (unexpected)"
             head = f"{f.title}: {verdict} after {r.seconds:.1f} s here; a cluster waits {f.cluster_wait}"
@@ -212,7 +218,8 @@ def reproduce(keys=None, fixed: bool = False, echo: bool = True, netns: bool | N
 
     Args:
         keys: fault names (default: :data:`TABLE`).
-        fixed: run each job with its fix instead.
+        fixed: run each job with its fix instead; a fixed job that is the same as another
+            key's (:data:`SAME_FIX`) runs once, and both keys get its result.
         echo: print each fault's report (what failed, the key log lines, the fix).
         netns: as :class:`SimCluster`; True by default: on 127.0.0.1 most of
             these faults cannot happen, so reproducing them needs namespaces.
@@ -230,6 +237,8 @@ def reproduce(keys=None, fixed: bool = False, echo: bool = True, netns: bool | N
         raise KeyError(f"no fault {unknown[0]!r}; known: {', '.join(FAULTS)}")
     out: dict[str, FaultRun] = {}
     errors: list[BaseException] = []
+    job_of = {k: SAME_FIX[k] if fixed and SAME_FIX.get(k) in keys else k for k in keys}
+    jobs = [k for k in keys if job_of[k] == k]
 
     def work(key):
         try:
@@ -238,17 +247,18 @@ def reproduce(keys=None, fixed: bool = False, echo: bool = True, netns: bool | N
             errors.append(err)
 
     if echo:
-        print(f"troubleshoot: {len(keys)} job(s) at once, each on 2 simulated nodes of its own, "
+        print(f"troubleshoot: {len(jobs)} job(s) at once, each on 2 simulated nodes of its own, "
               f"{'with the fix' if fixed else 'each with one fault'}; rendezvous and process-group timeouts "
               f"of {RDZV_TIMEOUT} and {PG_TIMEOUT} s instead of minutes", flush=True)
-    threads = [threading.Thread(target=work, args=(k,), daemon=True) for k in keys]
+    threads = [threading.Thread(target=work, args=(k,), daemon=True) for k in jobs]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     if errors:
         raise RuntimeError(f"reproducing a fault failed: {type(errors[0]).__name__}: {errors[0]}") from errors[0]
-    runs = [out[k] for k in keys]
+    runs = [out[k] if job_of[k] == k else FaultRun(FAULTS[k], fixed, out[job_of[k]].result, job_of[k])
+            for k in keys]
     if echo:
         print("\n\n".join(run.report() for run in runs), flush=True)
     return runs

@@ -11,7 +11,7 @@ import pytest
 
 from mgpu_lab.cluster import netns, troubleshoot
 from mgpu_lab.cluster.multinode import SimCluster
-from mgpu_lab.cluster.troubleshoot import FAULTS, TABLE, TRAPS, reproduce, setup
+from mgpu_lab.cluster.troubleshoot import FAULTS, SAME_FIX, TABLE, TRAPS, reproduce, setup
 
 pytestmark = pytest.mark.timeout(400)
 NO_NETNS = netns.problem()
@@ -61,6 +61,12 @@ def test_jobs_differ_from_their_fixes_only_where_the_fault_is():
     assert "--abort-after-destroy" not in flat(jobs["exit_barrier", True])
     for job in jobs.values():  # every job is bounded by short timeouts of its own
         assert "--timeout 3" in flat(job)
+    # The fixed jobs that reproduce() runs once for two faults are the same job, but for the port of each run
+    same = lambda key: {**jobs[key, True], "argv": re.sub(r"(?<=[=:])\d{4,5}\b", "PORT", flat(jobs[key, True]))}
+    for key, twin in SAME_FIX.items():
+        assert same(key) == same(twin), (key, twin)
+    distinct = [same(k) for k in FAULTS if k not in SAME_FIX]
+    assert all(a != b for i, a in enumerate(distinct) for b in distinct[i + 1:])
 
 
 @pytest.mark.slow
@@ -84,4 +90,7 @@ def test_every_fix_works(capsys):
     runs = reproduce(list(FAULTS), fixed=True)
     for run in runs:
         assert run.result.ok and run.as_expected, "\n".join(run.result.lines())
-    assert capsys.readouterr().out.count(", fixed: OK") == len(FAULTS)
+        assert run.same_as == SAME_FIX.get(run.fault.key, "")
+    out = capsys.readouterr().out
+    assert f"troubleshoot: {len(FAULTS) - len(SAME_FIX)} job(s) at once" in out  # each distinct job once
+    assert out.count(", fixed: OK") == len(FAULTS) and out.count("(the same job as the fix of ") == len(SAME_FIX)
