@@ -26,6 +26,11 @@ LAB_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 # compares every output instead of only cells marked `# NBVAL_CHECK_OUTPUT`.
 PYTEST_ARGS ?=
 NBVAL       ?= --nbval-lax
+# Worker processes (pytest-xdist): each test file, and each notebook, runs whole in one of them;
+# conftest.py keeps the files that share something machine-wide (the SLURM cluster, the grading
+# sandboxes' users) from running at once. TEST_WORKERS=1 runs everything in one process.
+TEST_WORKERS ?= 2
+XDIST       := $(if $(filter-out 0 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 SOLUTION_NOTEBOOKS := $(sort $(wildcard solutions/*.ipynb))
 
 .DEFAULT_GOAL := help
@@ -67,7 +72,7 @@ slurm:
 	  else echo "make: no slurm-wlm/munge and not root: the SLURM tests will skip (apt-get install slurm-wlm munge)"; fi; }
 
 test: $(STAMP) chromium slurm
-	$(PY) -m pytest $(PYTEST_ARGS) tests $(if $(SOLUTION_NOTEBOOKS),$(NBVAL) $(SOLUTION_NOTEBOOKS))
+	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS) tests $(if $(SOLUTION_NOTEBOOKS),$(NBVAL) $(SOLUTION_NOTEBOOKS))
 
 bench: $(STAMP)
 	$(PY) bench/launch.py

@@ -1,0 +1,64 @@
+"""Run-wide test plumbing: for tests/ and for the solution notebooks that nbval runs.
+
+``make test`` runs the suite in two worker processes (pytest-xdist,
+``--dist loadfile``: all of a file's tests, or all of a notebook's cells, in one
+worker, in order). A few files use something there is only one of on a machine,
+so no two of them may run at the same time: the local SLURM cluster (one set of
+daemons, host names and namespaces), and the grading sandboxes' users (a fork
+bomb in one sandbox uses up its user's process limit, which a sandbox of another
+grading run on the same user would share). Each such group holds a file lock
+from the first test of a file to its last; the other worker goes on with other
+files meanwhile. Files are also sent out longest first (the Makefile passes
+``--no-loadscope-reorder`` so that xdist keeps this order), so that the last
+file to finish is a short one.
+"""
+from __future__ import annotations
+
+import fcntl
+import tempfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent
+
+ONE_AT_A_TIME = {
+    "slurm": ["tests/cluster/test_slurm_local.py", "solutions/07_multi_node.ipynb"],
+    "sandbox-users": ["tests/course/test_grade.py", "tests/course/test_grade_hostile.py",
+                      "tests/course/test_batch.py", "tests/course/test_sandbox.py"],
+}
+_GROUP = {path: name for name, paths in ONE_AT_A_TIME.items() for path in paths}
+
+# Seconds each file took in a serial run on the 2-core machine (CI's kind), for the order only;
+# files not named here come after these, in their usual order.
+LONGEST_FIRST = [
+    "tests/course/test_grade.py", "solutions/07_multi_node.ipynb", "tests/browser/test_lab.py",
+    "tests/cluster/test_multinode.py", "solutions/10_failures.ipynb", "tests/cluster/test_troubleshoot.py",
+    "tests/cluster/test_slurm_local.py", "tests/mutants/test_mutants_10.py", "tests/course/test_grade_hostile.py",
+    "tests/mutants/test_mutants_02.py", "solutions/08_sharding.ipynb", "tests/mutants/test_mutants_08.py",
+    "solutions/02_data_loading.ipynb", "solutions/04_ddp.ipynb", "tests/test_ddp_script.py",
+    "solutions/05_balanced_samplers.ipynb", "solutions/09_inside_ddp.ipynb", "solutions/01_devices.ipynb",
+    "tests/mutants/test_mutants_07.py", "tests/launcher/test_launch_kernel.py", "tests/test_subset_jobs.py",
+]
+_held: dict[str, object] = {}
+
+
+def _file(item) -> str:
+    return item.nodeid.split("::")[0]
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(_file(item), len(rank)))  # stable: a file's own order is kept
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    group = _GROUP.get(_file(item))
+    if group and group not in _held:
+        lock = open(Path(tempfile.gettempdir()) / f"mgpu-lab-tests-{group}.lock", "w")
+        fcntl.flock(lock, fcntl.LOCK_EX)  # waits while the other worker runs a file of the group
+        _held[group] = lock
+    yield
+    if group and (nextitem is None or _GROUP.get(_file(nextitem)) != group):
+        _held.pop(group).close()
