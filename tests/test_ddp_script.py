@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,9 @@ def _run(argv, **kwargs):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
-    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, **kwargs)
+    with tempfile.TemporaryDirectory(prefix="torchrun-") as tmp:  # torchrun leaves torchelastic_* there
+        proc = subprocess.run(argv, cwd=ROOT, env={**env, "TMPDIR": tmp}, capture_output=True, text=True,
+                              timeout=240, **kwargs)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     return out
