@@ -465,3 +465,6 @@ def test_doctor_nodes_2_as_a_subprocess():
                      r"gloo; all_reduce sum 10 on every rank\)", out)
     assert ("network namespaces joined by veth links" in out) == (not NO_NETNS)
     assert "result: all 2 check(s) passed" in out
+    # the workers are forks of each node's torchrun: they do not import torch again
+    assert re.search(r"node0 ran: GLOO_SOCKET_IFNAME=\S+ torchrun .*--run-path --start-method=fork .*"
+                     r"scripts/allreduce_check\.py --backend gloo", out), out
