@@ -1,6 +1,7 @@
 """mgpu_lab.elastic: torchrun commands, running them with a time limit, reading the failure summary."""
 from __future__ import annotations
 
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -48,13 +49,13 @@ def test_run_keeps_the_output_and_stops_a_command_at_its_time_limit():
 def test_torchrun_leaves_nothing_in_the_temp_dir(tmp_path):
     """torchrun makes a log folder (torchelastic_*) in the temp dir of every run and never removes it.
 
-    Read from torchrun's own log (LOGLEVEL=INFO names the folder), not from what /tmp holds: other tests
-    may start torchruns at the same time."""
+    Read from torchrun's own log (at LOGLEVEL=INFO its launch configuration names the folder, ``log_dir``),
+    not from what /tmp holds: other tests may start torchruns at the same time."""
     script = tmp_path / "where.py"
     script.write_text("import tempfile\nprint('TMP', tempfile.gettempdir())\n")
     done = elastic.run(elastic.torchrun_argv(script, nproc=1), env={"LOGLEVEL": "INFO"}, echo=False, timeout=90)
     assert done.returncode == 0, done.output
     used = Path(done.lines("^TMP ")[0].split()[1])
     assert used != Path(tempfile.gettempdir()) and not used.exists()  # the run's own, removed after it
-    logs = [Path(line.split("log directory set to: ")[1].strip()) for line in done.lines("log directory set to: ")]
+    logs = [Path(re.search(r"log_dir\s+:\s+(\S+)", line).group(1)) for line in done.lines(r"\blog_dir\s+: ")]
     assert logs and all(p.parent == used and p.name.startswith("torchelastic_") for p in logs), done.output
