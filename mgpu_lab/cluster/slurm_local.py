@@ -122,6 +122,9 @@ def _conf(state: Path, nodes: list[str]) -> str:
         # no cgroup plugins: the nodes share one machine's cgroup tree
         "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "JobAcctGatherType=jobacct_gather/none",
         "SchedulerType=sched/backfill", "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core",
+        # a batch job starts as soon as it can, not up to 3 s later (the default delay is for clusters that
+        # take in thousands of jobs a minute)
+        "SchedulerParameters=batch_sched_delay=0",
         "ReturnToService=2", "MpiDefault=none", "JobCompType=jobcomp/none",
         # no slurmdbd: `scontrol show job` keeps finished jobs for MinJobAge seconds instead of sacct
         "AccountingStorageType=accounting_storage/none", "MinJobAge=3600",
