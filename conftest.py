@@ -20,8 +20,6 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent
-
 ONE_AT_A_TIME = {
     "slurm": ["tests/cluster/test_slurm_local.py", "solutions/07_multi_node.ipynb"],
     "sandbox-users": ["tests/course/test_grade.py", "tests/course/test_grade_hostile.py",
@@ -29,8 +27,8 @@ ONE_AT_A_TIME = {
 }
 _GROUP = {path: name for name, paths in ONE_AT_A_TIME.items() for path in paths}
 
-# Seconds each file took in a serial run on the 2-core machine (CI's kind), for the order only;
-# files not named here come after these, in their usual order.
+# The longest files of a serial run on the 2-core machine (CI's kind), longest first; files not
+# named here come after these, in their usual order.
 LONGEST_FIRST = [
     "tests/course/test_grade.py", "solutions/07_multi_node.ipynb", "tests/browser/test_lab.py",
     "tests/cluster/test_multinode.py", "solutions/10_failures.ipynb", "tests/cluster/test_troubleshoot.py",
