@@ -30,7 +30,7 @@ from pathlib import Path
 
 import psutil
 
-from . import netns
+from . import agents, netns
 from .nodelogs import NOISE, Condense, NodeRun, RunResult
 
 __all__ = ["run_nodes", "parse_starts", "environment", "spawn", "stop"]
@@ -87,8 +87,16 @@ def environment(extra: dict) -> dict[str, str]:
     return env
 
 
-def spawn(run: NodeRun, env: dict, cwd, net: netns.Network | None) -> subprocess.Popen:
-    """Start one node's command, in its namespace under its host name when ``net`` is given."""
+def spawn(run: NodeRun, env: dict, cwd, net: netns.Network | None) -> subprocess.Popen | agents.Agent:
+    """Start one node's command, in its namespace under its host name when ``net`` is given.
+
+    ``torchrun`` is forked from an :class:`~mgpu_lab.cluster.agents.AgentServer`
+    (the same torchrun, without importing torch again) where the environment allows it.
+    """
+    full = environment(env)
+    if run.argv[0] == "torchrun" and (srv := agents.server(environment({}))) is not None and srv.fits(full):
+        return srv.start(run.argv, full, cwd, net.nodes[run.node.rank] if net is not None else None,
+                         run.node.hostname if net is not None else None)
     argv = list(run.argv)
     if argv[0] == "torchrun":
         local = Path(sys.executable).with_name("torchrun")
@@ -98,7 +106,7 @@ def spawn(run: NodeRun, env: dict, cwd, net: netns.Network | None) -> subprocess
     if net is not None:
         argv = [*net.exec_prefix(run.node.rank), sys.executable, "-c", _SET_HOSTNAME, run.node.hostname, *argv]
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            env=environment(env), cwd=cwd, start_new_session=True)
+                            env=full, cwd=cwd, start_new_session=True)
 
 
 def run_nodes(runs: list[NodeRun], envs: list[dict], starts: list, *, timeout: float, after_failure: float | None,
