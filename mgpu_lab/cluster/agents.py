@@ -231,7 +231,7 @@ def _serve(fd: int) -> int:
     children: set[int] = set()
     try:
         while True:
-            ready, _, _ = select.select([sock], [], [], 0.05)
+            ready, _, _ = select.select([sock], [], [], 0.05 if children else None)  # idle: sleep until asked
             while children:  # reap at once: a killed agent must not stay a zombie the runner waits on
                 pid, status = os.waitpid(-1, os.WNOHANG)
                 if not pid:
