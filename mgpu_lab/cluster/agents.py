@@ -80,7 +80,8 @@ class AgentServer:
     """A process that has imported ``torch.distributed.run`` and forks node agents from itself.
 
     Args:
-        env: its environment; an agent's may differ only in :data:`RUNTIME_VARS`.
+        env: its environment; an agent's may differ only in :data:`RUNTIME_VARS` and
+            variables starting with :data:`RUNTIME_PREFIXES` (see :meth:`fits`).
     """
 
     def __init__(self, env: dict[str, str]):
