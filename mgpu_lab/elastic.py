@@ -75,7 +75,7 @@ def torchrun_argv(script, *script_args, nproc: int = 2, max_restarts: int = 0, f
     """
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
             f"--max-restarts={max_restarts}", "--monitor-interval=0.1"]
-    argv += ["--run-path", "--start-method=forkserver"] if fork else []
+    argv += ["--run-path", "--start-method=fork"] if fork else []
     argv += [f"--log-dir={log_dir}"] if log_dir else []
     return argv + list(extra) + [str(Path(script).resolve()) if fork else str(script), *map(str, script_args)]
 

@@ -30,7 +30,7 @@ def test_torchrun_argv_puts_the_options_before_the_script():
     assert {"--standalone", "--nproc-per-node=4", "--max-restarts=3", "--log-dir=logs"} <= set(argv)
     assert argv[-3:] == ["train.py", "--epochs", "2"]
     forked = elastic.torchrun_argv("train.py", fork=True)
-    assert "--run-path" in forked and "--start-method=forkserver" in forked and forked[-1].endswith("/train.py")
+    assert "--run-path" in forked and "--start-method=fork" in forked and forked[-1].endswith("/train.py")
 
 
 def test_failure_summary_is_the_block_from_child_failed_error():
