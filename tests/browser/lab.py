@@ -52,6 +52,13 @@ class Notebook:
         """Indices of every cell whose source contains ``text``."""
         return [i for i, src in enumerate(self.sources()) if text in src]
 
+    def delete_tagged(self, tag: str) -> int:
+        """Delete every cell tagged ``tag`` from the open notebook (the page's model, not the file); how many."""
+        return self._js("const m = panel.content.model.sharedModel; let n = 0;"
+                        "for (let i = m.cells.length - 1; i >= 0; i--) {"
+                        "  if ((m.cells[i].getMetadata('tags') || []).includes(arg)) { m.deleteCell(i); n++; } }"
+                        "return n;", tag)
+
     def busy(self) -> tuple[str, int]:
         """The kernel's status and how many code cells are queued or running."""
         return tuple(self._js(
