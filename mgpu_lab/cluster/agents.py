@@ -36,8 +36,10 @@ __all__ = ["AgentServer", "Agent", "server", "RUNTIME_VARS", "RUNTIME_PREFIXES"]
 
 # Read by torch and torchrun when they are used, not when torch is imported: a child can set them itself.
 RUNTIME_VARS = ("TMPDIR", "LOGLEVEL", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NCCL_DEBUG",
-                "NCCL_DEBUG_SUBSYS", "MASTER_ADDR", "MASTER_PORT", "HEAD_NODE")
-RUNTIME_PREFIXES = ("SLURM_", "SLURMD_")  # what an sbatch script's srun line gives its command
+                "NCCL_DEBUG_SUBSYS", "MASTER_ADDR", "MASTER_PORT", "HEAD_NODE",
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")  # read by the rendezvous when it starts
+# what an sbatch script's srun line gives its command; scripts/allreduce_check.py's own settings
+RUNTIME_PREFIXES = ("SLURM_", "SLURMD_", "ALLREDUCE_CHECK_")
 _CLONE_NEWNS, _CLONE_NEWUTS, _CLONE_NEWNET = 0x00020000, 0x04000000, 0x40000000
 _MS_BIND, _MS_REC, _MS_SLAVE, _MNT_DETACH = 4096, 16384, 1 << 19, 2
 _lock = threading.Lock()
