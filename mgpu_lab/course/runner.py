@@ -210,9 +210,11 @@ def answer(request: dict) -> tuple[dict, bytes]:
 
 def serve(folder: str, fd: int) -> int:
     """Answer framed requests from stdin on ``fd`` until stdin closes."""
-    from mgpu_lab.launcher.launch import prewarm
+    import torch  # noqa: F401 - before the fork server is forked from here: it need not import torch again
 
-    prewarm()
+    from mgpu_lab.launcher import procs  # not .launch yet: importing it starts a server the usual way
+
+    procs.prewarm(fork=True)  # nothing but imports has run here yet
     os.dup2(2, 1)  # stray prints (e.g. while unpickling an answer) must not mix with the replies
     answers = _Answers(folder)
     while (data := read_frame(sys.stdin.buffer)) is not None:

@@ -392,3 +392,39 @@ def test_a_ranks_own_children_do_not_outlive_it():
     assert len(pids) == 2
     gone = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=5)[1]
     assert gone == []
+
+
+FORKED_SERVER = r'''
+import json, os, sys
+import torch  # what the server should not import again
+import psutil
+from multiprocessing import forkserver
+from mgpu_lab.launcher import procs
+r, w = os.pipe()  # a descriptor of this process that the server must not keep
+procs.prewarm(fork=True)
+server = psutil.Process(forkserver._forkserver._forkserver_pid)
+from mgpu_lab import launch
+import torch.distributed as dist
+ranks = launch(lambda: (dist.get_rank(), dist.all_reduce(t := torch.ones(1)) or t.item(), os.getppid()), 2)
+mine = os.readlink(f"/proc/self/fd/{r}")
+held = [os.readlink(f"/proc/{server.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{server.pid}/fd")]
+print(json.dumps({"me": os.getpid(), "server": server.pid, "parent": server.ppid(), "same_exe": server.cmdline() ==
+                  psutil.Process().cmdline(), "ranks": ranks, "holds_pipe": mine in held}))
+'''
+
+
+def test_prewarm_fork_makes_the_server_a_fork_of_this_process_that_keeps_nothing_else_and_ends_with_it():
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", FORKED_SERVER], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["parent"] == got["me"] and got["same_exe"]  # forked from the caller, not a new Python
+    assert got["ranks"] == [[0, 2.0, got["server"]], [1, 2.0, got["server"]]]  # ranks forked from it, collectives work
+    assert not got["holds_pipe"]  # only the listener and the alive pipe, as a started server
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(got["server"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not psutil.pid_exists(got["server"])  # its caller gone, it is gone
