@@ -3,6 +3,8 @@
 Ranks are forked from a clean server process (started with ``exec``, never a
 fork of the caller), so a Jupyter kernel that has already initialised CUDA can
 still launch, and each rank starts in milliseconds with torch already imported.
+A process that has done nothing but import may make the server a fork of
+itself instead (``prewarm(fork=True)``: the grading sandbox's runner).
 """
 from __future__ import annotations
 
@@ -63,7 +65,8 @@ def _fork_server(server: forkserver.ForkServer) -> None:
     with socket.socket(socket.AF_UNIX) as listener:
         address = connection.arbitrary_address("AF_UNIX")
         listener.bind(address)
-        os.chmod(address, 0o600)
+        if not util.is_abstract_socket_namespace(address):
+            os.chmod(address, 0o600)
         listener.listen()
         alive_r, alive_w = os.pipe()  # the server ends when every holder of alive_w is gone
         try:
