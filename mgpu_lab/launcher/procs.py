@@ -54,12 +54,14 @@ def prewarm(fork: bool = False) -> None:
 
 
 def _fork_server(server: forkserver.ForkServer) -> None:
-    """What ``server.ensure_running()`` does (Python 3.11), with ``os.fork`` for its ``spawnv_passfds``."""
+    """What ``server.ensure_running()`` does (the same in Python 3.10 to 3.13.0), with ``os.fork`` for its
+    ``spawnv_passfds``. A Python whose fork server also takes an authentication key gets it started the usual way.
+    """
     import socket
 
     from multiprocessing import connection, resource_tracker, util
 
-    if server._forkserver_pid is not None:
+    if server._forkserver_pid is not None or hasattr(server, "_forkserver_authkey"):
         return
     resource_tracker.ensure_running()
     with socket.socket(socket.AF_UNIX) as listener:
