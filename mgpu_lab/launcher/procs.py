@@ -81,7 +81,7 @@ def _fork_server(server: forkserver.ForkServer) -> None:
                     os.closerange(3, keep[0])
                     os.closerange(keep[0] + 1, keep[1])
                     os.closerange(keep[1] + 1, os.sysconf("SC_OPEN_MAX"))
-                    forkserver.main(listener.fileno(), alive_r, preload_modules())
+                    forkserver.main(listener.fileno(), alive_r, server._preload_modules)
                 finally:
                     os._exit(0)
         except BaseException:
