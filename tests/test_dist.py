@@ -1,7 +1,6 @@
 """mgpu_lab.dist: one source of rank information, under launch and under torchrun."""
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -12,6 +11,7 @@ import pytest
 
 from mgpu_lab import dist as mdist
 from mgpu_lab import launch
+from mgpu_lab.core import procenv
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
@@ -103,7 +103,7 @@ def test_the_same_helpers_under_real_torchrun(tmp_path):
         os._exit(0)  # as scripts/ddp_train.py: skip the C++ teardown that can abort at exit
     """))
     proc = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node=2", str(script)], capture_output=True,
-                          text=True, timeout=180, env={**os.environ, "TMPDIR": str(tmp_path)})  # torchrun's log folder
+                          text=True, timeout=180, env=procenv.child_env({"TMPDIR": str(tmp_path)}))  # torchrun's log folder
     assert proc.returncode == 0, proc.stderr
     # The two ranks share one pipe: a line of one can land inside a line of the other.
     results = sorted(re.findall(r"RESULT \d \d \d \d \S+ [\d.]+", proc.stdout))

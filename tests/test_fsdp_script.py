@@ -5,10 +5,11 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
+
+from mgpu_lab.core import procenv
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -19,11 +20,9 @@ SMALL = ["--samples", "64", "--width", "8", "--depth", "2"]
 
 
 def _run(argv):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    with tempfile.TemporaryDirectory(prefix="torchrun-") as tmp:  # torchrun leaves torchelastic_* there
-        proc = subprocess.run(argv, cwd=ROOT, env={**env, "TMPDIR": tmp}, capture_output=True, text=True,
+    with procenv.private_tmpdir("torchrun-") as tmp:  # torchrun leaves torchelastic_* there
+        proc = subprocess.run(argv, cwd=ROOT, env=procenv.child_env({"OMP_NUM_THREADS": "1", "TMPDIR": tmp}),
+                              capture_output=True, text=True,
                               timeout=240)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out

@@ -32,6 +32,8 @@ import sys
 import threading
 import time
 
+from mgpu_lab.core import libc
+
 __all__ = ["AgentServer", "Agent", "server", "RUNTIME_VARS", "RUNTIME_PREFIXES"]
 
 # Read by torch and torchrun when they are used, not when torch is imported: a child can set them itself.
@@ -40,8 +42,6 @@ RUNTIME_VARS = ("TMPDIR", "LOGLEVEL", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"
                 "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")  # read by the rendezvous when it starts
 # what an sbatch script's srun line gives its command; scripts/allreduce_check.py's own settings
 RUNTIME_PREFIXES = ("SLURM_", "SLURMD_", "ALLREDUCE_CHECK_")
-_CLONE_NEWNS, _CLONE_NEWUTS, _CLONE_NEWNET = 0x00020000, 0x04000000, 0x40000000
-_MS_BIND, _MS_REC, _MS_SLAVE, _MNT_DETACH = 4096, 16384, 1 << 19, 2
 _lock = threading.Lock()
 _server: "AgentServer | None" = None
 
@@ -150,37 +150,24 @@ class AgentServer:
 
 
 # -- the server process ---------------------------------------------------------------------
-def _libc():
-    import ctypes
-
-    return ctypes.CDLL(None, use_errno=True)
-
-
-def _check(rc: int, what: str) -> None:
-    if rc:
-        import ctypes
-
-        raise OSError(ctypes.get_errno(), f"{what}: {os.strerror(ctypes.get_errno())}")
-
-
 def _enter(netns: str | None, hostname: str | None) -> None:
     """What ``ip netns exec NETNS`` and the node's host name give a command, in this (forked) process."""
-    libc = _libc()
     if netns:
         fd = os.open(f"/run/netns/{netns}", os.O_RDONLY)
-        _check(libc.setns(fd, _CLONE_NEWNET), f"setns {netns}")
-        os.close(fd)
-        _check(libc.unshare(_CLONE_NEWNS), "unshare the mount namespace")
-        _check(libc.mount(b"none", b"/", None, _MS_REC | _MS_SLAVE, None), "mount --make-rslave /")
-        _check(libc.umount2(b"/sys", _MNT_DETACH), "umount /sys")
-        _check(libc.mount(netns.encode(), b"/sys", b"sysfs", 0, None), "mount /sys")
+        try:
+            libc.setns(fd, libc.CLONE_NEWNET, f"setns {netns}")
+        finally:
+            os.close(fd)
+        libc.unshare(libc.CLONE_NEWNS)
+        libc.mount("none", "/", None, libc.MS_REC | libc.MS_SLAVE)  # mount --make-rslave /
+        libc.umount2("/sys", libc.MNT_DETACH)
+        libc.mount(netns, "/sys", "sysfs", 0)
         etc = f"/etc/netns/{netns}"
         for name in sorted(os.listdir(etc)) if os.path.isdir(etc) else []:
-            _check(libc.mount(f"{etc}/{name}".encode(), f"/etc/{name}".encode(), None, _MS_BIND, None),
-                   f"bind {etc}/{name} over /etc/{name}")
+            libc.mount(f"{etc}/{name}", f"/etc/{name}", None, libc.MS_BIND)
     if hostname:
-        _check(libc.unshare(_CLONE_NEWUTS), "unshare the UTS namespace")
-        socket.sethostname(hostname)
+        libc.unshare(libc.CLONE_NEWUTS)
+        libc.sethostname(hostname)
 
 
 def _agent(req: dict, out: int) -> int:

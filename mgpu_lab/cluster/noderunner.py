@@ -30,21 +30,15 @@ from pathlib import Path
 
 import psutil
 
+from mgpu_lab.core import procenv
+
 from . import agents, netns
 from .nodelogs import NOISE, Condense, NodeRun, RunResult
 
 __all__ = ["run_nodes", "parse_starts", "environment", "spawn", "stop"]
 
-# Variables a node must not inherit from the notebook: each run says what it wants.
-_SCRUB = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
-          "MASTER_PORT", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NCCL_DEBUG", "NCCL_DEBUG_SUBSYS",
-          "MGPU_LAB_IN_RANK", "MGPU_LAB_DEVICE", "MGPU_LAB_BACKEND")
-# Run inside a node's namespace: a UTS namespace of its own with the node's host name, then exec.
-_SET_HOSTNAME = ("import ctypes, os, socket, sys\n"
-                 "if ctypes.CDLL(None, use_errno=True).unshare(0x04000000):\n"
-                 "    sys.exit('mgpu_lab.cluster.multinode: cannot unshare the UTS namespace: ' + os.strerror(ctypes.get_errno()))\n"
-                 "socket.sethostname(sys.argv[1])\n"
-                 "os.execvp(sys.argv[2], sys.argv[2:])\n")
+# Besides the rank variables (procenv), a node must not inherit these from the notebook: each run says what it wants.
+_NODE_OWN = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NCCL_DEBUG", "NCCL_DEBUG_SUBSYS")
 
 
 def parse_starts(delays, n: int) -> list:
@@ -76,15 +70,7 @@ def parse_starts(delays, n: int) -> list:
 
 def environment(extra: dict) -> dict[str, str]:
     """A node's environment: this one without rank variables, this Python's first on PATH, then ``extra``."""
-    env = {k: v for k, v in os.environ.items() if k not in _SCRUB and not k.startswith("TORCHELASTIC_")}
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
-    for key, value in extra.items():
-        if value is None:
-            env.pop(str(key), None)
-        else:
-            env[str(key)] = str(value)
-    return env
+    return procenv.child_env({**dict.fromkeys(_NODE_OWN), **extra}, python_first=True)
 
 
 def spawn(run: NodeRun, env: dict, cwd, net: netns.Network | None) -> subprocess.Popen | agents.Agent:
@@ -104,9 +90,15 @@ def spawn(run: NodeRun, env: dict, cwd, net: netns.Network | None) -> subprocess
     elif argv[0] in ("python", "python3"):
         argv[0] = sys.executable
     if net is not None:
-        argv = [*net.exec_prefix(run.node.rank), sys.executable, "-c", _SET_HOSTNAME, run.node.hostname, *argv]
-    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            env=full, cwd=cwd, start_new_session=True)
+        argv = [*net.exec_prefix(run.node.rank), sys.executable, "-m", "mgpu_lab.core.libc", run.node.hostname, *argv]  # own host name
+    try:
+        return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=full, cwd=cwd, start_new_session=True)
+    except OSError as exc:  # the node says what a shell would, and exits 127, as it does inside a namespace
+        said = f"{argv[0]}: {exc.strerror}"
+        return subprocess.Popen([sys.executable, "-c", "import sys; print(sys.argv[1], file=sys.stderr); sys.exit(127)", said],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
 
 
 def run_nodes(runs: list[NodeRun], envs: list[dict], starts: list, *, timeout: float, after_failure: float | None,

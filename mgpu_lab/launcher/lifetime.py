@@ -22,7 +22,6 @@ Example:
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -31,11 +30,9 @@ from contextlib import contextmanager
 from multiprocessing import forkserver
 from multiprocessing.connection import Connection
 
+from mgpu_lab.core import libc
+
 __all__ = ["Lifeline", "interrupts_deferred", "bind_rank"]
-
-_PR_SET_PDEATHSIG = 1
-_PR_SET_CHILD_SUBREAPER = 36
-
 
 class Lifeline:
     """A pipe that tells the ranks of one launch that their launcher is gone.
@@ -81,8 +78,8 @@ def interrupts_deferred():
 
 def _prctl(option: int, value: int) -> None:
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: the guard below still works
+        libc.prctl(option, value)
+    except OSError:  # not Linux: the guard below still works
         pass
 
 
@@ -114,8 +111,8 @@ def bind_rank(lifeline: Connection) -> None:
         os.setpgid(0, 0)
     except OSError:
         pass
-    _prctl(_PR_SET_CHILD_SUBREAPER, 1)  # orphans of its children are re-parented to it
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # dies with the forkserver
+    _prctl(libc.PR_SET_CHILD_SUBREAPER, 1)  # orphans of its children are re-parented to it
+    _prctl(libc.PR_SET_PDEATHSIG, signal.SIGKILL)  # dies with the forkserver
     _drop_forkserver_alive_fd()
     try:
         _guard = subprocess.Popen(_GUARD, stdin=lifeline.fileno(), stdout=subprocess.DEVNULL,
