@@ -46,8 +46,8 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=None, d
 
     ``map_location`` puts the tensors on this rank's device (a checkpoint written
     from ``cuda:0`` would otherwise land on ``cuda:0`` on every rank), and
-    ``weights_only=True``, torch's default since 2.6 (written out for torch 2.4
-    and 2.5, where it was False), unpickles only tensors, primitive types and
+    ``weights_only=True``, torch's default since 2.6 (written out: before 2.6 it
+    was False), unpickles only tensors, primitive types and
     plain containers, never arbitrary objects.
 
     Returns:

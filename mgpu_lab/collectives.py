@@ -18,7 +18,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as tdist
 
+from mgpu_lab import compat
+
 __all__ = ["show_all", "plot_collectives", "ring_allreduce", "ring_trace", "plot_ring", "OPS"]
+
+compat.install()  # reduce_scatter_single on torch < 2.13
 
 OPS = ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send/recv")
 

@@ -102,12 +102,71 @@ def _why_not(backend: str, nprocs: int, available: dict[str, bool], n_gpus: int)
     return ""
 
 
+def _validate(backends, nprocs, timeout, nodes) -> list[str] | None:
+    requested = _normalise_backends(backends)
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"nprocs={nprocs!r} must be an int >= 1, e.g. nprocs=2")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ValueError(f"timeout={timeout!r} must be a positive number of seconds, e.g. 30")
+    if nodes is not None and (isinstance(nodes, bool) or not isinstance(nodes, int) or not 2 <= nodes <= 16):
+        raise ValueError(f"nodes={nodes!r} must be an int from 2 to 16 (simulated nodes), e.g. nodes=2")
+    return requested
+
+
+def _describe_machine(say, available: dict[str, bool]) -> None:
+    say("versions")
+    for name, value in _versions():
+        say(f"  {name:<12} {value}")
+    say("devices")
+    gpus = devices.describe()
+    say(f"  {'gpus':<12} {gpus}")
+    if "CUDA_VISIBLE_DEVICES" in os.environ and "CUDA_VISIBLE_DEVICES=" not in gpus:
+        say(f"  {'':<12} CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r}")
+    say(f"  {'cpus':<12} {devices.cpu_count()} usable by this process")
+    say("backends (built into torch)")
+    for name, ok in available.items():
+        say(f"  {name:<12} {'available' if ok else 'not available'}")
+
+
+def _backend_checks(say, plan, requested, nprocs, timeout) -> list[bool]:
+    results = []
+    for backend, reason in plan:
+        if reason and requested is None:
+            say(f"  {backend:<6} skipped: {reason}")
+            continue
+        if reason:
+            fix = "use backend gloo" if backend == "nccl" else "install a torch with it"
+            say(f"  {backend:<6} FAILED: cannot run here: {reason}; {fix}")
+            results.append(False)
+            continue
+        passed, report = doctor_probes.check_backend(backend, nprocs, timeout)
+        say(f"  {backend:<6} {report}")
+        results.append(passed)
+    return results
+
+
+def _course_checks(say, timeout: float) -> list[bool]:
+    """What notebooks and grading need beyond collectives: the learner's line in a rank's traceback,
+    and a grading sandbox that starts here (as which user, and what it lacks)."""
+    from mgpu_lab.course.sandbox import self_test
+
+    say("notebooks and grading")
+    results = []
+    for name, check in (("traceback", lambda: doctor_probes.check_traceback(timeout)),
+                        ("sandbox", lambda: self_test(max(timeout, 120.0)))):
+        passed, report = check()
+        say(f"  {name:<9} {report}")
+        results.append(passed)
+    return results
+
+
 def run_doctor(
     backends: str | Sequence[str] | None = None,
     nprocs: int = 2,
     timeout: float = 30.0,
     out: TextIO | None = None,
     nodes: int | None = None,
+    course: bool = True,
 ) -> int:
     """Print what this machine can run and prove it with real collectives.
 
@@ -124,6 +183,9 @@ def run_doctor(
             nodes (:mod:`mgpu_lab.cluster.multinode`: network namespaces where the
             machine allows it, else 127.0.0.1), ``nprocs`` ranks each, started
             by the real torchrun with gloo; at least 90 s of timeout.
+        course: Also check what notebooks and grading need: that a rank's
+            traceback shows a notebook cell's line, and that a grading sandbox
+            starts here (the report names its user and what it lacks).
 
     Returns:
         0 if every check that ran passed, 1 if any failed or none could run.
@@ -137,68 +199,35 @@ def run_doctor(
         >>> run_doctor(backends=["gloo"], nprocs=2, timeout=60)  # doctest: +SKIP
         0
     """
-    requested = _normalise_backends(backends)
-    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
-        raise ValueError(f"nprocs={nprocs!r} must be an int >= 1, e.g. nprocs=2")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise ValueError(f"timeout={timeout!r} must be a positive number of seconds, e.g. 30")
-    if nodes is not None and (isinstance(nodes, bool) or not isinstance(nodes, int) or not 2 <= nodes <= 16):
-        raise ValueError(f"nodes={nodes!r} must be an int from 2 to 16 (simulated nodes), e.g. nodes=2")
+    requested = _validate(backends, nprocs, timeout, nodes)
     out = sys.stdout if out is None else out
 
     def say(line: str = "") -> None:
         print(line, file=out, flush=True)
 
-    n_gpus = devices.gpu_count()
     available = _available_backends()
-    plan = [(b, _why_not(b, nprocs, available, n_gpus)) for b in requested or CHECKABLE_BACKENDS]
+    plan = [(b, _why_not(b, nprocs, available, devices.gpu_count())) for b in requested or CHECKABLE_BACKENDS]
     if any(not reason for _, reason in plan):
         doctor_probes.load_launcher()  # its import starts the rank processes' warm-up meanwhile
-
     say("mgpu-lab doctor")
-    say("versions")
-    for name, value in _versions():
-        say(f"  {name:<12} {value}")
-    say("devices")
-    gpus = devices.describe()
-    say(f"  {'gpus':<12} {gpus}")
-    if "CUDA_VISIBLE_DEVICES" in os.environ and "CUDA_VISIBLE_DEVICES=" not in gpus:
-        say(f"  {'':<12} CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r}")
-    say(f"  {'cpus':<12} {devices.cpu_count()} usable by this process")
-    say("backends (built into torch)")
-    for name, ok in available.items():
-        say(f"  {name:<12} {'available' if ok else 'not available'}")
-
+    _describe_machine(say, available)
     say(f"checks: all_reduce + barrier on {nprocs} rank(s), timeout {timeout:g} s each")
-    failures = passes = 0
-    for backend, reason in plan:
-        if reason and requested is None:
-            say(f"  {backend:<6} skipped: {reason}")
-            continue
-        if reason:
-            failures += 1
-            fix = "use backend gloo" if backend == "nccl" else "install a torch with it"
-            say(f"  {backend:<6} FAILED: cannot run here: {reason}; {fix}")
-            continue
-        passed, report = doctor_probes.check_backend(backend, nprocs, timeout)
-        passes += passed
-        failures += not passed
-        say(f"  {backend:<6} {report}")
+    results = _backend_checks(say, plan, requested, nprocs, timeout)
+    if not results:
+        say("result: FAILED, no backend could be checked: torch has neither gloo nor "
+            "a usable nccl; install the torch wheel from pytorch.org")
+        return 1
     if nodes is not None:
         node_timeout = max(timeout, NODES_MIN_TIMEOUT)
         say(f"multi-node: all_reduce + barrier across {nodes} simulated nodes x {nprocs} rank(s), "
             f"timeout {node_timeout:g} s")
         passed, report = doctor_probes.check_nodes(nodes, nprocs, node_timeout)
-        passes += passed
-        failures += not passed
         say(f"  {'nodes':<6} {report}")
-
-    if failures:
-        say(f"result: {failures} check(s) FAILED; see the lines above for what to try")
+        results.append(passed)
+    if course:
+        results += _course_checks(say, timeout)
+    if not all(results):
+        say(f"result: {results.count(False)} check(s) FAILED; see the lines above for what to try")
         return 1
-    if not passes:
-        say("result: FAILED, no backend could be checked: torch has neither gloo nor "
-            "a usable nccl; install the torch wheel from pytorch.org")
-        return 1
-    say(f"result: all {passes} check(s) passed")
+    say(f"result: all {len(results)} check(s) passed")
     return 0

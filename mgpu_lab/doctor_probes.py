@@ -22,7 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 
-__all__ = ["allreduce_probe", "check_backend", "check_nodes", "load_launcher"]
+__all__ = ["allreduce_probe", "check_backend", "check_nodes", "check_traceback", "load_launcher"]
 
 # What to try when a check fails, by backend ("nodes": the multi-node check).
 _HINTS = {
@@ -195,6 +195,50 @@ def check_nodes(nodes: int, nprocs: int, timeout: float) -> tuple[bool, str]:
     return False, (f"FAILED after {elapsed:.1f} s: {len(sums)} of {world} ranks finished the all_reduce "
                    f"(expected sum {expected:g})\n         nodes: {where}\n"
                    f"{_indent(result.summary())}\n{_indent(details)}\n{_hint('nodes')}")
+
+
+#: A function as a notebook cell defines it: compiled from a file name only the kernel's linecache knows.
+_CELL = "/mgpu-lab-doctor/cell_1.py"
+_CELL_SOURCE = "def doctor_cell_probe():\n    raise ValueError('raised in a rank on purpose')\n"
+
+
+def check_traceback(timeout: float) -> tuple[bool, str]:
+    """Launch a function defined as a notebook cell defines it; its rank's traceback must show the cell's line.
+
+    The line comes from this process's linecache (as a kernel's cells do), so
+    it shows only when the function reached the rank with its file name: the
+    launcher's pickler keeps it where cloudpickle 3.1.3 and later replace it
+    with ``<dynamic-code>``.
+
+    Returns:
+        (passed, report), as :func:`check_backend`.
+    """
+    import linecache
+
+    launcher = load_launcher()
+    if isinstance(launcher, Exception):
+        return False, f"FAILED: cannot import mgpu_lab.launcher.launch ({type(launcher).__name__}: {launcher})"
+    lines = _CELL_SOURCE.splitlines(keepends=True)
+    linecache.cache[_CELL] = (len(_CELL_SOURCE), None, lines, _CELL)  # what IPython does for every cell
+    namespace = {"__name__": "__main__"}
+    exec(compile(_CELL_SOURCE, _CELL, "exec"), namespace)  # noqa: S102 - the fixed text above
+    start = time.perf_counter()
+    try:
+        launcher.run(namespace["doctor_cell_probe"], 1, backend="gloo", timeout=timeout, init=False,
+                     quiet=True, echo=False)
+        return False, "FAILED: the rank was meant to raise ValueError and returned instead"
+    except launcher.LaunchError as err:
+        text = str(err)
+    finally:
+        linecache.cache.pop(_CELL, None)
+    elapsed = time.perf_counter() - start
+    if f'File "{_CELL}", line 2' in text and "raise ValueError('raised in a rank on purpose')" in text:
+        return True, f"OK in {elapsed:.1f} s (a rank's traceback shows the notebook cell's own line)"
+    import cloudpickle
+
+    return False, (f"FAILED: a rank's traceback lost the notebook cell's line (cloudpickle "
+                   f"{cloudpickle.__version__}); reinstall with the tested versions: "
+                   f"pip install -c constraints.txt -e .\n{_indent(text)}")
 
 
 def _hint(backend: str) -> str:

@@ -37,6 +37,9 @@ from pathlib import Path
 
 import cloudpickle
 
+from mgpu_lab.core import procenv
+from mgpu_lab.launcher import pickling
+
 __all__ = ["torchrun_argv", "run", "call", "failure_summary", "Result", "WORKER", "STORE_PER_ATTEMPT"]
 
 #: One rendezvous store per attempt. With the agent's store shared by every attempt (torch's default),
@@ -81,14 +84,8 @@ def torchrun_argv(script, *script_args, nproc: int = 2, max_restarts: int = 0, f
 
 
 def _env(extra: dict | None) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
-                 "MGPU_LAB_DEVICE", "MGPU_LAB_BACKEND", "MGPU_LAB_IN_RANK", "TORCHELASTIC_RUN_ID"):
-        env.pop(name, None)  # a command started from inside a rank must not look like one
-    package_root = str(Path(__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join([package_root, *filter(None, [env.get("PYTHONPATH")])])
-    env.update({k: str(v) for k, v in (extra or {}).items()})
-    return env
+    # A command started from inside a rank must not look like one; one intra-op thread per worker.
+    return procenv.child_env({"OMP_NUM_THREADS": "1", **(extra or {})})
 
 
 def run(argv: list[str], *, env: dict | None = None, timeout: float = 180.0, echo: bool = True,
@@ -171,7 +168,7 @@ def call(fn, nproc: int, *args, max_restarts: int = 0, timeout: float = 180.0, e
     try:
         payload = os.path.join(work, "payload.pkl")
         with open(payload, "wb") as f:
-            cloudpickle.dump((fn, args, kwargs), f)
+            pickling.dump((fn, args, kwargs), f)
         result = run(torchrun_argv(WORKER, payload, work, nproc=nproc, max_restarts=max_restarts, fork=fork),
                      env={**STORE_PER_ATTEMPT, **(env or {})}, timeout=timeout, echo=echo)
         files = [os.path.join(work, _RESULT.format(r)) for r in range(nproc)]

@@ -22,6 +22,10 @@ import torch.distributed as tdist
 import torch.nn.functional as F
 from torch import nn
 
+from mgpu_lab import compat
+
+compat.install()  # reduce_scatter_single and all_gather_single on torch < 2.13
+
 __all__ = ["zero_memory", "shard_size", "held_bytes", "local", "sharded_sgd_step", "FlatZero"]
 
 

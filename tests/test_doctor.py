@@ -49,7 +49,9 @@ def correct(nprocs):
 
 
 def run(**kwargs):
+    """The doctor's report; only the collective checks unless ``course=True``."""
     out = io.StringIO()
+    kwargs.setdefault("course", False)
     code = doctor.run_doctor(out=out, **kwargs)
     return code, out.getvalue()
 
@@ -296,3 +298,42 @@ def test_real_doctor_with_one_gpu_skips_nccl_and_passes():
     code, text = run(timeout=180)
     assert code == 0, text
     assert "nccl   skipped: nccl needs one GPU per rank, 1 visible" in text
+
+
+# --- what notebooks and grading need ----------------------------------------
+
+
+@pytest.mark.slow
+def test_the_course_checks_prove_the_traceback_and_the_sandbox(capsys):
+    _real_launcher_or_skip()
+    code, text = run(backends=["gloo"], timeout=120, course=True)
+    assert code == 0, text + capsys.readouterr().out
+    assert "  traceback OK in " in text and "shows the notebook cell's own line" in text
+    from mgpu_lab.course.sandbox import protections
+    prot = protections()
+    assert f"  sandbox   OK: submissions run as {prot.user or 'the grader'}" in text
+    assert ("not had here: a separate user" in text) == (prot.user is None)  # one line says what root would add
+    assert text.rstrip().endswith("result: all 3 check(s) passed")
+
+
+@pytest.mark.slow
+def test_a_traceback_without_the_cells_line_fails_and_names_the_fix(monkeypatch):
+    # What cloudpickle >= 3.1.3 does to a function pickled by value: its file becomes <dynamic-code>.
+    import cloudpickle
+
+    from mgpu_lab.launcher import pickling
+
+    monkeypatch.setattr(pickling, "dumps", cloudpickle.dumps)
+    passed, report = doctor_probes.check_traceback(120)
+    assert not passed
+    assert "lost the notebook cell's line" in report and "pip install -c constraints.txt -e ." in report
+    assert "<dynamic-code>" in report
+
+
+def test_a_sandbox_that_cannot_import_the_package_fails_with_its_words(monkeypatch):
+    from mgpu_lab.course import sandbox
+
+    monkeypatch.setattr(sandbox, "_SELF_TEST", "import mgpu_lab_not_installed_here")
+    passed, report = sandbox.self_test(60)
+    assert not passed
+    assert "could not import torch and mgpu_lab" in report and "mgpu_lab_not_installed_here" in report

@@ -30,8 +30,7 @@ import subprocess
 import sys
 import time
 
-import cloudpickle
-
+from mgpu_lab.launcher import pickling
 from mgpu_lab.launcher.errors import LaunchError, LaunchTimeout
 
 from .checks import CheckResult, Exercise, Tester, judge
@@ -58,7 +57,7 @@ class Answer:
         return f"<answer {self.name} ({self.file}), judged in the sandbox>"
 
 
-class _Request(cloudpickle.Pickler):
+class _Request(pickling.Pickler):
     def persistent_id(self, obj):
         return ("answer", obj.file, obj.name) if isinstance(obj, Answer) else None
 

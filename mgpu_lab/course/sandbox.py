@@ -40,10 +40,10 @@ Example:
 """
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import json
 import os
+import pwd
 import shutil
 import signal
 import stat
@@ -55,9 +55,11 @@ from pathlib import Path
 
 import psutil
 
+from mgpu_lab.core import libc
+
 from .isolation import ENV_KEEP, UNSHARE, Limits, Protections, protections, slot_user
 
-__all__ = ["Limits", "Protections", "protections", "Sandbox", "ENV_KEEP"]
+__all__ = ["Limits", "Protections", "protections", "Sandbox", "ENV_KEEP", "self_test"]
 
 
 def _package_root() -> str:
@@ -74,12 +76,8 @@ def _python_paths() -> list[str]:
     return sorted({os.path.realpath(p) for p in paths})
 
 
-# Loaded here: a child between fork and exec must not dlopen (another thread may hold its lock).
-_LIBC = ctypes.CDLL(None)
-
-
-def _die_with_grader() -> None:  # runs in the child between fork and exec
-    _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: no sandbox outlives its grader
+def _die_with_grader() -> None:  # runs in the child between fork and exec (libc is loaded already)
+    libc.prctl(libc.PR_SET_PDEATHSIG, signal.SIGKILL)  # no sandbox outlives its grader
 
 
 class Sandbox:
@@ -218,6 +216,36 @@ class Sandbox:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+_SELF_TEST = "import torch, mgpu_lab.course.checks"
+
+
+def self_test(timeout: float = 120.0) -> tuple[bool, str]:
+    """Start a sandbox as ``mgpu-lab grade`` does and import torch and ``mgpu_lab`` in it.
+
+    Returns:
+        (passed, report): ``OK`` with the user it ran as and, in one line, what
+        sandboxes cannot get here (e.g. without root); or ``FAILED`` with the
+        sandbox's own words and the fix.
+    """
+    prot = protections()
+    try:
+        with Sandbox() as box:
+            proc = box.start([sys.executable, "-c", _SELF_TEST], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            try:
+                out, err = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                return False, f"FAILED: a sandboxed Python did not import torch within {timeout:g} s"
+    except OSError as exc:
+        return False, f"FAILED: could not make a sandbox: {exc}"
+    if proc.returncode != 0:
+        words = err.decode(errors="replace").strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
+        return False, (f"FAILED: a sandboxed Python could not import torch and mgpu_lab: {words[0]}; grading "
+                       "needs the Python, its environment and the project readable by the sandbox user")
+    user = prot.user or f"the grader's own user ({pwd.getpwuid(os.getuid()).pw_name})"
+    lacks = f"; not had here: {'; '.join(prot.missing)}" if prot.missing else ""
+    return True, f"OK: submissions run as {user}, {'in namespaces' if prot.namespaces else 'with no namespaces'}{lacks}"
 
 
 def _force(func, path, _exc_info) -> None:

@@ -9,9 +9,11 @@ it
 1. brings the loopback interface up (ranks and the Jupyter kernel talk over
    127.0.0.1; the new network namespace has nothing else),
 2. makes the submission's directory the sandbox's ``/tmp`` (its only writable
-   place besides fresh, size-limited ``/var/tmp`` and ``/dev/shm``), and puts
+   place besides fresh, size-limited ``/var/tmp`` and ``/dev/shm``), puts
    a fresh tmpfs over directories the sandbox user could not enter (``/root``
-   here), bringing back only what Python needs from below them,
+   here, a ``0700`` home folder), and binds back, read-only, what the graded
+   kernel needs (the interpreter, its environment, the project), wherever it
+   lies (under ``/tmp`` too),
 3. sets the resource limits, drops to the sandbox user (root only: setgroups,
    setgid, setuid) with ``no_new_privs``, and
 4. replaces itself with ``ARGV`` in ``/tmp``.
@@ -22,29 +24,23 @@ ends the sandbox with exit code 97 and the reason on stderr.
 """
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import json
 import os
 import resource
+import signal
 import socket
 import struct
 import sys
 
+from mgpu_lab.core import libc
+from mgpu_lab.core.libc import (MS_BIND, MS_NOATIME, MS_NODEV, MS_NODIRATIME, MS_NOEXEC, MS_NOSUID, MS_PRIVATE,
+                                 MS_RDONLY, MS_REC, MS_RELATIME, MS_REMOUNT, mount)
+
 EXIT_SETUP = 97
-_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_BIND, _MS_REC, _MS_PRIVATE = 1, 2, 4, 4096, 16384, 1 << 18
-_PR_SET_NO_NEW_PRIVS = 38
 _SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
 _LIMITS = {"memory": resource.RLIMIT_AS, "processes": resource.RLIMIT_NPROC,
            "file_size": resource.RLIMIT_FSIZE, "cpu_time": resource.RLIMIT_CPU}
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def _mount(source: str, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
-    if _libc.mount(source.encode(), target.encode(), fstype.encode() if fstype else None, flags,
-                   data.encode() if data else None) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"mount {source} on {target}: {os.strerror(err)}")
 
 
 def loopback_up() -> None:
@@ -53,6 +49,16 @@ def loopback_up() -> None:
         req = struct.pack("16sH14x", b"lo", 0)
         flags = struct.unpack("16sH14x", fcntl.ioctl(s, _SIOCGIFFLAGS, req))[1]
         fcntl.ioctl(s, _SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | _IFF_UP))
+
+
+PRIVATE = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")  # every place anyone may write: fresh in the sandbox
+# statvfs flag -> mount flag: a read-only remount must keep these, or a user namespace refuses it (EPERM).
+_KEEP_FLAGS = {2: MS_NOSUID, 4: MS_NODEV, 8: MS_NOEXEC, 1024: MS_NOATIME, 2048: MS_NODIRATIME,
+               4096: MS_RELATIME}
+
+
+def _under(path: str, top: str) -> bool:
+    return path == top or path.startswith(top.rstrip("/") + "/")
 
 
 def _blocked_ancestor(path: str) -> str | None:
@@ -65,32 +71,76 @@ def _blocked_ancestor(path: str) -> str | None:
     return None
 
 
-def expose(paths: list[str]) -> None:
-    """Make ``paths`` reachable for the sandbox user, hiding what else their closed parents hold.
+def _needed(paths: list[str]) -> list[str]:
+    """The existing ``paths`` to bind back, without those inside another.
 
-    A tmpfs goes over each directory others may not enter (e.g. ``/root`` of a
-    pyenv Python), and each needed path is bind-mounted back at its place.
+    ``/`` and the folders that hold a private place (``/var``) stay visible as
+    they are, so they need no binding.
+
+    Raises:
+        OSError: a path is one of the private places itself (binding it would hide the sandbox's own).
     """
-    by_blocker: dict[str, list[str]] = {}
-    for path in paths:
-        if os.path.exists(path) and (blocker := _blocked_ancestor(path)) not in (None, "/"):
-            by_blocker.setdefault(blocker, []).append(path)
-    for blocker, inside in by_blocker.items():
-        fds = {p: os.open(p, os.O_PATH) for p in inside}  # reachable after the tmpfs hides them
-        _mount("tmpfs", blocker, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0755,size=1m")
-        for p, fd in fds.items():
-            os.makedirs(p, mode=0o755, exist_ok=True)
-            _mount(f"/proc/self/fd/{fd}", p, None, _MS_BIND | _MS_REC)
+    found = sorted({os.path.realpath(p) for p in paths if p and os.path.exists(p)})
+    for path in found:
+        if path in PRIVATE:
+            raise OSError(f"{path} is needed in the sandbox, where {path} is private: install Python, the "
+                          f"virtual environment and the project in a folder of their own (e.g. {path}/NAME)")
+    found = [p for p in found if not any(_under(top, p) for top in PRIVATE)]
+    return [p for p in found if not any(q != p and _under(p, q) for q in found)]
+
+
+def _mountpoint(path: str) -> int:
+    """An O_PATH descriptor of the directory ``path``, made where missing; no symbolic link followed."""
+    fd = os.open("/", os.O_PATH | os.O_DIRECTORY)
+    try:
+        for part in path.strip("/").split("/"):
+            try:
+                nxt = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            except FileNotFoundError:
+                os.mkdir(part, 0o755, dir_fd=fd)
+                nxt = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
             os.close(fd)
+            fd = nxt
+    except OSError as exc:
+        os.close(fd)
+        raise OSError(exc.errno, f"cannot make {path} a mount point: {exc.strerror}") from None
+    return fd
+
+
+def expose(paths: list[str], work: str, shm_size: str) -> None:
+    """Close the file system in, keeping ``paths`` (the Python, its environment, the project) readable.
+
+    ``work`` becomes ``/tmp`` and the other :data:`PRIVATE` places fresh tmpfs; a
+    tmpfs goes over each directory others may not enter (e.g. ``/root`` of a
+    pyenv Python, a ``0700`` home folder), hiding what else it holds. Then every
+    needed path, wherever it was (under ``/tmp`` too), is bound back at its
+    place, read-only, from a descriptor opened before anything was hidden.
+    """
+    needed = _needed(paths)
+    sources = {p: os.open(p, os.O_PATH) for p in needed}  # reachable after the mounts below hide them
+    mount("none", "/", None, MS_REC | MS_PRIVATE)  # nothing below propagates to the host
+    blockers = {b for p in needed if (b := _blocked_ancestor(p)) not in (None, "/")
+                and not any(_under(b, top) for top in PRIVATE)}
+    for blocker in sorted(blockers):
+        mount("tmpfs", blocker, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
+    private_dirs(work, shm_size)
+    for path, src in sources.items():
+        target = _mountpoint(path)
+        try:
+            mount(f"/proc/self/fd/{src}", f"/proc/self/fd/{target}", None, MS_BIND | MS_REC)
+        finally:
+            os.close(target)
+            os.close(src)
+        kept = sum(m for f, m in _KEEP_FLAGS.items() if os.statvfs(path).f_flag & f)
+        mount("none", path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | kept)
 
 
 def private_dirs(work: str, shm_size: str) -> None:
     """``work`` becomes ``/tmp``; ``/var/tmp``, ``/dev/shm`` and ``/run/lock`` become fresh tmpfs."""
-    _mount("none", "/", None, _MS_REC | _MS_PRIVATE)  # nothing below propagates to the host
-    _mount(work, "/tmp", None, _MS_BIND)
-    for target in ("/var/tmp", "/dev/shm", "/run/lock"):  # every other place anyone may write
+    mount(work, "/tmp", None, MS_BIND)
+    for target in PRIVATE[1:]:
         if os.path.isdir(target):
-            _mount("tmpfs", target, "tmpfs", _MS_NOSUID | _MS_NODEV, f"mode=1777,size={shm_size}")
+            mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={shm_size}")
 
 
 def set_limits(limits: dict) -> None:
@@ -108,11 +158,13 @@ def drop(uid: int, gid: int) -> None:
     os.setresuid(uid, uid, uid)
     if os.getuid() != uid or os.geteuid() != uid:
         raise OSError(f"still uid {os.getuid()} after setresuid({uid})")
+    # A change of user clears the parent-death signal (unshare --kill-child's, or the grader's without
+    # namespaces): set it again, or a grader killed while the submission runs leaves the sandbox behind.
+    libc.prctl(libc.PR_SET_PDEATHSIG, signal.SIGKILL, "prctl(PR_SET_PDEATHSIG)")
 
 
 def no_new_privs() -> None:
-    if _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+    libc.prctl(libc.PR_SET_NO_NEW_PRIVS, 1, "prctl(PR_SET_NO_NEW_PRIVS)")
 
 
 def main(argv: list[str]) -> int:
@@ -128,8 +180,7 @@ def main(argv: list[str]) -> int:
             loopback_up()
         if cfg.get("mountns"):
             step = "mount the private directories"
-            expose(cfg.get("expose", []))
-            private_dirs(cfg["work"], cfg.get("shm_size", "256m"))
+            expose(cfg.get("expose", []), cfg["work"], cfg.get("shm_size", "256m"))
         step = "set the resource limits"
         set_limits(cfg.get("limits", {}))
         if cfg.get("uid") is not None:

@@ -57,9 +57,10 @@ if os.environ.get("MGPU_LAB_PREWARM", "1") != "0" and "MGPU_LAB_IN_RANK" not in 
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         procs.prewarm()
 
-import cloudpickle  # noqa: E402
 
 from mgpu_lab import dist  # noqa: E402
+from mgpu_lab.core import procenv  # noqa: E402
+from . import pickling  # noqa: E402
 from . import rank as _rank  # noqa: E402
 from .errors import LaunchError, LaunchTimeout  # noqa: E402 (learners catch them as launch's)
 from .job import Job  # noqa: E402
@@ -140,11 +141,8 @@ def banner(nprocs: int, backend: str, devices: list[str], init: bool = True) -> 
 
 
 def _rank_env(rank: int, nprocs: int, port: int, backend: str, device: str) -> dict[str, str]:
-    env = dict(os.environ)
+    env = {**os.environ, **procenv.rank_env(rank, nprocs, "127.0.0.1", port)}
     env.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs),
-        LOCAL_WORLD_SIZE=str(nprocs), GROUP_RANK="0", ROLE_RANK=str(rank),
-        ROLE_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
         # As under torchrun: the launcher hosts the store, every rank is a client.
         TORCHELASTIC_USE_AGENT_STORE="True",
         MGPU_LAB_BACKEND=backend, MGPU_LAB_DEVICE=device, MGPU_LAB_IN_RANK="1",
@@ -213,7 +211,7 @@ def run(fn, nprocs: int, args: tuple = (), kwargs: dict | None = None, *, backen
     _check_working_directory()
     backend, devices = dist.choose(nprocs, backend)
     try:
-        payload = cloudpickle.dumps((fn, args, kwargs))
+        payload = pickling.dumps((fn, args, kwargs))
     except Exception as exc:  # noqa: BLE001 - pickling can fail in many ways
         raise TypeError(
             f"could not send {getattr(fn, '__name__', fn)!r} and its arguments to the ranks: "

@@ -23,8 +23,12 @@ import torch
 import torch.distributed as tdist
 import torch.nn.parallel  # noqa: F401  (preloaded: most lessons wrap with DDP)
 
-from . import procs
+from mgpu_lab import compat
+
+from . import pickling, procs
 from .lifetime import bind_rank
+
+compat.install()  # torch 2.13's collective names on an older torch: lessons use them in ranks
 
 report = None  # in a launched rank: report(kind, data) sends a message to the launcher
 
@@ -67,7 +71,7 @@ def describe_exception(exc: BaseException) -> dict:
     te = traceback.TracebackException.from_exception(exc, lookup_lines=False)
     frames = [(f.filename, f.lineno, f.name, f.line or "") for f in te.stack]
     try:
-        pickled = cloudpickle.dumps(exc)
+        pickled = pickling.dumps(exc)
     except Exception:  # noqa: BLE001 - an unpicklable exception still gets reported
         pickled = None
     return {
@@ -138,7 +142,7 @@ def rank_main(payload: bytes, spec: dict, out, err, stacks, chan, lifeline) -> N
         phase = "fn"
         result = fn(*args, **kwargs)
         try:
-            blob = cloudpickle.dumps(_to_cpu(result))
+            blob = pickling.dumps(_to_cpu(result))
         except Exception as exc:  # noqa: BLE001 - any pickling failure is the learner's to fix
             raise TypeError(
                 f"rank {spec['rank']} returned a value of type {type(result).__name__} that "

@@ -21,7 +21,7 @@ import torch
 from mgpu_lab.course.checks import CaseFailed, exercises
 from mgpu_lab.course.judge import Session, read_manifest
 from mgpu_lab.course.runner import unjudgeable
-from mgpu_lab.course.sandbox import ENV_KEEP, Limits, Sandbox, protections
+from mgpu_lab.course.sandbox import ENV_KEEP, Limits, Sandbox, _python_paths, protections
 
 pytestmark = pytest.mark.timeout(180)
 ROOT = os.geteuid() == 0
@@ -61,6 +61,7 @@ def outside_address() -> str | None:
     return None
 
 
+@pytest.mark.root
 @pytest.mark.skipif(not ROOT, reason="the full sandbox (own user, namespaces) needs root; CI runs as root")
 def test_a_process_in_the_sandbox_gets_its_user_directory_environment_limits_and_no_network(
         tmp_path, monkeypatch):
@@ -82,7 +83,9 @@ def test_a_process_in_the_sandbox_gets_its_user_directory_environment_limits_and
     assert proc.returncode == 0, err.decode()
     got = json.loads(out)
     assert got["uid"] == protections().uid != 0
-    assert got["cwd"] == "/tmp" and got["tmp"] == [] and got["pid"] < 10  # its own PID namespace
+    # /tmp is the submission's own (empty) folder; a Python or project that lived under /tmp is bound back there
+    bound = sorted({p.split("/")[2] for p in _python_paths() if p.startswith("/tmp/")})
+    assert got["cwd"] == "/tmp" and got["tmp"] == bound and got["pid"] < 10  # its own PID namespace
     assert "MGPU_LAB_TEST_SECRET" not in got["env"]
     assert set(got["env"]) <= set(ENV_KEEP) | {"HOME", "TMPDIR", "USER", "PYTHONNOUSERSITE", "PYTHONDONTWRITEBYTECODE",
                                                "MPLBACKEND", "JUPYTER_PLATFORM_DIRS"}
@@ -92,6 +95,63 @@ def test_a_process_in_the_sandbox_gets_its_user_directory_environment_limits_and
         listener.accept()
     assert not got["wrote_outside"] and target.read_text() == ""
     assert tuple(got["python"]) == sys.version_info[:3]  # the grader's own Python, though under /root here
+
+
+HIDDEN = r"""
+import json, os, sys
+import probe_mod
+out = {"value": probe_mod.VALUE, "file": probe_mod.__file__, "secret": os.path.exists(sys.argv[1])}
+try:
+    open(probe_mod.__file__, "a").write("# changed")
+    out["wrote"] = True
+except OSError as exc:
+    out["wrote"] = type(exc).__name__
+print(json.dumps(out))
+"""
+
+
+def _places():
+    home = "/home" if os.path.isdir("/home") and os.access("/home", os.W_OK) else "/var/tmp"
+    return ["/tmp", "/var/tmp", "/dev/shm", home]
+
+
+@pytest.mark.skipif(not protections().namespaces, reason="no namespaces here: the sandbox's file system is the grader's")
+@pytest.mark.parametrize("place", _places())
+def test_what_the_kernel_needs_stays_reachable_and_read_only_wherever_it_lies(place, monkeypatch):
+    # A project (here a module on PYTHONPATH, as the sandbox finds the package) in a folder that the
+    # sandbox hides: /tmp, /var/tmp and /dev/shm are its own, and a 0700 home folder is closed to others.
+    import tempfile
+
+    top = tempfile.mkdtemp(prefix="mgpu-sandbox-test-", dir=place)
+    try:
+        os.chmod(top, 0o700)  # as a home folder others cannot enter
+        project = os.path.join(top, "clone", "src")
+        os.makedirs(project)
+        with open(os.path.join(project, "probe_mod.py"), "w") as f:
+            f.write("VALUE = 42\n")
+        secret = os.path.join(top, "secret.txt")
+        with open(secret, "w") as f:
+            f.write("not for submissions")
+        monkeypatch.setenv("PYTHONPATH", project)
+        with Sandbox() as box:
+            proc = box.start([sys.executable, "-c", HIDDEN, secret], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, f"the sandbox could not import what lies under {place}: {err.decode()}"
+        got = json.loads(out)
+        assert got["value"] == 42 and got["file"] == os.path.join(project, "probe_mod.py")
+        assert got["wrote"] in ("OSError", "PermissionError"), got  # read-only inside, whoever grades
+        assert got["secret"] is False  # the rest of the closed folder stays hidden
+        assert open(os.path.join(project, "probe_mod.py")).read() == "VALUE = 42\n"
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def test_a_needed_path_that_is_a_private_place_itself_is_refused_with_the_fix(monkeypatch):
+    from mgpu_lab.course import sandbox_init
+
+    with pytest.raises(OSError, match=r"/dev/shm is needed in the sandbox.*folder of their own"):
+        sandbox_init._needed(["/dev/shm"])
+    assert sandbox_init._needed(["/", "/var", "/usr", "/usr/lib", "/tmp/x/../nope"]) == ["/usr"]
 
 
 def test_the_grader_reads_only_regular_files_of_the_sandbox_never_links_or_pipes(tmp_path):
@@ -184,14 +244,16 @@ time.sleep(600)
 """], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     base = grader.stdout.readline().strip()
 
-    def sleepers():
-        return [p for p in psutil.process_iter(["cmdline"]) if "601.25" in " ".join(p.info["cmdline"] or [])]
+    def sleepers():  # the sleeps themselves: they run as the sandbox user, after it dropped root
+        return [p for p in psutil.process_iter(["name", "cmdline"])
+                if p.info["name"] == "sleep" and "601.25" in " ".join(p.info["cmdline"] or [])]
 
     for _ in range(100):  # until both sleeps run
         if len(sleepers()) >= 2:
             break
         time.sleep(0.1)
-    assert len(sleepers()) >= 2
+    assert len(sleepers()) == 2
+    time.sleep(0.5)  # the submission runs on for a while before its grader dies
     grader.kill()  # as the out-of-memory killer would: no clean-up code runs
     grader.wait()
     gone, alive = psutil.wait_procs(sleepers(), timeout=10)

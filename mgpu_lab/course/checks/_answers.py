@@ -27,14 +27,14 @@ def grading_folder() -> str | None:
 
 def save(folder: str, exercise_id: str, points: int, answers: dict) -> CheckResult:
     """Save ``answers`` (parameter name -> object) for ``exercise_id``; a result that says so."""
-    import cloudpickle
+    from ...launcher import pickling
 
     os.makedirs(folder, exist_ok=True)
     manifest = os.path.join(folder, "manifest.jsonl")
     n = sum(1 for _ in open(manifest)) if os.path.exists(manifest) else 0
     entry = {"exercise": exercise_id, "file": f"{n}.pkl"}
     try:
-        data = cloudpickle.dumps(answers)
+        data = pickling.dumps(answers)
         with open(os.path.join(folder, entry["file"]), "wb") as f:
             f.write(data)
         note = "recorded for grading: the grader runs this check after the notebook"
