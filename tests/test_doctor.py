@@ -318,12 +318,28 @@ def test_the_course_checks_prove_the_traceback_and_the_sandbox(capsys):
 
 @pytest.mark.slow
 def test_a_traceback_without_the_cells_line_fails_and_names_the_fix(monkeypatch):
-    # What cloudpickle >= 3.1.3 does to a function pickled by value: its file becomes <dynamic-code>.
-    import cloudpickle
+    # What cloudpickle >= 3.1.3 does to a function pickled by value (its file becomes <dynamic-code>),
+    # whichever cloudpickle is installed here.
+    import copyreg
+    import types
 
     from mgpu_lab.launcher import pickling
 
-    monkeypatch.setattr(pickling, "dumps", cloudpickle.dumps)
+    def renamed(code):
+        ctor, args = pickling._code_reduce(code)
+        return ctor, tuple("<dynamic-code>" if a == code.co_filename else a for a in args)
+
+    class Renaming(pickling.Pickler):
+        dispatch_table = copyreg.dispatch_table.copy() | dict(pickling.Pickler.dispatch_table) | {
+            types.CodeType: renamed}
+
+    def dumps(obj, protocol=None):
+        import io
+        buf = io.BytesIO()
+        Renaming(buf, protocol=protocol).dump(obj)
+        return buf.getvalue()
+
+    monkeypatch.setattr(pickling, "dumps", dumps)
     passed, report = doctor_probes.check_traceback(120)
     assert not passed
     assert "lost the notebook cell's line" in report and "pip install -c constraints.txt -e ." in report

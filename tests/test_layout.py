@@ -18,7 +18,8 @@ PACKAGE = ROOT / "mgpu_lab"
 MAX_LINES = 300  # the guide's "about 300 lines at most"; a few lines of slack below
 SLACK = 10
 PARTS = ("launcher", "course", "cluster")
-BASE = {"mgpu_lab.dist", "mgpu_lab.devices", "mgpu_lab.compat", "mgpu_lab.core", "mgpu_lab.core.libc"}
+BASE = {"mgpu_lab.dist", "mgpu_lab.devices", "mgpu_lab.compat", "mgpu_lab.core", "mgpu_lab.core.libc",
+        "mgpu_lab.core.procenv"}
 APPS = {"mgpu_lab.cli", "mgpu_lab.doctor", "mgpu_lab.__main__"}
 
 

@@ -5,6 +5,7 @@ import warnings
 
 import pytest
 import torch
+from torch.torch_version import TorchVersion
 import torch.distributed as dist
 from torch import nn
 
@@ -116,7 +117,8 @@ def test_sharded_sgd_step_is_sgd_on_the_mean_gradient_through_a_reduce_scatter_a
 
 def test_record_collectives_records_a_deprecated_alias_once_and_restores_the_functions(ranks):
     assert ranks[0]["alias_log"] == [("all_gather", "all_gather_into_tensor", 9), ("all_reduce", "all_reduce", 2)]
-    assert ranks[0]["alias_warned"]
+    # torch 2.14 deprecates all_gather_into_tensor (in favour of all_gather_single, torch 2.13); 2.11 does not warn
+    assert ranks[0]["alias_warned"] == (TorchVersion(torch.__version__) >= "2.14")
     assert ranks[0]["restored"] == "torch.distributed.distributed_c10d"
 
 

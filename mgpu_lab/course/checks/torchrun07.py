@@ -53,7 +53,9 @@ def parse_torchrun(argv):
                       f"not {argv[:3]!r}")
     with contextlib.redirect_stderr(io.StringIO()) as err:
         try:
-            return get_args_parser().parse_args(rest), ""
+            parser = get_args_parser()
+            parser.set_defaults(master_port=None)  # left out reads as None: torch 2.11's parser says 29500 itself
+            return parser.parse_args(rest), ""
         except SystemExit:
             return None, "torchrun cannot read it: " + " ".join(err.getvalue().strip().splitlines()[-1:])
 
