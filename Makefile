@@ -22,6 +22,9 @@ LAB_DIR  ?= notebooks
 LAB_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 
 # Tests: extra pytest flags via PYTEST_ARGS, e.g. `make test PYTEST_ARGS="-x -k launch"`.
+# PART=root runs only what needs root (namespaces, SLURM, sandbox users: conftest.py's NEEDS_ROOT and tests
+# marked `root`), PART=user everything else (CI runs it as an ordinary user); the default runs both.
+PART ?= all
 # Solution notebooks run under nbval only when there are any; NBVAL=--nbval
 # compares every output instead of only cells marked `# NBVAL_CHECK_OUTPUT`.
 PYTEST_ARGS ?=
@@ -32,14 +35,21 @@ NBVAL       ?= --nbval-lax
 TEST_WORKERS ?= 2
 XDIST       := $(if $(filter-out 0 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 SOLUTION_NOTEBOOKS := $(sort $(wildcard solutions/*.ipynb))
+SELECT := $(if $(filter root,$(PART)),-m root,$(if $(filter user,$(PART)),-m "not root"))
+
+# The oldest supported torch: `make test-torch2.11 PYTHON312=/path/to/python3.12` (torch 2.11 wheels exist for
+# Python 3.10 to 3.13; the GPU machines this project borrows run 3.12). Everything that needs no root.
+PYTHON312  ?= python3.12
+VENV_T211  ?= .venv-torch2.11
 
 .DEFAULT_GOAL := help
-.PHONY: help install lab test bench clean chromium slurm
+.PHONY: help install lab test test-torch2.11 bench clean chromium slurm
 
 help:
 	@echo "make lab     set up .venv and start JupyterLab on $(LAB_DIR)/ (LAB_IP=$(LAB_IP), LAB_ARGS=...)"
 	@echo "make test    set up .venv and run the test suite (PYTEST_ARGS=...)"
 	@echo "make bench   set up .venv and run bench/launch.py"
+	@echo "make test-torch2.11  the no-root part of the suite on torch 2.11 (PYTHON312=...)"
 	@echo "make clean   remove build and test junk (keeps .venv)"
 
 $(PY):
@@ -72,7 +82,14 @@ slurm:
 	  else echo "make: no slurm-wlm/munge and not root: the SLURM tests will skip (apt-get install slurm-wlm munge)"; fi; }
 
 test: $(STAMP) chromium slurm
-	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS) tests $(if $(SOLUTION_NOTEBOOKS),$(NBVAL) $(SOLUTION_NOTEBOOKS))
+	@case "$(PART)" in all|root|user) ;; *) echo "make test: PART=$(PART) must be all, root or user"; exit 2;; esac
+	$(PY) -m pytest $(XDIST) $(SELECT) $(PYTEST_ARGS) tests $(if $(SOLUTION_NOTEBOOKS),$(NBVAL) $(SOLUTION_NOTEBOOKS))
+
+test-torch2.11: chromium
+	test -x $(VENV_T211)/bin/python || $(PYTHON312) -m venv $(VENV_T211)
+	$(VENV_T211)/bin/python -m pip install -c constraints-torch2.11.txt -e '.[dev]'
+	$(VENV_T211)/bin/python -m pytest $(XDIST) -m "not root" $(PYTEST_ARGS) tests \
+	    $(if $(SOLUTION_NOTEBOOKS),$(NBVAL) $(filter-out solutions/07_multi_node.ipynb,$(SOLUTION_NOTEBOOKS)))
 
 bench: $(STAMP)
 	$(PY) bench/launch.py

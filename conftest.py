@@ -15,6 +15,7 @@ file to finish is a short one.
 from __future__ import annotations
 
 import fcntl
+import os
 import tempfile
 from pathlib import Path
 
@@ -26,6 +27,11 @@ ONE_AT_A_TIME = {
                       "tests/course/test_batch.py", "tests/course/test_sandbox.py"],
 }
 _GROUP = {path: name for name, paths in ONE_AT_A_TIME.items() for path in paths}
+
+# What needs root (network namespaces, the local SLURM cluster, a sandbox user per submission): these files
+# whole, and the tests marked `root`. CI runs them as root (`make test PART=root`) and everything else as an
+# ordinary user from a clone in a 0700 home folder (`make test PART=user`); a plain `make test` runs both.
+NEEDS_ROOT = ("tests/cluster/", "solutions/07_multi_node.ipynb")
 
 # The longest files of a serial run on the 2-core machine (CI's kind), longest first; files not
 # named here come after these, in their usual order.
@@ -48,7 +54,11 @@ def _file(item) -> str:
     return item.nodeid.split("::")[0]
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(session, config, items):
+    for item in items:
+        if _file(item).startswith(NEEDS_ROOT):
+            item.add_marker(pytest.mark.root)
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
     rank.update({path: len(LONGEST_FIRST) + 1 + i for i, path in enumerate(LAST)})
     items.sort(key=lambda item: rank.get(_file(item), len(LONGEST_FIRST)))  # stable: a file's own order is kept
@@ -58,7 +68,8 @@ def pytest_collection_modifyitems(session, config, items):
 def pytest_runtest_protocol(item, nextitem):
     group = _GROUP.get(_file(item))
     if group and group not in _held:
-        lock = open(Path(tempfile.gettempdir()) / f"mgpu-lab-tests-{group}.lock", "w")
+        # One lock per user: root's and an ordinary user's runs share no SLURM cluster and no sandbox user.
+        lock = open(Path(tempfile.gettempdir()) / f"mgpu-lab-tests-{group}-{os.getuid()}.lock", "w")
         fcntl.flock(lock, fcntl.LOCK_EX)  # waits while the other worker runs a file of the group
         _held[group] = lock
     yield

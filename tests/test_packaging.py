@@ -22,7 +22,9 @@ except ModuleNotFoundError:  # Python 3.10: tomllib arrived in 3.11.
         from pip._vendor import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
-PINS = {"torch": "2.14.1", "torchvision": "0.29.1"}
+PINS = {"torch": "2.14.1", "torchvision": "0.29.1", "cloudpickle": "3.1.3"}
+# The oldest torch claimed (pyproject.toml's floor), tested by `make test-torch2.11`.
+OLDEST = {"torch": "2.11.0", "torchvision": "0.26.0", "cloudpickle": "3.1.1"}
 
 # Names that are tooling rather than dependencies of the project.
 IGNORED_NAMES = {"python", "pip"}
@@ -266,6 +268,14 @@ def test_pyproject_keeps_torch_loose(pyproject):
     assert "==" not in specs["torch"] and "==" not in specs["torchvision"], specs
 
 
+def test_the_torch_floor_is_the_oldest_tested_torch(pyproject):
+    # The package claims only what a test run has passed on: pyproject's floor is constraints-torch2.11.txt's torch.
+    assert read_pins((ROOT / "constraints-torch2.11.txt").read_text()) == OLDEST
+    specs = {dependency_name(spec): spec for spec in pyproject["project"]["dependencies"]}
+    assert specs["torch"] == "torch>=" + OLDEST["torch"].removesuffix(".0"), specs["torch"]
+    assert "test-torch2.11:" in (ROOT / "Makefile").read_text()
+
+
 def test_pytest_markers_are_declared(pyproject):
     markers = pyproject["tool"]["pytest"]["ini_options"]["markers"]
-    assert {marker.split(":", 1)[0] for marker in markers} >= {"gpu", "slow"}
+    assert {marker.split(":", 1)[0] for marker in markers} >= {"gpu", "slow", "root"}

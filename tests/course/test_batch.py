@@ -25,6 +25,7 @@ RIGHT = PICK_DEVICE
 _nb = notebook
 
 
+@pytest.mark.root
 @pytest.mark.skipif(protections().uid is None, reason="a user per sandbox needs root (CI runs as root)")
 def test_each_slot_runs_its_sandbox_as_its_own_user():
     import subprocess

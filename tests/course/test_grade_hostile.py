@@ -28,7 +28,7 @@ from mgpu_lab.course.grade import grade, report, write_csv, write_json
 from mgpu_lab.course.gradescope import write_gradescope
 from mgpu_lab.course.sandbox import Limits, protections
 
-pytestmark = [pytest.mark.timeout(900), pytest.mark.slow,
+pytestmark = [pytest.mark.timeout(900), pytest.mark.slow, pytest.mark.root,
               pytest.mark.skipif(os.geteuid() != 0 or not protections().namespaces,
                                  reason="containment needs the full sandbox: root and unshare (CI runs as root)")]
 
