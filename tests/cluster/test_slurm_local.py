@@ -24,8 +24,8 @@ from mgpu_lab.cluster.slurm import sbatch
 
 ROOT = Path(__file__).resolve().parents[2]
 WHY = slurm_local.problem()
-if WHY and os.environ.get("CI") == "true":
-    raise RuntimeError(f"CI must run the SLURM tests, but: {WHY}")
+if WHY and os.environ.get("CI") == "true" and os.geteuid() == 0:  # CI's root part must run them; its user part
+    raise RuntimeError(f"CI must run the SLURM tests, but: {WHY}")  # only collects them (they are marked root)
 needs_cluster = pytest.mark.skipif(bool(WHY), reason=f"no local SLURM cluster here: {WHY}")
 pytestmark = pytest.mark.timeout(300)
 
