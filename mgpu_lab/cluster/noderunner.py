@@ -118,96 +118,119 @@ def run_nodes(runs: list[NodeRun], envs: list[dict], starts: list, *, timeout: f
     Returns:
         The :class:`RunResult`. Nothing started by the run is left running.
     """
-    sel = selectors.DefaultSelector()
-    procs: dict[int, subprocess.Popen] = {}
-    began: dict[int, float] = {}
-    ended: dict[int, float] = {}
-    family: set[psutil.Process] = set()
-    partial = {i: b"" for i in range(len(runs))}
-    t0 = time.monotonic()
-    deadline, stopped, all_done_at = t0 + timeout, f"at the {timeout:g} s timeout", None
-
-    condense = [Condense() for _ in runs]
-
-    def emit(i: int, data: bytes, final: bool = False) -> None:
-        *complete, partial[i] = (partial[i] + data).split(b"\n")
-        if final and partial[i]:
-            complete, partial[i] = complete + [partial[i]], b""
-        for raw in complete:
-            line = raw.decode(errors="replace").rstrip("\r")
-            runs[i].lines.append(line)
-            if echo and not NOISE.search(line):
-                for shown in condense[i](line):
-                    print(f"[node{i}] {shown}", flush=True)
-
-    def adopt(pid: int, recursive: bool) -> None:
-        with contextlib.suppress(psutil.Error):
-            root = psutil.Process(pid)
-            found = set(root.children(recursive=True)) if recursive else {root}
-            family.update(found)
-            owned.update(found)
-
-    def due(i: int, now: float) -> bool:
-        when = starts[i]
-        return now - t0 >= when if isinstance(when, float) else when in ended
-
+    job = _Job(runs, envs, starts, timeout, after_failure, echo, cwd, net, owned)
     try:
-        while True:
-            now = time.monotonic()
-            for i, run in enumerate(runs):
-                if i not in procs and due(i, now):
-                    procs[i] = proc = spawn(run, envs[i], cwd, net)
-                    began[i], run.started = now, True
-                    adopt(proc.pid, recursive=False)
-                    os.set_blocking(proc.stdout.fileno(), False)
-                    sel.register(proc.stdout, selectors.EVENT_READ, i)
-            for i, proc in procs.items():
-                if proc.poll() is None:
-                    adopt(proc.pid, recursive=True)  # torchrun's workers run in sessions of their own
-                elif i not in ended:
-                    ended[i] = now
-                    runs[i].returncode, runs[i].seconds = proc.returncode, now - began[i]
-            if len(ended) == len(runs):
-                stopped = ""
-                all_done_at = all_done_at or now
-                if not sel.get_map() or now - all_done_at > 2.0:  # a pipe held by an orphan
-                    break
-            elif now >= deadline:
-                break
-            failed = sorted((ended[i], i) for i, r in enumerate(runs) if r.returncode)
-            if after_failure is not None and failed and failed[0][0] + after_failure < deadline:
-                deadline = failed[0][0] + after_failure
-                stopped = f"{after_failure:g} s after node{failed[0][1]} failed"
-            pending = [t0 + w for i, w in enumerate(starts) if i not in procs and isinstance(w, float)]
-            wait = max(0.0, min([deadline, now + 0.2, *pending]) - now)
-            if not sel.get_map():
-                time.sleep(wait)
-            for key, _ in sel.select(wait) if sel.get_map() else ():
-                with contextlib.suppress(BlockingIOError):
-                    data = os.read(key.fileobj.fileno(), 65536)
-                    if data:
-                        emit(key.data, data)
-                    else:
-                        sel.unregister(key.fileobj)
+        while job.step():
+            pass
     finally:
-        stop(procs, family, net, owned)
-        for key in list(sel.get_map().values()):
-            with contextlib.suppress(OSError):
-                while data := os.read(key.fileobj.fileno(), 65536):
-                    emit(key.data, data)
-            sel.unregister(key.fileobj)
-        for i, proc in procs.items():
-            emit(i, b"", final=True)
-            proc.stdout.close()
-        sel.close()
-    end = time.monotonic()
-    for i, run in enumerate(runs):
-        if run.returncode is None:
-            run.seconds, run.stopped = (end - began[i] if i in began else 0.0), stopped
-    result = RunResult(runs, timeout, end - t0, net is not None, stopped)
+        job.close()
+    result = job.result()
     if echo:
         print(result.summary(), flush=True)
     return result
+
+
+class _Job:
+    """The state of one :func:`run_nodes`: the nodes' processes, their output, the deadline."""
+
+    def __init__(self, runs, envs, starts, timeout, after_failure, echo, cwd, net, owned):
+        self.runs, self.envs, self.starts, self.timeout = runs, envs, starts, timeout
+        self.after_failure, self.echo, self.cwd, self.net, self.owned = after_failure, echo, cwd, net, owned
+        self.sel = selectors.DefaultSelector()
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.began: dict[int, float] = {}
+        self.ended: dict[int, float] = {}
+        self.family: set[psutil.Process] = set()
+        self.partial = {i: b"" for i in range(len(runs))}
+        self.condense = [Condense() for _ in runs]
+        self.t0 = time.monotonic()
+        self.deadline, self.stopped, self.all_done_at = self.t0 + timeout, f"at the {timeout:g} s timeout", None
+
+    def emit(self, i: int, data: bytes, final: bool = False) -> None:
+        *complete, self.partial[i] = (self.partial[i] + data).split(b"\n")
+        if final and self.partial[i]:
+            complete, self.partial[i] = complete + [self.partial[i]], b""
+        for raw in complete:
+            line = raw.decode(errors="replace").rstrip("\r")
+            self.runs[i].lines.append(line)
+            if self.echo and not NOISE.search(line):
+                for shown in self.condense[i](line):
+                    print(f"[node{i}] {shown}", flush=True)
+
+    def adopt(self, pid: int, recursive: bool) -> None:
+        with contextlib.suppress(psutil.Error):
+            root = psutil.Process(pid)
+            found = set(root.children(recursive=True)) if recursive else {root}
+            self.family.update(found)
+            self.owned.update(found)
+
+    def start_due(self, now: float) -> None:
+        for i, run in enumerate(self.runs):
+            when = self.starts[i]
+            due = now - self.t0 >= when if isinstance(when, float) else when in self.ended
+            if i not in self.procs and due:
+                self.procs[i] = proc = spawn(run, self.envs[i], self.cwd, self.net)
+                self.began[i], run.started = now, True
+                self.adopt(proc.pid, recursive=False)
+                os.set_blocking(proc.stdout.fileno(), False)
+                self.sel.register(proc.stdout, selectors.EVENT_READ, i)
+
+    def reap(self, now: float) -> None:
+        for i, proc in self.procs.items():
+            if proc.poll() is None:
+                self.adopt(proc.pid, recursive=True)  # torchrun's workers run in sessions of their own
+            elif i not in self.ended:
+                self.ended[i] = now
+                self.runs[i].returncode, self.runs[i].seconds = proc.returncode, now - self.began[i]
+
+    def step(self) -> bool:
+        """Start, reap and read once (waiting at most 0.2 s); False when the run is over."""
+        now = time.monotonic()
+        self.start_due(now)
+        self.reap(now)
+        if len(self.ended) == len(self.runs):
+            self.stopped = ""
+            self.all_done_at = self.all_done_at or now
+            if not self.sel.get_map() or now - self.all_done_at > 2.0:  # a pipe held by an orphan
+                return False
+        elif now >= self.deadline:
+            return False
+        failed = sorted((self.ended[i], i) for i, r in enumerate(self.runs) if r.returncode)
+        if self.after_failure is not None and failed and failed[0][0] + self.after_failure < self.deadline:
+            self.deadline = failed[0][0] + self.after_failure
+            self.stopped = f"{self.after_failure:g} s after node{failed[0][1]} failed"
+        pending = [self.t0 + w for i, w in enumerate(self.starts) if i not in self.procs and isinstance(w, float)]
+        wait = max(0.0, min([self.deadline, now + 0.2, *pending]) - now)
+        if not self.sel.get_map():
+            time.sleep(wait)
+        for key, _ in self.sel.select(wait) if self.sel.get_map() else ():
+            with contextlib.suppress(BlockingIOError):
+                data = os.read(key.fileobj.fileno(), 65536)
+                if data:
+                    self.emit(key.data, data)
+                else:
+                    self.sel.unregister(key.fileobj)
+        return True
+
+    def close(self) -> None:
+        """Stop what is left, and read what the pipes still hold."""
+        stop(self.procs, self.family, self.net, self.owned)
+        for key in list(self.sel.get_map().values()):
+            with contextlib.suppress(OSError):
+                while data := os.read(key.fileobj.fileno(), 65536):
+                    self.emit(key.data, data)
+            self.sel.unregister(key.fileobj)
+        for i, proc in self.procs.items():
+            self.emit(i, b"", final=True)
+            proc.stdout.close()
+        self.sel.close()
+
+    def result(self) -> RunResult:
+        end = time.monotonic()
+        for i, run in enumerate(self.runs):
+            if run.returncode is None:
+                run.seconds, run.stopped = (end - self.began[i] if i in self.began else 0.0), self.stopped
+        return RunResult(self.runs, self.timeout, end - self.t0, self.net is not None, self.stopped)
 
 
 def stop(procs: dict, family: set, net: netns.Network | None, owned: set) -> None:

@@ -130,6 +130,26 @@ def sbatch(script, *script_args, nodes: int, gpus_per_node: int, nproc_per_node:
         >>> sbatch("train.py", nodes=2, gpus_per_node=8).text.count("srun")
         1
     """
+    nproc_per_node = _validate(nodes, gpus_per_node, nproc_per_node, job_name, time, port, interface, partition,
+                               account, cpus_per_task)
+    lines = _header(job_name, nodes, gpus_per_node, cpus_per_task, time, partition, account)
+    lines += [("", ""), ("set -euo pipefail", "stop at the first failing command or unset variable")]
+    lines += [(str(line), "set-up you asked for (modules, environment)") for line in setup]
+    exports, explained = _exports(port, nproc_per_node, interface, debug, cpus_per_task)
+    lines += [("", ""), *explained]
+    args = " ".join(shlex.quote(str(a)) for a in (script, *script_args))
+    body = NODE_COMMAND.splitlines()[1:]
+    lines += [("", ""), ("srun --kill-on-bad-exit=1 bash -c '", "on every node at once (one task per node); "
+                         "when one task fails SLURM stops the others instead of letting them wait")]
+    lines += [(text, why) for text, (_, why) in zip(body[:-1], NODE_LINES)]
+    lines.append((f"{body[-1]}' torchrun-node {args}", NODE_LINES[-1][1] + " ($0 is only a name)"))
+    node_argv = ("bash", "-c", NODE_COMMAND, "torchrun-node", str(script), *map(str, script_args))
+    return Sbatch(tuple(lines), node_argv, exports)
+
+
+def _validate(nodes, gpus_per_node, nproc_per_node, job_name, time, port, interface, partition, account,
+              cpus_per_task) -> int:
+    """:func:`sbatch`'s arguments checked; the processes per node (default: one per GPU)."""
     _positive("nodes", nodes)
     _positive("gpus_per_node", gpus_per_node, 0)
     if nproc_per_node is None:
@@ -153,7 +173,11 @@ def sbatch(script, *script_args, nodes: int, gpus_per_node: int, nproc_per_node:
             raise ValueError(f"{name}={value!r}: use letters, digits and _.+- only")
     if cpus_per_task is not None:
         _positive("cpus_per_task", cpus_per_task)
+    return nproc_per_node
 
+
+def _header(job_name, nodes, gpus_per_node, cpus_per_task, time, partition, account) -> list[tuple[str, str]]:
+    """The ``#SBATCH`` lines, each with why."""
     lines = [("#!/bin/bash", "a bash script; sbatch reads the #SBATCH lines below as its options"),
              (f"#SBATCH --job-name={job_name}", "the name squeue shows, and %x in the log file name"),
              (f"#SBATCH --nodes={nodes}", "how many machines"),
@@ -172,15 +196,17 @@ def sbatch(script, *script_args, nodes: int, gpus_per_node: int, nproc_per_node:
         lines.append((f"#SBATCH --partition={partition}", "the queue of the GPU nodes"))
     if account:
         lines.append((f"#SBATCH --account={account}", "whose budget pays for it"))
-    lines += [("", ""), ("set -euo pipefail", "stop at the first failing command or unset variable")]
-    lines += [(str(line), "set-up you asked for (modules, environment)") for line in setup]
+    return lines
+
+
+def _exports(port, nproc_per_node, interface, debug, cpus_per_task) -> tuple[dict, list[tuple[str, str]]]:
+    """The variables every node's command gets, and their ``export`` lines with why."""
     exports = {"HEAD_NODE": '$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
                "HEAD_PORT": str(port), "NPROC_PER_NODE": str(nproc_per_node)}
-    lines += [("", ""),
-              (f"export HEAD_NODE={exports['HEAD_NODE']}",
-               "the first node of the allocation hosts the rendezvous; its name, as every node resolves it"),
-              (f"export HEAD_PORT={port}", "the rendezvous port on the head node: it must be open between nodes"),
-              (f"export NPROC_PER_NODE={nproc_per_node}", "processes per node, one per GPU")]
+    lines = [(f"export HEAD_NODE={exports['HEAD_NODE']}",
+              "the first node of the allocation hosts the rendezvous; its name, as every node resolves it"),
+             (f"export HEAD_PORT={port}", "the rendezvous port on the head node: it must be open between nodes"),
+             (f"export NPROC_PER_NODE={nproc_per_node}", "processes per node, one per GPU")]
     if interface:
         exports.update(NCCL_SOCKET_IFNAME=interface, GLOO_SOCKET_IFNAME=interface)
         lines += [(f"export NCCL_SOCKET_IFNAME={interface}", "NCCL's sockets use this interface, not docker0 or "
@@ -196,14 +222,7 @@ def sbatch(script, *script_args, nodes: int, gpus_per_node: int, nproc_per_node:
         threads = max(1, cpus_per_task // nproc_per_node)
         exports["OMP_NUM_THREADS"] = str(threads)
         lines.append((f"export OMP_NUM_THREADS={threads}", "the node's cores shared among its processes"))
-    args = " ".join(shlex.quote(str(a)) for a in (script, *script_args))
-    body = NODE_COMMAND.splitlines()[1:]
-    lines += [("", ""), ("srun --kill-on-bad-exit=1 bash -c '", "on every node at once (one task per node); "
-                         "when one task fails SLURM stops the others instead of letting them wait")]
-    lines += [(text, why) for text, (_, why) in zip(body[:-1], NODE_LINES)]
-    lines.append((f"{body[-1]}' torchrun-node {args}", NODE_LINES[-1][1] + " ($0 is only a name)"))
-    node_argv = ("bash", "-c", NODE_COMMAND, "torchrun-node", str(script), *map(str, script_args))
-    return Sbatch(tuple(lines), node_argv, exports)
+    return exports, lines
 
 
 def example() -> Sbatch:

@@ -185,52 +185,73 @@ def run_batch(paths, fn, *, jobs: int = 1, store: Store | None = None, force: bo
         complete: ``complete(result)``: whether it ran to the end (for the progress line).
         progress: show the progress line on stderr.
     """
-    paths = [Path(p) for p in paths]
-    jobs = check_jobs(jobs)
-    results: list = [None] * len(paths)
-    keys: list = [None] * len(paths)
-    bar = Progress(len(paths), jobs) if progress else None
-    todo = []
-    for i, p in enumerate(paths):
-        if store is not None and p.is_file():
-            keys[i] = store.key(p)
-            kept = None if force else store.get(keys[i])
-            if kept is not None:
-                results[i] = from_dict(kept, p)
-                if bar:
-                    bar.finished(None, complete(results[i]))
-                continue
-        todo.append(i)
+    batch = _Batch([Path(p) for p in paths], fn, check_jobs(jobs), store, to_dict, failed, complete, progress)
+    todo = batch.take_kept(force, from_dict)
+    if batch.jobs == 1 or len(todo) <= 1:
+        batch.one_by_one(todo)
+        return batch.results
+    # A pool breaks as a whole when one worker dies: the submissions it held are
+    # graded again one by one, so that only the one that kills its worker loses.
+    for i in batch.pool_round(todo, min(batch.jobs, len(todo))):
+        if batch.pool_round([i], 1):
+            batch.done(i, failed(batch.paths[i], "its grading worker died (killed, or out of memory), twice; "
+                                                 "0 points for what could not be judged"), 0.0)
+    return batch.results
 
-    def done(i, result, seconds):
-        results[i] = result
-        if store is not None and keys[i] is not None:
-            store.put(keys[i], to_dict(result))
-        if bar:
-            bar.running = max(0, bar.running - 1)
-            bar.finished(seconds, complete(result))
 
-    if jobs == 1 or len(todo) <= 1:
-        for i in todo:
-            if bar:
-                bar.running = 1
+class _Batch:
+    """One :func:`run_batch`: its results, kept grades and progress line."""
+
+    def __init__(self, paths, fn, jobs, store, to_dict, failed, complete, progress):
+        self.paths, self.fn, self.jobs, self.store = paths, fn, jobs, store
+        self.to_dict, self.failed, self.complete = to_dict, failed, complete
+        self.results: list = [None] * len(paths)
+        self.keys: list = [None] * len(paths)
+        self.bar = Progress(len(paths), jobs) if progress else None
+
+    def take_kept(self, force: bool, from_dict) -> list[int]:
+        """Fill in the grades ``store`` holds; the indices left to grade."""
+        todo = []
+        for i, p in enumerate(self.paths):
+            if self.store is not None and p.is_file():
+                self.keys[i] = self.store.key(p)
+                kept = None if force else self.store.get(self.keys[i])
+                if kept is not None:
+                    self.results[i] = from_dict(kept, p)
+                    if self.bar:
+                        self.bar.finished(None, self.complete(self.results[i]))
+                    continue
+            todo.append(i)
+        return todo
+
+    def done(self, i: int, result, seconds: float) -> None:
+        self.results[i] = result
+        if self.store is not None and self.keys[i] is not None:
+            self.store.put(self.keys[i], self.to_dict(result))
+        if self.bar:
+            self.bar.running = max(0, self.bar.running - 1)
+            self.bar.finished(seconds, self.complete(result))
+
+    def one_by_one(self, indices: list[int]) -> None:
+        for i in indices:
+            if self.bar:
+                self.bar.running = 1
             start = time.monotonic()
-            done(i, fn(paths[i], slot=0), time.monotonic() - start)
-        return results
-    context = multiprocessing.get_context("spawn")  # the grader's own start method is left as it is
+            self.done(i, self.fn(self.paths[i], slot=0), time.monotonic() - start)
 
-    def pool_round(indices: list[int], workers: int) -> list[int]:
+    def pool_round(self, indices: list[int], workers: int) -> list[int]:
         """Grade ``indices`` in a pool of ``workers``; those whose worker pool broke."""
+        context = multiprocessing.get_context("spawn")  # the grader's own start method is left as it is
         slots = context.Queue()
         for k in range(workers):
             slots.put(k)
         broken = []
         with cf.ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
                                     initargs=(slots,)) as pool:
-            futures = {pool.submit(_work, fn, paths[i]): i for i in indices}
-            if bar:
-                bar.running = min(workers, len(indices))
-                bar.show()
+            futures = {pool.submit(_work, self.fn, self.paths[i]): i for i in indices}
+            if self.bar:
+                self.bar.running = min(workers, len(indices))
+                self.bar.show()
             for future in cf.as_completed(futures):
                 i = futures[future]
                 try:
@@ -239,14 +260,7 @@ def run_batch(paths, fn, *, jobs: int = 1, store: Store | None = None, force: bo
                     broken.append(i)
                     continue
                 except Exception as exc:  # noqa: BLE001 - one submission must never stop the batch
-                    result, seconds = failed(paths[i], f"the grader failed ({type(exc).__name__}: {exc})"), 0.0
-                done(i, result, seconds)
+                    result = self.failed(self.paths[i], f"the grader failed ({type(exc).__name__}: {exc})")
+                    seconds = 0.0
+                self.done(i, result, seconds)
         return sorted(broken)
-
-    # A pool breaks as a whole when one worker dies: the submissions it held are
-    # graded again one by one, so that only the one that kills its worker loses.
-    for i in pool_round(todo, min(jobs, len(todo))):
-        if pool_round([i], 1):
-            done(i, failed(paths[i], "its grading worker died (killed, or out of memory), twice; 0 points for "
-                                     "what could not be judged"), 0.0)
-    return results

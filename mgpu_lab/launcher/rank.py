@@ -108,6 +108,34 @@ def rank_main(payload: bytes, spec: dict, out, err, stacks, chan, lifeline) -> N
         chan: message connection back to the launcher.
         lifeline: read end of the launch's lifeline (see :mod:`.lifetime`).
     """
+    lock = _enter(spec, out, err, stacks, chan, lifeline)
+    phase = "init"
+    try:  # here, not in a helper: a learner's traceback starts below this frame, which relay cuts off
+        fn, args, kwargs = _setup(payload, spec)
+        phase = "fn"
+        result = fn(*args, **kwargs)
+        try:
+            blob = pickling.dumps(_to_cpu(result))
+        except Exception as exc:  # noqa: BLE001 - any pickling failure is the learner's to fix
+            raise TypeError(
+                f"rank {spec['rank']} returned a value of type {type(result).__name__} that "
+                f"cannot be sent back to the launcher ({exc}); return plain data instead "
+                "(numbers, strings, tensors, lists, dicts)"
+            ) from None
+        if tdist.is_available() and tdist.is_initialized():
+            tdist.destroy_process_group()
+        msg, code = ("ok", blob), 0
+    except SystemExit as exc:
+        msg, code = _exited(exc, phase)
+    except BaseException as exc:  # noqa: BLE001 - report everything
+        # Report before any teardown: the other ranks may be stuck waiting for this one.
+        msg, code = ("error", dict(describe_exception(exc), phase=phase)), 1
+    _leave(msg, code, lock, chan)
+
+
+def _enter(spec: dict, out, err, stacks, chan, lifeline) -> threading.Lock:
+    """Become the rank ``spec`` describes: tied to the launch, its output wired, its environment; the
+    lock that guards ``chan``."""
     bind_rank(lifeline)  # first: from here on nothing this rank starts outlives the launch
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher stops ranks on Ctrl-C
     _wire_output(out, err, stacks)
@@ -125,51 +153,40 @@ def rank_main(payload: bytes, spec: dict, out, err, stacks, chan, lifeline) -> N
     # workers of the rank should start as the caller's (and torchrun's) would
     # (None: unset, the platform's default).
     multiprocessing.set_start_method(spec.get("start_method"), force=True)
-    code, phase = 0, "start"
-    try:
-        phase = "init"
-        threads = spec["env"].get("OMP_NUM_THREADS", "")
-        if threads.isdigit() and int(threads) > 0:
-            torch.set_num_threads(int(threads))  # the pool was sized in the forkserver
-        fn, args, kwargs = cloudpickle.loads(payload)
-        if spec["init"]:
-            if spec["backend"] == "nccl":
-                torch.cuda.set_device(spec["device"])
-            tdist.init_process_group(
-                spec["backend"], rank=spec["rank"], world_size=spec["world_size"],
-                timeout=datetime.timedelta(seconds=spec["pg_timeout"]),
-            )
-        phase = "fn"
-        result = fn(*args, **kwargs)
+    return lock
+
+
+def _setup(payload: bytes, spec: dict):
+    """The learner's ``(fn, args, kwargs)``, with the threads and the process group ``spec`` asks for."""
+    threads = spec["env"].get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))  # the pool was sized in the forkserver
+    fn, args, kwargs = cloudpickle.loads(payload)
+    if spec["init"]:
+        if spec["backend"] == "nccl":
+            torch.cuda.set_device(spec["device"])
+        tdist.init_process_group(
+            spec["backend"], rank=spec["rank"], world_size=spec["world_size"],
+            timeout=datetime.timedelta(seconds=spec["pg_timeout"]),
+        )
+    return fn, args, kwargs
+
+
+def _exited(exc: SystemExit, phase: str) -> tuple[tuple, int]:
+    code = exit_status(exc.code)
+    if code == 0:  # sys.exit(0) or sys.exit(): the rank finished, as under torchrun
         try:
-            blob = pickling.dumps(_to_cpu(result))
-        except Exception as exc:  # noqa: BLE001 - any pickling failure is the learner's to fix
-            raise TypeError(
-                f"rank {spec['rank']} returned a value of type {type(result).__name__} that "
-                f"cannot be sent back to the launcher ({exc}); return plain data instead "
-                "(numbers, strings, tensors, lists, dicts)"
-            ) from None
-        if tdist.is_available() and tdist.is_initialized():
-            tdist.destroy_process_group()
-        msg = ("ok", blob)
-    except SystemExit as exc:
-        code = exit_status(exc.code)
-        if code == 0:  # sys.exit(0) or sys.exit(): the rank finished, as under torchrun
-            msg = ("ok", cloudpickle.dumps(None))
-            try:
-                if tdist.is_available() and tdist.is_initialized():
-                    tdist.destroy_process_group()
-            except Exception as teardown:  # noqa: BLE001 - reported like any other error
-                msg, code = ("error", dict(describe_exception(teardown), phase="fn")), 1
-        else:
-            if not isinstance(exc.code, int):
-                print(exc.code, file=sys.stderr)  # as Python prints sys.exit("message")
-            msg = ("error", dict(describe_exception(exc), phase=phase,
-                                 exit={"arg": repr(exc.code), "status": code}))
-    except BaseException as exc:  # noqa: BLE001 - report everything
-        # Report before any teardown: the other ranks may be stuck waiting for this one.
-        msg = ("error", dict(describe_exception(exc), phase=phase))
-        code = 1
+            if tdist.is_available() and tdist.is_initialized():
+                tdist.destroy_process_group()
+        except Exception as teardown:  # noqa: BLE001 - reported like any other error
+            return ("error", dict(describe_exception(teardown), phase="fn")), 1
+        return ("ok", cloudpickle.dumps(None)), 0
+    if not isinstance(exc.code, int):
+        print(exc.code, file=sys.stderr)  # as Python prints sys.exit("message")
+    return ("error", dict(describe_exception(exc), phase=phase, exit={"arg": repr(exc.code), "status": code})), code
+
+
+def _leave(msg: tuple, code: int, lock: threading.Lock, chan) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     with lock:

@@ -38,25 +38,12 @@ def _case(name, cfg, hint="", balance=False, steps=False, differ=False, hidden=F
             "steps": steps, "differ": differ, "hidden": hidden}
 
 
-@exercise("05.BalancedDistributedSampler", points=12, description="BalancedDistributedSampler(costs, "
-          "num_replicas, rank, shuffle=True, seed=0, drop_last=False): equal-length, disjoint, covering, "
-          "cost-balanced per-rank lists, aligned step by step; a new order each epoch, the same in every process")
-def _balanced(t, BalancedDistributedSampler):
-    """Every configuration in one fresh process, then 3 real processes.
-
-    Catches: len() not ceil(n / num_replicas) (or n // num_replicas with
-    drop_last), no padding, repeats beyond the padding, unequal lengths (no
-    room check), costs ignored or not sorted costliest first (totals
-    unbalanced), each rank shuffling its own positions (a rank in the seed:
-    per-step imbalance), the same order every epoch, set_epoch(e) not
-    reproducible, shuffle=False not honoured, the global random state
-    (plans differ between processes).
-    """
-    cls = BalancedDistributedSampler
+def _sampler_cases() -> list[dict]:
+    """05.BalancedDistributedSampler's cases in one process: name, configurations, hint, what to judge."""
     heavy = case_costs("lognormal", 400, 3)
     ds_step = step_imbalance(ds_lists(400, 4), heavy, 1)
     fresh = dict(balance=True, steps=True, differ=True, hidden=True)  # the hidden cases judge everything
-    cases = [
+    return [
         _case("a torch Sampler; len() is ceil(n / num_replicas): n=10, 3 ranks give 4 each", config([1.0] * 10, 3),
               "len() must be ceil(n / num_replicas) when drop_last=False (pad by repeating indices)"),
         _case("drop_last=False, n=103, 4 ranks: 26 each, together every index, repeats only the padding (1)",
@@ -87,6 +74,24 @@ def _balanced(t, BalancedDistributedSampler):
               [config([0.0] * 5, 8, epochs=(0, 1)), config([0.0] * 5, 8, drop_last=True), config([0.0], 1)],
               **{**fresh, "differ": False}),
     ]
+
+
+@exercise("05.BalancedDistributedSampler", points=12, description="BalancedDistributedSampler(costs, "
+          "num_replicas, rank, shuffle=True, seed=0, drop_last=False): equal-length, disjoint, covering, "
+          "cost-balanced per-rank lists, aligned step by step; a new order each epoch, the same in every process")
+def _balanced(t, BalancedDistributedSampler):
+    """Every configuration in one fresh process, then 3 real processes.
+
+    Catches: len() not ceil(n / num_replicas) (or n // num_replicas with
+    drop_last), no padding, repeats beyond the padding, unequal lengths (no
+    room check), costs ignored or not sorted costliest first (totals
+    unbalanced), each rank shuffling its own positions (a rank in the seed:
+    per-step imbalance), the same order every epoch, set_epoch(e) not
+    reproducible, shuffle=False not honoured, the global random state
+    (plans differ between processes).
+    """
+    cls = BalancedDistributedSampler
+    cases = _sampler_cases()
     configs = [cfg for case in cases for cfg in case["cfgs"]]
     got, tried, start = None, False, 0
     for case in cases:

@@ -103,6 +103,11 @@ def _ring_allreduce(t, ring_allreduce):
                 peer = "any rank (src=None)" if event["peer"] is None else f"rank {event['peer']}"
                 t.fail("", f"rank {rank} talks to ranks {(rank - 1) % world} and {(rank + 1) % world}",
                        f"rank {rank} did {event['op']} with {peer}")
+    _ring_traffic(t, done)
+    _ring_device(t, done)
+
+
+def _ring_traffic(t, done: dict) -> None:
     with t.case("each rank sends about 2(W-1)/W of the tensor: 4 ranks x 1001 float32 (4004 bytes): about "
                 "6006 bytes, not the whole tensor W-1 times (12012)",
                 hint="send chunks, not the whole tensor: in each of the 2(W-1) steps a rank sends one chunk "
@@ -115,6 +120,9 @@ def _ring_allreduce(t, ring_allreduce):
             sent = sum(e["bytes"] for e in trials[0]["events"] if e["op"] in ("send", "isend"))
             if sent > limit:
                 t.fail("", f"at most {limit} bytes sent by each rank", f"rank {rank} sent {sent} bytes")
+
+
+def _ring_device(t, done: dict) -> None:
     with t.case("the buffers live on the input's device (tensors made without device= are checked as on a GPU)",
                 hint="create every buffer from the input (torch.empty_like(chunk), chunk.new_empty(n), "
                      "tensor.clone()) or with device=tensor.device: on a GPU rank, torch.zeros(n) is a CPU "
