@@ -1,7 +1,9 @@
 """The registry of graded exercises: :func:`exercise` registers a checker, :func:`exercises` lists them.
 
 Every lesson module (``lessonNN.py`` beside this one) registers its checkers
-when imported; the grader takes an exercise's points from here and nowhere else.
+when imported, which happens only when its lesson is asked for (``check("01...")``
+imports lesson 01's checkers and no other); the grader takes an exercise's points
+from here and nowhere else.
 """
 from __future__ import annotations
 
@@ -50,11 +52,12 @@ def exercise(exercise_id: str, points: int, description: str):
     return register
 
 
-def _load_all() -> None:
+def _load(lesson: str | None = None) -> None:
+    """Import the checkers of ``lesson`` (e.g. ``"01"``), or of every lesson: nothing else."""
     # The lesson modules sit beside this one; found by path, not by importing
     # the package (which imports this module).
     for mod in pkgutil.iter_modules([os.path.dirname(__file__)]):
-        if mod.name.startswith("lesson"):
+        if mod.name.startswith("lesson") and (lesson is None or mod.name == f"lesson{lesson}"):
             importlib.import_module(f"{__package__}.{mod.name}")
 
 
@@ -65,16 +68,16 @@ def exercises(lesson: str | None = None) -> list[Exercise]:
         >>> [e.id for e in exercises("01")]
         ['01.pick_device', '01.train_step', '01.visible_devices_env']
     """
-    _load_all()
+    _load(lesson)
     return sorted((e for e in _REGISTRY.values() if lesson is None or e.lesson == lesson),
                   key=lambda e: e.id)
 
 
 def get(exercise_id: str) -> Exercise:
-    """The exercise with this id; ValueError naming the known ids otherwise."""
-    _load_all()
+    """The exercise with this id (only its lesson's checkers are imported); ValueError naming the known ids."""
+    lesson = str(exercise_id).split(".", 1)[0]
+    _load(lesson if re.fullmatch(r"\d\d", lesson) else None)
     if exercise_id not in _REGISTRY:
-        lesson = str(exercise_id).split(".", 1)[0]
-        known = [e.id for e in exercises(lesson)] or sorted(_REGISTRY)
+        known = [e.id for e in exercises(lesson)] or [e.id for e in exercises()]
         raise ValueError(f"no exercise {exercise_id!r}; known ids: {', '.join(known)}")
     return _REGISTRY[exercise_id]

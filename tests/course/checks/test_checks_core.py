@@ -134,3 +134,32 @@ def test_in_a_graded_notebook_check_saves_the_answers_by_value_and_judges_nothin
     assert list(saved) == ["double"] and saved["double"](4) == 8 and called == []  # it has its own copy
     with pytest.raises(TypeError, match="takes your double"):
         check("99.double")  # wrong arguments are still the learner's error at once
+
+
+def test_a_check_imports_only_its_own_lessons_checkers():
+    # In a fresh interpreter, as in a fresh kernel: lesson 01's check must not pay for FSDP, DCP or elastic.
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from mgpu_lab import check\n"
+        "def pick_device(index=None):\n"
+        "    raise NotImplementedError\n"
+        "result = check('01.pick_device', pick_device)\n"
+        "print(result.status)\n"
+        "print(' '.join(sorted(m for m in sys.modules if m.startswith('mgpu_lab'))))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    status, modules = out.stdout.strip().splitlines()[-2:]
+    assert "not attempted" in status
+    loaded = set(modules.split())
+    lessons = {m.rsplit(".", 1)[1] for m in loaded if m.startswith("mgpu_lab.course.checks.lesson")}
+    assert lessons == {"lesson01"}, lessons
+    assert not loaded & {"mgpu_lab.fsdp", "mgpu_lab.distcp", "mgpu_lab.elastic", "mgpu_lab.hangs"}, loaded
+    # and the listing of every exercise still finds all ten lessons
+    listed = subprocess.run([sys.executable, "-c", "from mgpu_lab import exercises\n"
+                             "print(sorted({e.lesson for e in exercises()}))"], capture_output=True, text=True,
+                            timeout=300)
+    assert listed.stdout.strip() == str([f"{n:02d}" for n in range(1, 11)]), listed.stderr
