@@ -35,6 +35,8 @@ NBVAL       ?= --nbval-lax
 TEST_WORKERS ?= 2
 XDIST       := $(if $(filter-out 0 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 SOLUTION_NOTEBOOKS := $(sort $(wildcard solutions/*.ipynb))
+# The docstring examples of the package run too (pyproject.toml sets their flags: ELLIPSIS, NORMALIZE_WHITESPACE).
+DOCTESTS := --doctest-modules mgpu_lab
 SELECT := $(if $(filter root,$(PART)),-m root,$(if $(filter user,$(PART)),-m "not root"))
 
 # The oldest supported torch: `make test-torch2.11 PYTHON312=/path/to/python3.12` (torch 2.11 wheels exist for
@@ -83,12 +85,12 @@ slurm:
 
 test: $(STAMP) chromium slurm
 	@case "$(PART)" in all|root|user) ;; *) echo "make test: PART=$(PART) must be all, root or user"; exit 2;; esac
-	$(PY) -m pytest $(XDIST) $(SELECT) $(PYTEST_ARGS) tests $(if $(SOLUTION_NOTEBOOKS),$(NBVAL) $(SOLUTION_NOTEBOOKS))
+	$(PY) -m pytest $(XDIST) $(SELECT) $(PYTEST_ARGS) tests $(DOCTESTS) $(if $(SOLUTION_NOTEBOOKS),$(NBVAL) $(SOLUTION_NOTEBOOKS))
 
 test-torch2.11: chromium
 	test -x $(VENV_T211)/bin/python || $(PYTHON312) -m venv $(VENV_T211)
 	$(VENV_T211)/bin/python -m pip install -c constraints-torch2.11.txt -e '.[dev]'
-	$(VENV_T211)/bin/python -m pytest $(XDIST) -m "not root" $(PYTEST_ARGS) tests \
+	$(VENV_T211)/bin/python -m pytest $(XDIST) -m "not root" $(PYTEST_ARGS) tests $(DOCTESTS) \
 	    $(if $(SOLUTION_NOTEBOOKS),$(NBVAL) $(filter-out solutions/07_multi_node.ipynb,$(SOLUTION_NOTEBOOKS)))
 
 bench: $(STAMP)

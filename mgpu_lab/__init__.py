@@ -6,6 +6,7 @@ command line tools start fast; ``from mgpu_lab import launch`` loads the launche
 Example:
     >>> from mgpu_lab import launch, dist
     >>> launch(lambda: dist.rank(), 2)
+    launch: 2 ranks · ...
     [0, 1]
 """
 from __future__ import annotations

@@ -1,9 +1,15 @@
 """Checkpoints in a DDP job: rank 0 writes, every rank resumes on its own device.
 
 Example:
-    >>> save_checkpoint("ckpt/last.pt", model, optimizer, epoch)          # every rank calls it
-    >>> state = load_checkpoint("ckpt/last.pt", model, optimizer)         # map_location: this rank's device
-    >>> start_epoch = state["epoch"] + 1
+    >>> import tempfile
+    >>> from mgpu_lab import launch
+    >>> def resume(path):                                     # every rank runs it
+    ...     save_checkpoint(path, nn.Linear(2, 1), epoch=3)   # rank 0 writes, every rank waits for it
+    ...     state = load_checkpoint(path, nn.Linear(2, 1))    # map_location: this rank's device
+    ...     return state["epoch"] + 1
+    >>> launch(resume, 2, f"{tempfile.mkdtemp()}/last.pt")
+    launch: 2 ranks · ...
+    [4, 4]
 """
 from __future__ import annotations
 
@@ -26,7 +32,11 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=None, e
     leaves half a checkpoint; the barrier keeps other ranks from reading early.
 
     Example:
-        >>> save_checkpoint("ckpt/last.pt", model, optimizer, epoch)
+        >>> import tempfile
+        >>> path = f"{tempfile.mkdtemp()}/last.pt"
+        >>> save_checkpoint(path, nn.Linear(2, 1), torch.optim.SGD(nn.Linear(2, 1).parameters(), 0.1), epoch=3)
+        >>> sorted(torch.load(path, weights_only=True))
+        ['epoch', 'model', 'optimizer']
     """
     if mdist.is_main_process():
         inner = model.module if isinstance(model, DDP) else model

@@ -17,10 +17,14 @@ calls the new one inside. DDP's gradient all-reduce runs in C++ and is not
 seen here (count it with a communication hook, as :func:`mgpu_lab.ddp.fit` does).
 
 Example:
-    >>> with record_collectives() as log:        # in a rank
-    ...     dist.all_reduce(torch.ones(4))
-    >>> [(c["op"], c["numel"]) for c in log]
-    [('all_reduce', 4)]
+    >>> from mgpu_lab import launch
+    >>> def in_a_rank():
+    ...     with record_collectives() as log:
+    ...         tdist.all_reduce(torch.ones(4))
+    ...     return [(c["op"], c["numel"]) for c in log]
+    >>> launch(in_a_rank, 2)
+    launch: 2 ranks · ...
+    [[('all_reduce', 4)], [('all_reduce', 4)]]
 """
 from __future__ import annotations
 
@@ -97,10 +101,16 @@ def record_collectives(keep_inputs: bool = False):
         The list the calls are appended to, one dict per call (see the module docstring).
 
     Example:
-        >>> with record_collectives() as log:
-        ...     model(x).sum().backward()          # an FSDP2 model
-        >>> summarize(log)
-        {'all_gather': 8, 'reduce_scatter': 4}
+        >>> from mgpu_lab import launch
+        >>> from mgpu_lab.fsdp import BlockNet, make_mesh, shard_model
+        >>> def fsdp_step():
+        ...     model = shard_model(BlockNet(), make_mesh())   # an FSDP2 model
+        ...     with record_collectives() as log:
+        ...         model(torch.ones(2, 8)).sum().backward()
+        ...     return summarize(log)
+        >>> launch(fsdp_step, 2)[0]   # 4 blocks + the root: 5 gathers forward, the blocks' 4 again backward
+        launch: 2 ranks · ...
+        {'all_gather': 9, 'reduce_scatter': 5}
     """
     log: list = []
     saved = []

@@ -16,9 +16,15 @@ The pieces work in a rank started by :func:`mgpu_lab.launch` and under
   ``map_location`` and ``weights_only=True``.
 
 Example:
+    >>> import torch
+    >>> from torch import nn
     >>> from mgpu_lab import launch, ddp, data
     >>> ds = data.synthetic_classification(64)
+    >>> def model_fn():              # the same initial weights in every process
+    ...     torch.manual_seed(0)
+    ...     return nn.Linear(8, 3)
     >>> states = launch(ddp.train, 2, model_fn, ds, 2, 8, 0.1)   # batch 8 per rank
+    launch: 2 ranks · ...
     >>> ref = ddp.reference_train(model_fn, ds, 2, 16, 0.1)      # global batch 16
     >>> ddp.max_diff(states[0], ref) < 1e-5
     True
@@ -74,7 +80,10 @@ def make_loader(dataset, batch_size: int, shuffle: bool = True, seed: int = 0, d
     every epoch.
 
     Example:
-        >>> loader, sampler = make_loader(ds, batch_size=8)
+        >>> from mgpu_lab import data
+        >>> loader, sampler = make_loader(data.synthetic_classification(64), batch_size=8)
+        >>> len(loader), len(sampler)     # one process: the whole set, 8 batches of 8
+        (8, 64)
     """
     if "sampler" in loader_kwargs or loader_kwargs.get("shuffle"):
         raise ValueError("make_loader builds the DistributedSampler itself: pass shuffle=, seed=, "
@@ -220,7 +229,10 @@ def reference_train(model_fn, dataset, epochs: int, batch_size: int, lr: float, 
     here (when N divides the data set), so DDP must end with these weights.
 
     Example:
-        >>> ref = reference_train(model_fn, ds, 2, 16, 0.1)
+        >>> from mgpu_lab import data
+        >>> ref = reference_train(lambda: nn.Linear(8, 3), data.synthetic_classification(64), 2, 16, 0.1)
+        >>> sorted(ref), ref["weight"].shape
+        (['bias', 'weight'], torch.Size([3, 8]))
     """
     model = model_fn().to(mdist.device())
     loader, _ = make_loader(dataset, batch_size, shuffle=True, seed=seed, num_replicas=1, rank=0)
@@ -253,8 +265,12 @@ def global_mean(local_sum: float, local_count: int) -> float:
     """The mean over every rank's samples: all_reduce the sums and the counts, then divide.
 
     Example:
-        >>> global_mean(6.0, 3)   # rank 0; rank 1 passes (10.0, 1): (6 + 10) / 4 on every rank
-        4.0
+        >>> from mgpu_lab import launch
+        >>> def mean_of_two_ranks():   # rank 0 has 3 samples summing to 6, rank 1 one sample of 10
+        ...     return global_mean(*[(6.0, 3), (10.0, 1)][torch.distributed.get_rank()])
+        >>> launch(mean_of_two_ranks, 2)     # (6 + 10) / 4 on every rank
+        launch: 2 ranks · ...
+        [4.0, 4.0]
     """
     if not _initialised():
         return float(local_sum) / local_count
@@ -282,7 +298,14 @@ def evaluate(model: nn.Module, dataset, batch_size: int = 256, how: str = "exact
         ValueError: unknown ``how``.
 
     Example:
-        >>> evaluate(model, val_set)["accuracy"]   # the same on every rank
+        >>> from mgpu_lab import data, launch
+        >>> def accuracy(val_set):   # every rank scores its share; all get the whole set's figure
+        ...     torch.manual_seed(0)
+        ...     return evaluate(nn.Linear(8, 3), val_set)["accuracy"]
+        >>> a, b = launch(accuracy, 2, data.synthetic_classification(50))
+        launch: 2 ranks · ...
+        >>> a == b == accuracy(data.synthetic_classification(50))   # = one process over all 50
+        True
     """
     if how not in ("exact", "padded", "drop_last"):
         raise ValueError(f"how={how!r}: use 'exact', 'padded' or 'drop_last'")

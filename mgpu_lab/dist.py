@@ -224,8 +224,16 @@ def setup(backend: str | None = None, timeout: float = DEFAULT_PG_TIMEOUT):
         ValueError: as :func:`choose`, or if MASTER_ADDR/MASTER_PORT are missing.
 
     Example:
-        >>> dev = setup()          # in a script started by torchrun
-        >>> teardown()
+        >>> from mgpu_lab import launch
+        >>> def script():          # what a script started by torchrun does first and last
+        ...     import torch.distributed as tdist
+        ...     dev = setup()
+        ...     where = (tdist.get_rank(), tdist.get_world_size(), dev.type in ("cpu", "cuda"))
+        ...     teardown()
+        ...     return where
+        >>> launch(script, 2, init=False)   # ranks with torchrun's variables, no process group yet
+        launch: 2 ranks · ...
+        [(0, 2, True), (1, 2, True)]
     """
     import torch
     import torch.distributed as tdist

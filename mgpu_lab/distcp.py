@@ -8,10 +8,19 @@ slice of which tensor sits where; loading reads the slices each rank needs for
 a state dict and back (the optimizer's state keyed by parameter name).
 
 Example:
-    >>> save_checkpoint(model, optimizer, "ckpt/step-100")      # in every rank
-    >>> load_checkpoint(model, optimizer, "ckpt/step-100")      # in every rank, any world size
-    >>> layout("ckpt/step-100")["files"]                        # doctest: +SKIP
-    {'__0_0.distcp': 5123, '__1_0.distcp': 5120, ...}
+    >>> import tempfile
+    >>> from mgpu_lab import launch
+    >>> from mgpu_lab.fsdp import BlockNet, make_mesh, shard_model
+    >>> def save_then_load(path):                      # in every rank
+    ...     model = shard_model(BlockNet(), make_mesh())
+    ...     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ...     save_checkpoint(model, optimizer, path)
+    ...     load_checkpoint(model, optimizer, path)    # any world size reads it; here the same
+    >>> path = f"{tempfile.mkdtemp()}/step-100"
+    >>> _ = launch(save_then_load, 2, path)
+    launch: 2 ranks · ...
+    >>> sorted(layout(path)["files"])                  # a file per rank, and where each slice went
+    ['.metadata', '__0_0.distcp', '__1_0.distcp']
 """
 from __future__ import annotations
 

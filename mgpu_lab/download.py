@@ -75,10 +75,14 @@ def serve(directory: str | os.PathLike, delay: float = 0.0):
     lets a demo tell its clients apart). The server is always shut down on exit.
 
     Example:
-        >>> with serve("/tmp/serve") as server:
-        ...     fetch_archive(server.url + "blobs.tar.gz", "/tmp/root", md5)
-        >>> server.downloads["blobs.tar.gz"]
-        1
+        >>> import tempfile, urllib.request
+        >>> from pathlib import Path
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> _ = (folder / "hello.txt").write_text("hi")
+        >>> with serve(folder) as server:
+        ...     data = urllib.request.urlopen(server.url + "hello.txt").read()
+        >>> data, server.downloads["hello.txt"]
+        (b'hi', 1)
     """
     handler = functools.partial(_Quiet, directory=os.fspath(directory))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
@@ -192,10 +196,20 @@ def download_once(fn):
         RuntimeError: ``fn`` raised on some node (the message names the node and the error).
 
     Example:
-        >>> @download_once
-        ... def get(root):
-        ...     return fetch_archive(url, root, md5)
-        >>> path = get("/tmp/root")  # in every rank: one download per node
+        >>> import tempfile
+        >>> from mgpu_lab import launch
+        >>> def each_rank(marks):
+        ...     @download_once
+        ...     def get(root):                   # stands in for fetch_archive(url, root, md5)
+        ...         with open(f"{root}/downloads", "a") as f:
+        ...             f.write("x")
+        ...         return root
+        ...     return get(marks)                # every rank calls it; the node's local rank 0 runs it
+        >>> marks = tempfile.mkdtemp()
+        >>> _ = launch(each_rank, 2, marks)
+        launch: 2 ranks · ...
+        >>> open(f"{marks}/downloads").read()    # one node here: one download
+        'x'
     """
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):

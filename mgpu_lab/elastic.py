@@ -160,9 +160,10 @@ def call(fn, nproc: int, *args, max_restarts: int = 0, timeout: float = 180.0, e
     ``results`` lists them in rank order, or is None when the job failed.
 
     Example:
-        >>> results, run_ = call(lambda: dist.get_rank(), 2)    # doctest: +SKIP
-        >>> results
-        [0, 1]
+        >>> import torch.distributed
+        >>> results, run_ = call(lambda: torch.distributed.get_rank(), 2, echo=False, fork=True)
+        >>> results, run_.returncode
+        ([0, 1], 0)
     """
     work = tempfile.mkdtemp(prefix="mgpu-lab-torchrun-")
     try:

@@ -11,10 +11,13 @@ function allocated at once (``torch.cuda.max_memory_allocated`` on a GPU, the
 profiler's allocation events on the CPU).
 
 Example:
-    >>> mesh = make_mesh()                          # in every rank
-    >>> model = shard_model(BlockNet(), mesh)
-    >>> type(model.blocks[0][0].weight).__name__
-    'DTensor'
+    >>> from mgpu_lab import launch
+    >>> def sharded():                              # in every rank
+    ...     model = shard_model(BlockNet(), make_mesh())
+    ...     return type(model.blocks[0][0].weight).__name__
+    >>> launch(sharded, 2)
+    launch: 2 ranks · ...
+    ['DTensor', 'DTensor']
 """
 from __future__ import annotations
 

@@ -169,9 +169,17 @@ class StackWatcher:
     hung job blocks its terminal; read :attr:`dumps` (rank -> text) after it.
 
     Example:
-        >>> watcher = StackWatcher(tmpdir, nprocs=2, delay=1.0).start()       # doctest: +SKIP
-        >>> launch(job_that_hangs, 2, tmpdir, timeout=4)   # each rank: StackWatcher.register(tmpdir)
-        >>> print(watcher.join().dumps[1])
+        >>> import tempfile, time
+        >>> from mgpu_lab import launch
+        >>> def stuck_here(folder):                   # a rank that takes long (a hang would take forever)
+        ...     StackWatcher.register(folder)
+        ...     time.sleep(4)
+        >>> folder = tempfile.mkdtemp()
+        >>> watcher = StackWatcher(folder, nprocs=2, delay=1.0).start()
+        >>> _ = launch(stuck_here, 2, folder)
+        launch: 2 ranks · ...
+        >>> "stuck_here" in watcher.join().dumps[1]   # rank 1's stack, as py-spy saw it
+        True
     """
 
     def __init__(self, directory: str, nprocs: int, delay: float = 1.0, wait: float = 60.0):

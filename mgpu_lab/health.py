@@ -12,9 +12,14 @@ cost one tiny all-reduce:
 - :func:`weights_in_sync` compares a checksum of the weights across the ranks.
 
 Example:
-    >>> if all_finite(loss):          # the same answer on every rank
-    ...     optimizer.step()
-    >>> ok, spread = weights_in_sync(model)
+    >>> from mgpu_lab import launch
+    >>> def step():                   # in every rank; rank 1's loss is NaN
+    ...     loss = torch.tensor(float("nan") if torch.distributed.get_rank() == 1 else 1.0)
+    ...     torch.manual_seed(0)
+    ...     return all_finite(loss), weights_in_sync(nn.Linear(2, 1))[0]
+    >>> launch(step, 2)               # the same answer on every rank: skip the step together
+    launch: 2 ranks · ...
+    [(False, True), (False, True)]
 """
 from __future__ import annotations
 
@@ -64,7 +69,14 @@ def weights_in_sync(model: nn.Module, atol: float = 0.0) -> tuple[bool, float]:
         ``(in_sync, spread)``: the spread is the largest difference between two ranks' checksums.
 
     Example:
-        >>> ok, spread = weights_in_sync(ddp_model)   # every 100 steps, say
+        >>> from mgpu_lab import launch
+        >>> def drifted():          # rank 1's weight differs by 0.5
+        ...     model = nn.Linear(1, 1, bias=False)
+        ...     torch.nn.init.constant_(model.weight, 1.0 + 0.5 * torch.distributed.get_rank())
+        ...     return weights_in_sync(model)
+        >>> launch(drifted, 2)      # every 100 steps, say: the sums of squares differ by 1.5² - 1² = 1.25
+        launch: 2 ranks · ...
+        [(False, 1.25), (False, 1.25)]
     """
     c = weights_checksum(model)
     both = torch.cat([c, -c])

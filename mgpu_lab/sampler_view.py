@@ -33,8 +33,8 @@ def sampler_indices(n: int, rank: int, world_size: int, shuffle: bool = False, s
         ValueError: ``rank`` outside ``0..world_size-1`` (DistributedSampler's own message).
 
     Example:
-        >>> sampler_indices(6, 0, 2, shuffle=True, seed=0, epoch=1)
-        [4, 0, 2]
+        >>> sampler_indices(6, 0, 2, shuffle=True, seed=0, epoch=1)   # randperm(6) seeded 1: [1, 5, 2, 0, 3, 4]
+        [1, 2, 3]
     """
     sampler = DistributedSampler(range(n), num_replicas=world_size, rank=rank, shuffle=shuffle,
                                  seed=seed, drop_last=drop_last)

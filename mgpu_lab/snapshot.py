@@ -15,8 +15,11 @@ weights equal those of a run that was never interrupted. Run it under
 rank costs at most ``snapshot_every`` steps of work.
 
 Example:
-    >>> atomic_save({"step": 3}, "ckpt/snap.pt")
-    >>> states = launch(resumable_train, 2, model_fn, ds, 3, 4, 0.1, "ckpt/snap.pt", 4)   # doctest: +SKIP
+    >>> import tempfile
+    >>> path = f"{tempfile.mkdtemp()}/snap.pt"
+    >>> atomic_save({"step": 3}, path)
+    >>> load_snapshot(path)["step"]
+    3
 """
 from __future__ import annotations
 
@@ -55,7 +58,11 @@ def atomic_save(obj, path: str | os.PathLike) -> None:
         Whatever ``torch.save`` raises (e.g. a pickling error); ``path`` keeps its old content.
 
     Example:
-        >>> atomic_save({"model": model.state_dict(), "step": 100}, "ckpt/last.pt")
+        >>> import tempfile
+        >>> path = f"{tempfile.mkdtemp()}/last.pt"
+        >>> atomic_save({"weight": torch.ones(2), "step": 100}, path)
+        >>> sorted(torch.load(path, weights_only=True)), sorted(os.listdir(os.path.dirname(path)))
+        (['step', 'weight'], ['last.pt'])
     """
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))

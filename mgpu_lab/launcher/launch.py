@@ -14,7 +14,8 @@ Example:
     ...     t = torch.tensor([float(dist.get_rank() + x)])
     ...     dist.all_reduce(t)
     ...     return t.item()
-    >>> launch(total, 2, 1)   # prints: launch: 2 ranks · gloo · cpu (...)
+    >>> launch(total, 2, 1)
+    launch: 2 ranks · ...
     [3.0, 3.0]
 """
 from __future__ import annotations
@@ -190,7 +191,9 @@ def launch(fn, nprocs: int, *args, backend: str | None = None,
         KeyboardInterrupt: interrupted; every rank that had started has been stopped.
 
     Example:
-        >>> launch(lambda: dist.get_rank(), 2)
+        >>> import torch.distributed
+        >>> launch(lambda: torch.distributed.get_rank(), 2)
+        launch: 2 ranks · ...
         [0, 1]
     """
     return run(fn, nprocs, args, kwargs, backend=backend, timeout=timeout, init=init)

@@ -233,8 +233,11 @@ def check(exercise_id: str, *answers, **named) -> CheckResult:
         ValueError: unknown exercise id. TypeError: wrong objects passed.
 
     Example:
-        >>> check("01.pick_device", pick_device)      # doctest: +SKIP
-        01.pick_device: 4/4 passed
+        >>> def pick_device(index=None):               # the exercise cell, not written yet
+        ...     raise NotImplementedError
+        >>> print(check("01.pick_device", pick_device))
+        01.pick_device: not attempted (0/6)
+          not attempted: your code still raises NotImplementedError
     """
     ex = get(exercise_id)
     sig = inspect.signature(ex.checker)
