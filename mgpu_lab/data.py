@@ -90,7 +90,11 @@ def write_archive(dataset: TensorDataset, path: str | os.PathLike) -> str:
     same MD5. Returns the archive's MD5.
 
     Example:
-        >>> md5 = write_archive(synthetic_classification(50), "/tmp/serve/blobs.tar.gz")
+        >>> import tempfile
+        >>> a, b = tempfile.mkdtemp(), tempfile.mkdtemp()
+        >>> ds = synthetic_classification(50)
+        >>> write_archive(ds, f"{a}/blobs.tar.gz") == write_archive(ds, f"{b}/blobs.tar.gz")   # the same MD5
+        True
     """
     buf = io.BytesIO()
     torch.save({"tensors": list(dataset.tensors)}, buf)

@@ -9,10 +9,14 @@ one machine play several nodes to show it. The archives are those of
 :func:`mgpu_lab.data.write_archive`.
 
 Example:
+    >>> import tempfile
     >>> from mgpu_lab import data
-    >>> md5 = data.write_archive(data.synthetic_classification(50), "/tmp/serve/blobs.tar.gz")
-    >>> with serve("/tmp/serve") as server:  # doctest: +SKIP
-    ...     path = download_once(fetch_archive)(server.url + "blobs.tar.gz", "/tmp/root", md5)
+    >>> served, root = tempfile.mkdtemp(), tempfile.mkdtemp()
+    >>> md5 = data.write_archive(data.synthetic_classification(50), f"{served}/blobs.tar.gz")
+    >>> with serve(served) as server:   # in a job: download_once(fetch_archive)(...) in every rank
+    ...     path = fetch_archive(server.url + "blobs.tar.gz", root, md5)
+    >>> os.path.relpath(path, root), sorted(os.listdir(path))
+    ('blobs', ['tensors.pt'])
 """
 from __future__ import annotations
 
