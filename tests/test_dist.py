@@ -103,7 +103,8 @@ def test_the_same_helpers_under_real_torchrun(tmp_path):
         os._exit(0)  # as scripts/ddp_train.py: skip the C++ teardown that can abort at exit
     """))
     proc = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node=2", str(script)], capture_output=True,
-                          text=True, timeout=180, env=procenv.child_env({"TMPDIR": str(tmp_path)}))  # torchrun's log folder
+                          text=True, timeout=180,
+                          env=procenv.child_env({"TMPDIR": str(tmp_path)}))  # TMPDIR: torchrun's log folder
     assert proc.returncode == 0, proc.stderr
     # The two ranks share one pipe: a line of one can land inside a line of the other.
     results = sorted(re.findall(r"RESULT \d \d \d \d \S+ [\d.]+", proc.stdout))

@@ -90,13 +90,15 @@ def spawn(run: NodeRun, env: dict, cwd, net: netns.Network | None) -> subprocess
     elif argv[0] in ("python", "python3"):
         argv[0] = sys.executable
     if net is not None:
-        argv = [*net.exec_prefix(run.node.rank), sys.executable, "-m", "mgpu_lab.core.libc", run.node.hostname, *argv]  # own host name
+        own_host_name = [sys.executable, "-m", "mgpu_lab.core.libc", run.node.hostname]
+        argv = [*net.exec_prefix(run.node.rank), *own_host_name, *argv]
     try:
         return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=full, cwd=cwd, start_new_session=True)
     except OSError as exc:  # the node says what a shell would, and exits 127, as it does inside a namespace
         said = f"{argv[0]}: {exc.strerror}"
-        return subprocess.Popen([sys.executable, "-c", "import sys; print(sys.argv[1], file=sys.stderr); sys.exit(127)", said],
+        exit_127 = "import sys; print(sys.argv[1], file=sys.stderr); sys.exit(127)"
+        return subprocess.Popen([sys.executable, "-c", exit_127, said],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
 

@@ -58,7 +58,6 @@ if os.environ.get("MGPU_LAB_PREWARM", "1") != "0" and "MGPU_LAB_IN_RANK" not in 
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         procs.prewarm()
 
-
 from mgpu_lab import dist  # noqa: E402
 from mgpu_lab.core import procenv  # noqa: E402
 from . import pickling  # noqa: E402

@@ -34,6 +34,7 @@ from mgpu_lab.core import libc
 
 __all__ = ["Lifeline", "interrupts_deferred", "bind_rank"]
 
+
 class Lifeline:
     """A pipe that tells the ranks of one launch that their launcher is gone.
 

@@ -24,7 +24,7 @@ from collections import ChainMap
 
 import cloudpickle
 
-__all__ = ["Pickler", "dumps", "dump", "keeps_filenames"]
+__all__ = ["Pickler", "dumps", "dump"]
 
 _DYNAMIC = "<dynamic-code>"
 _code_reduce = cloudpickle.Pickler.dispatch_table.get(types.CodeType)
@@ -60,11 +60,3 @@ def dumps(obj, protocol: int | None = None) -> bytes:
         dump(obj, buf, protocol)
         return buf.getvalue()
 
-
-def keeps_filenames() -> bool:
-    """Whether a function defined in a cell arrives with its cell's file name (``mgpu-lab doctor``)."""
-    import pickle
-
-    ns = {"__name__": "__main__"}
-    exec(compile("def probe():\n    return 1\n", "/mgpu-lab/cell.py", "exec"), ns)  # noqa: S102 - fixed text
-    return pickle.loads(dumps(ns["probe"])).__code__.co_filename == "/mgpu-lab/cell.py"

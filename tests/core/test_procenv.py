@@ -34,7 +34,8 @@ def test_extra_sets_last_and_none_removes():
 
 
 def test_the_package_is_importable_in_a_child_started_anywhere(tmp_path):
-    out = subprocess.run([sys.executable, "-c", "import mgpu_lab, os; print(mgpu_lab.__file__, os.environ.get('RANK'))"],
+    code = "import mgpu_lab, os; print(mgpu_lab.__file__, os.environ.get('RANK'))"
+    out = subprocess.run([sys.executable, "-c", code],
                          env=procenv.child_env({"RANK": None}), cwd=tmp_path, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr

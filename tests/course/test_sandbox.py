@@ -115,7 +115,8 @@ def _places():
     return ["/tmp", "/var/tmp", "/dev/shm", home]
 
 
-@pytest.mark.skipif(not protections().namespaces, reason="no namespaces here: the sandbox's file system is the grader's")
+@pytest.mark.skipif(not protections().namespaces,
+                    reason="no namespaces here: the sandbox's file system is the grader's")
 @pytest.mark.parametrize("place", _places())
 def test_what_the_kernel_needs_stays_reachable_and_read_only_wherever_it_lies(place, monkeypatch):
     # A project (here a module on PYTHONPATH, as the sandbox finds the package) in a folder that the

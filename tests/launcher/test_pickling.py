@@ -59,7 +59,3 @@ def test_code_named_dynamic_code_stays_so(cell):
     fn = pickle.loads(pickling.dumps(ns["f"]))
     assert fn() == 7 and fn.__code__.co_filename == "<dynamic-code>"
 
-
-def test_the_doctor_probe_says_whether_names_are_kept():
-    assert pickling.keeps_filenames() is True
-
