@@ -55,23 +55,16 @@ from pathlib import Path
 
 import psutil
 
-from mgpu_lab.core import libc
+from mgpu_lab.core import libc, procenv
 
 from .isolation import ENV_KEEP, UNSHARE, Limits, Protections, protections, slot_user
 
 __all__ = ["Limits", "Protections", "protections", "Sandbox", "ENV_KEEP", "self_test"]
 
 
-def _package_root() -> str:
-    """The folder that holds the grader's ``mgpu_lab`` package."""
-    import mgpu_lab
-
-    return os.path.dirname(os.path.dirname(os.path.abspath(mgpu_lab.__file__)))
-
-
 def _python_paths() -> list[str]:
     """What the sandbox user must be able to read to run this Python and this package."""
-    paths = {sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable)), _package_root()}
+    paths = {sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable)), procenv.package_root()}
     paths |= {p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
     return sorted({os.path.realpath(p) for p in paths})
 
@@ -111,7 +104,7 @@ class Sandbox:
             os.chmod(self.base, 0o711)  # the sandbox user reaches its directory by its host path
         self.env = {k: os.environ[k] for k in ENV_KEEP if k in os.environ}
         # The sandbox runs the grader's own mgpu_lab, wherever the grader found it (even the current folder).
-        self.env["PYTHONPATH"] = os.pathsep.join([_package_root(), *filter(None, [self.env.get("PYTHONPATH")])])
+        self.env["PYTHONPATH"] = os.pathsep.join([procenv.package_root(), *filter(None, [self.env.get("PYTHONPATH")])])
         self.env.update(HOME=f"{self.inside}/home", TMPDIR=self.inside, USER=self.prot.user or "grader",
                         PYTHONNOUSERSITE="1", PYTHONDONTWRITEBYTECODE="1", MPLBACKEND="agg",
                         JUPYTER_PLATFORM_DIRS="1", **(env or {}))
