@@ -42,7 +42,7 @@ LONGEST_FIRST = [
     "tests/mutants/test_mutants_02.py", "solutions/08_sharding.ipynb", "tests/mutants/test_mutants_08.py",
     "solutions/02_data_loading.ipynb", "solutions/04_ddp.ipynb", "tests/test_ddp_script.py",
     "solutions/05_balanced_samplers.ipynb", "solutions/09_inside_ddp.ipynb", "solutions/01_devices.ipynb",
-    "tests/mutants/test_mutants_07.py", "tests/launcher/test_launch_kernel.py", "tests/test_subset_jobs.py",
+    "tests/mutants/test_mutants_07.py", "tests/launcher/test_launch_kernel.py", "tests/devices/test_subset_jobs.py",
 ]
 # The other files that grade (they share the sandbox users with test_grade.py) go last: by then the class
 # batch is long done, and no worker waits for its lock.

@@ -5,7 +5,7 @@ For each world size and message size (4 KiB to --max-mib MiB, float32), in one r
     all_reduce   dist.all_reduce: time per call (median of --reps after a barrier), algorithm
                  bandwidth algbw = size / time and bus bandwidth busbw = algbw * 2(W-1)/W,
                  as nccl-tests reports them
-    ring         mgpu_lab.collectives.ring_allreduce (lesson 09: isend/irecv around a ring)
+    ring         mgpu_lab.comm.collectives.ring_allreduce (lesson 09: isend/irecv around a ring)
                  on the same tensors: time, busbw, and its time over all_reduce's
 
 then the alpha-beta fit (t = alpha + n / bandwidth) of both. With one GPU per rank the
@@ -19,7 +19,8 @@ import argparse
 import os
 import sys
 
-from mgpu_lab import commcost, launch
+from mgpu_lab import launch
+from mgpu_lab.comm import cost_model
 
 
 def sizes_up_to(max_mib: int) -> list[int]:
@@ -32,12 +33,12 @@ def sizes_up_to(max_mib: int) -> list[int]:
 
 
 def table(sizes: list[int], result: dict) -> str:
-    factor = commcost.bus_factor("all_reduce", result["world_size"])
+    factor = cost_model.bus_factor("all_reduce", result["world_size"])
     lines = [f"{'size':>9} | {'all_reduce us':>13} {'algbw GB/s':>10} {'busbw GB/s':>10} | "
              f"{'ring us':>10} {'busbw GB/s':>10} {'ring/all_reduce':>15}"]
     for size, t_ar, t_ring in zip(sizes, result["all_reduce"], result["ring"]):
         algbw = size / t_ar / 1e9
-        lines.append(f"{commcost.human_size(size):>9} | {t_ar * 1e6:>13.1f} {algbw:>10.3f} {algbw * factor:>10.3f} | "
+        lines.append(f"{cost_model.human_size(size):>9} | {t_ar * 1e6:>13.1f} {algbw:>10.3f} {algbw * factor:>10.3f} | "
                      f"{t_ring * 1e6:>10.1f} {size / t_ring / 1e9 * factor:>10.3f} {t_ring / t_ar:>15.2f}")
     return "\n".join(lines)
 
@@ -53,13 +54,13 @@ def main(argv=None) -> int:
                      f"--reps >= 1 (got {args.reps})")
     sizes = sizes_up_to(args.max_mib)
     print(f"machine: {os.cpu_count()} CPU cores, python {sys.version.split()[0]}; float32 messages "
-          f"{commcost.human_size(sizes[0])} to {commcost.human_size(sizes[-1])}, median of {args.reps} calls", flush=True)
+          f"{cost_model.human_size(sizes[0])} to {cost_model.human_size(sizes[-1])}, median of {args.reps} calls", flush=True)
     for world in args.world:
-        result = launch(commcost.time_ops, world, sizes, args.reps, ("all_reduce", "ring"))[0]
+        result = launch(cost_model.time_ops, world, sizes, args.reps, ("all_reduce", "ring"))[0]
         print(f"\n{world} ranks, {result['backend']} on {result['device']}")
         print(table(sizes, result))
         for op in ("all_reduce", "ring"):
-            alpha, bandwidth = commcost.fit_alpha_beta(sizes, result[op])
+            alpha, bandwidth = cost_model.fit_alpha_beta(sizes, result[op])
             print(f"  fit {op:<10}: alpha = {alpha * 1e6:8.1f} us, bandwidth = {bandwidth / 1e9:6.3f} GB/s")
     return 0
 

@@ -24,7 +24,7 @@ import time
 import torch
 from torch.utils.data import DistributedSampler
 
-from mgpu_lab import samplers, uneven, workload
+from mgpu_lab.data import samplers, uneven, workload
 
 N_PLAN = 1_000_000
 TARGETS = {"plan_s": 1.0, "balanced_max_mean": 1.01, "distributed_max_mean": 1.1}

@@ -26,7 +26,8 @@ import torch
 from torch import nn
 from torch.utils.data import Subset
 
-from mgpu_lab import data, ddp, download
+from mgpu_lab.data import datasets, download
+from mgpu_lab.parallel import ddp
 from mgpu_lab import dist as mdist
 
 
@@ -48,7 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--backend", choices=["nccl", "gloo"], default=None, help="default: nccl on GPUs, else gloo")
     p.add_argument("--checkpoint-dir", default=None, help="rank 0 writes last.pt here after every epoch")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir/last.pt if it exists")
-    p.add_argument("--data-url", default=None, help="download a data archive (data.write_archive) once per node")
+    p.add_argument("--data-url", default=None, help="download a data archive (datasets.write_archive) once per node")
     p.add_argument("--data-md5", default=None, help="the archive's MD5 (needed with --data-url)")
     p.add_argument("--data-root", default="data", help="where --data-url is downloaded on each node")
     p.add_argument("--compare-reference", action="store_true",
@@ -75,10 +76,10 @@ def make_model(features: int, hidden: int, classes: int, seed: int):
 def load_data(args):
     if args.data_url:
         get = download.download_once(download.fetch_archive)  # local rank 0 of each node downloads
-        full = data.load_archive_dir(get(args.data_url, args.data_root, args.data_md5))
+        full = datasets.load_archive_dir(get(args.data_url, args.data_root, args.data_md5))
         say(f"data: {len(full)} samples from {args.data_url} (downloaded once per node)")
     else:
-        full = data.synthetic_classification(args.samples + args.val_samples, args.features, args.classes,
+        full = datasets.synthetic_classification(args.samples + args.val_samples, args.features, args.classes,
                                              seed=args.seed)
     n_train = len(full) - args.val_samples
     if n_train < 1:

@@ -30,7 +30,9 @@ import torch
 import torch.distributed as tdist
 import torch.nn.functional as F
 
-from mgpu_lab import data, ddp, distcp, fsdp
+from mgpu_lab.data import datasets
+from mgpu_lab.parallel import ddp
+from mgpu_lab.sharding import distcp, fsdp
 from mgpu_lab import dist as mdist
 
 
@@ -109,7 +111,7 @@ def main(argv=None) -> int:
     say(f"rank {me.rank}/{me.world_size} local_rank {me.local_rank} node {me.node_rank}: backend "
         f"{tdist.get_backend()}, device {device}, pid {os.getpid()}", every_rank=True)
 
-    train_set = data.synthetic_classification(args.samples, args.features, args.classes, seed=args.seed)
+    train_set = datasets.synthetic_classification(args.samples, args.features, args.classes, seed=args.seed)
     loader, sampler = ddp.make_loader(train_set, args.batch_size, seed=args.seed)
     model = fsdp.BlockNet(args.features, args.width, args.depth, args.classes, seed=args.seed).to(device)
     n_params = sum(p.numel() for p in model.parameters())

@@ -26,9 +26,9 @@ import torch
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from mgpu_lab import data
+from mgpu_lab.data import datasets
 from mgpu_lab import dist as mdist
-from mgpu_lab.snapshot import atomic_save, resumable_train
+from mgpu_lab.failures.snapshot import atomic_save, resumable_train
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -55,7 +55,7 @@ def make_model(seed: int = 0) -> nn.Module:
 
 
 def make_data(samples: int):
-    return data.synthetic_classification(samples, features=6, classes=3, seed=3)
+    return datasets.synthetic_classification(samples, features=6, classes=3, seed=3)
 
 
 def fault_injector(args):

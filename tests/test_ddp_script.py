@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mgpu_lab import data, ddp, download
+from mgpu_lab.data import datasets, download
+from mgpu_lab.parallel import ddp
 from mgpu_lab.core import procenv
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -47,8 +48,8 @@ def _reference(epochs):
 
 def test_torchrun_downloads_once_trains_like_one_process_then_resumes(tmp_path):
     # The served archive holds exactly the data the script would make itself.
-    full = data.synthetic_classification(96 + 24, 8, 3, seed=0)
-    md5 = data.write_archive(full, tmp_path / "served" / "blobs.tar.gz")
+    full = datasets.synthetic_classification(96 + 24, 8, 3, seed=0)
+    md5 = datasets.write_archive(full, tmp_path / "served" / "blobs.tar.gz")
     ckpt = tmp_path / "ckpt"
     with download.serve(tmp_path / "served") as server:
         out = _run([*TORCHRUN, str(SCRIPT), *SMALL, "--epochs", "1", "--checkpoint-dir", str(ckpt),

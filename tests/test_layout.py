@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "mgpu_lab"
 MAX_BODY = 60  # the guide's "functions short (about 60 lines)": body lines, the docstring not counted
 PARTS = ("launcher", "course", "cluster")
-BASE = {"mgpu_lab.dist", "mgpu_lab.devices", "mgpu_lab.compat", "mgpu_lab.core", "mgpu_lab.core.libc",
+BASE = {"mgpu_lab.dist", "mgpu_lab.devices", "mgpu_lab.core.compat", "mgpu_lab.core", "mgpu_lab.core.libc",
         "mgpu_lab.core.procenv"}
 APPS = {"mgpu_lab.cli", "mgpu_lab.doctor", "mgpu_lab.__main__"}
 

@@ -7,7 +7,9 @@ inside each rank), ``procs`` (the forkserver and process-tree clean-up),
 ``lifetime`` (nothing of a launch outlives it: the lifeline, each rank's
 process group and guard, Ctrl-C held back during start-up), ``server``
 (preloaded by the forkserver only: its quick exit), ``relay`` (rank
-output, prefixed and live) and ``progressbars`` (per-rank progress bars).
+output, prefixed and live), ``progressbars`` (per-rank progress bars), and
+``elastic`` with ``torchrun_worker`` (real ``torchrun`` from a notebook, a test or
+a check, as lessons 07 and 10 use it).
 
 Kept empty on purpose: ranks import ``mgpu_lab.launcher.rank`` without starting
 the forkserver that importing ``mgpu_lab.launcher.launch`` starts.

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as tdist
 import torch.nn.parallel  # noqa: F401  (preloaded: most lessons wrap with DDP)
 
-from mgpu_lab import compat
+from mgpu_lab.core import compat
 
 from . import pickling, procs
 from .lifetime import bind_rank

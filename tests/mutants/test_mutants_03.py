@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from mgpu_lab.data_parallel import gather, parallel_apply, replicate, scatter
+from mgpu_lab.parallel.data_parallel import gather, parallel_apply, replicate, scatter
 from mutation import ExerciseMutants, Mutant, Variant, cell_of, define, drop_statement, mutant_tests, replace
 
 pytestmark = pytest.mark.timeout(300)

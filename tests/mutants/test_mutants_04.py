@@ -75,8 +75,8 @@ def ddp_train(model_fn, dataset, epochs, batch_size, lr):
             optimizer.step()
     return model.module.state_dict()
 '''),
-    Variant("the library: mgpu_lab.ddp.train (batches to the parameters' device)", '''
-from mgpu_lab import ddp as _library
+    Variant("the library: mgpu_lab.parallel.ddp.train (batches to the parameters' device)", '''
+from mgpu_lab.parallel import ddp as _library
 
 def ddp_train(model_fn, dataset, epochs, batch_size, lr):
     return _library.train(model_fn, dataset, epochs, batch_size, lr)
@@ -105,7 +105,7 @@ def download_once(fn):
         return box[0]
     return wrapper
 '''),
-    Variant("the library: mgpu_lab.download.download_once", "from mgpu_lab.download import download_once\n"),
+    Variant("the library: mgpu_lab.data.download.download_once", "from mgpu_lab.data.download import download_once\n"),
 ]
 
 MEAN_VARIANTS = [
@@ -123,7 +123,7 @@ def global_mean(local_sum, local_count):
     dist.all_gather_object(pairs, (local_sum, local_count))
     return sum(s for s, _ in pairs) / sum(c for _, c in pairs)
 '''),
-    Variant("the library: mgpu_lab.ddp.global_mean", "from mgpu_lab.ddp import global_mean\n"),
+    Variant("the library: mgpu_lab.parallel.ddp.global_mean", "from mgpu_lab.parallel.ddp import global_mean\n"),
 ]
 
 SPECS = [

@@ -67,7 +67,7 @@ SAMPLER_VARIANTS = [
 '''),
     Variant("the library's plan_balanced", SAMPLER_HEAD + '''
     def plan(self):
-        from mgpu_lab.samplers import plan_balanced
+        from mgpu_lab.data.samplers import plan_balanced
         return plan_balanced(self.costs, self.num_replicas, seed=self.seed, epoch=self.epoch,
                              shuffle=self.shuffle, drop_last=self.drop_last).tolist()
 '''),
@@ -95,7 +95,7 @@ def train_with_join(model, batches, optimizer):
             optimizer.step()
     return done
 '''),
-    Variant("the library: mgpu_lab.uneven.train_with_join", "from mgpu_lab.uneven import train_with_join\n"),
+    Variant("the library: mgpu_lab.data.uneven.train_with_join", "from mgpu_lab.data.uneven import train_with_join\n"),
 ]
 
 SPECS = [

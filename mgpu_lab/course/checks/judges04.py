@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from mgpu_lab import ddp
+from mgpu_lab.parallel import ddp
 from .probes04 import check_data, check_model
 
 

@@ -4,7 +4,7 @@ The cost distributions (:func:`case_costs`) are ones the notebook never shows;
 a list of per-rank index lists is judged as a partition (equal lengths, every
 index covered, only the padding repeated), per rank (max/mean of the ranks'
 total costs) and per step (the same max/mean sample position by sample
-position, :func:`mgpu_lab.workload.step_imbalance` with one sample per step).
+position, :func:`mgpu_lab.data.workload.step_imbalance` with one sample per step).
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from mgpu_lab.workload import distributed_sampler_lists, step_imbalance
+from mgpu_lab.data.workload import distributed_sampler_lists, step_imbalance
 
 BALANCE_TOL = 1.05  # max/mean of the ranks' total costs a balanced sampler must reach
 STEP_TOL = 1.35  # per-step max/mean, one sample per step: the reference reaches <= 1.21, a rank's own shuffle >= 1.5

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from mgpu_lab import sharding
+from mgpu_lab.sharding import zero
 
 SGD_LR = 0.5
 # (elements, dtype, run under torch.device("meta")): the cases of the sharded_sgd_step probe
@@ -26,7 +26,7 @@ def _show(call) -> str:
 def judge_values(t, calls, got, hint):
     """zero_memory's value for each call equals the formula's, as an int; names a shard rounded down."""
     for call, res in zip(calls, got):
-        expected = sharding.zero_memory(*call[0], **call[1])
+        expected = zero.zero_memory(*call[0], **call[1])
         if res[0] != "ok":
             t.fail(f"{_show(call)} raised {res[1]}: {res[2]}; {hint}", expected, f"raised {res[1]}")
         if res[2] != "int":

@@ -79,7 +79,7 @@ def _split(t, split_batch):
 
 
 # -- data_parallel_forward ----------------------------------------------------------------
-REPLICATE_HINT = ("make the replicas with mgpu_lab.data_parallel.replicate(model, devices) (on GPUs "
+REPLICATE_HINT = ("make the replicas with mgpu_lab.parallel.data_parallel.replicate(model, devices) (on GPUs "
                   "torch.nn.parallel.replicate): copies that stay linked to the model through autograd")
 DP_SCENARIOS = [(3, 10), (4, 3)]  # (simulated GPUs, samples): the main case, and fewer chunks than devices
 

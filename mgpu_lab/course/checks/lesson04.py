@@ -15,7 +15,8 @@ import os
 
 import torch
 
-from mgpu_lab import ddp, sampler_view
+from mgpu_lab.data import sampler_view
+from mgpu_lab.parallel import ddp
 from ._core import exercise
 from .judges04 import (judge_batches, judge_model_device, judge_order, judge_same_weights, judge_shards,
                        judge_weights)

@@ -6,7 +6,7 @@
   instead of a ``seed + epoch`` one shows up as overlapping lists. It is judged
   on cost distributions the notebook never shows, per rank (max/mean of the
   ranks' total costs) and per step (the same max/mean, sample position by
-  sample position: :func:`mgpu_lab.workload.step_imbalance`), and once in
+  sample position: :func:`mgpu_lab.data.workload.step_imbalance`), and once in
   three real processes that each build only their own rank's sampler.
 - ``train_with_join`` runs in 3 real ranks, every scenario in one launch, with
   a DDP model and a different number of batches per rank, followed by a
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from mgpu_lab.launcher.errors import LaunchError
-from mgpu_lab.workload import step_imbalance
+from mgpu_lab.data.workload import step_imbalance
 from ._core import exercise
 from .judges05 import (BALANCE_TOL, SAMPLER_HINT, STEP_HINT, STEP_TOL, case_costs, config, ds_balance, ds_lists,
                        judge, partition_problem)

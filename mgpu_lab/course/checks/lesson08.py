@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 
-from mgpu_lab import fsdp
+from mgpu_lab.sharding import fsdp
 from ._core import exercise
 from .judges08 import (SGD_CASES, SGD_LR, judge_collectives, judge_dcp, judge_gathers, judge_measured,
                        judge_own_shard, judge_raises, judge_result, judge_values, need)

@@ -3,7 +3,7 @@
 The references are the real things: ``dist.all_reduce`` for the ring, PyTorch's own
 bucketing function (the one DDP's reducer calls) for the buckets, and DDP without a
 hook for the hook. The ring and the hook run in real ranks with every send, recv and
-collective recorded (:mod:`mgpu_lab.commlog`), so "no collective", "only the
+collective recorded (:mod:`mgpu_lab.comm.commlog`), so "no collective", "only the
 neighbours", "2(W-1)/W of the tensor" and "the tensor sent is bfloat16" are judged
 from what the ranks really did. What runs in the ranks is :mod:`.probes09`.
 """
@@ -14,8 +14,8 @@ import random
 
 import torch
 
-from mgpu_lab.commlog import P2P
-from mgpu_lab.ddp_buckets import torch_bucket_assignment
+from mgpu_lab.comm.commlog import P2P
+from mgpu_lab.comm.ddp_buckets import torch_bucket_assignment
 from ._core import exercise
 from .probes09 import call_all, run_hook, run_ring
 

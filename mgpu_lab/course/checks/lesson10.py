@@ -16,7 +16,7 @@ import os
 import random
 import tempfile
 
-from mgpu_lab import hangs
+from mgpu_lab.failures import hangs
 from ._core import exercise
 from .probes10 import HANGS, atomic_probe, first_desync_all, record_hangs
 

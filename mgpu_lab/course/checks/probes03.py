@@ -155,7 +155,7 @@ def _devices(devices) -> list[str]:
 
 
 def sim_replicate(network, devices, detach: bool = False):
-    from mgpu_lab.data_parallel import replicate  # its CPU path: autograd-linked shallow copies
+    from mgpu_lab.parallel.data_parallel import replicate  # its CPU path: autograd-linked shallow copies
 
     names = _devices(devices)
     with torch.set_grad_enabled(torch.is_grad_enabled() and not detach):

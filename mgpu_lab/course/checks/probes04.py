@@ -25,8 +25,8 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from mgpu_lab import dist as mdist
-from mgpu_lab.data import synthetic_classification
-from mgpu_lab.download import simulate_nodes
+from mgpu_lab.data.datasets import synthetic_classification
+from mgpu_lab.data.download import simulate_nodes
 from ._moves import Moved
 from ._moves import tag as _tag
 

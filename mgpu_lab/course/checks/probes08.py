@@ -2,11 +2,11 @@
 
 - :func:`evaluate_calls`: the learner's ``zero_memory`` on many arguments;
 - :func:`measure_zero`: the bytes 4 ranks really hold under DDP, ZeRO-1/2 by
-  hand (:class:`mgpu_lab.sharding.FlatZero`) and FSDP2, after two Adam steps;
+  hand (:class:`mgpu_lab.sharding.zero.FlatZero`) and FSDP2, after two Adam steps;
 - :func:`run_sgd_cases`: the learner's ``sharded_sgd_step`` on several sizes and
   dtypes, with every collective it issued (and the shard it contributed to the
   all-gather), then once more with torch's default device set to ``meta``;
-- :func:`run_shard_model`: the learner's ``shard_model`` on a :class:`~mgpu_lab.fsdp.BlockNet`:
+- :func:`run_shard_model`: the learner's ``shard_model`` on a :class:`~mgpu_lab.sharding.fsdp.BlockNet`:
   which parameters became DTensors on which mesh, the all-gathers of a forward,
   the weights after three SGD steps on half the batch;
 - :func:`run_dcp_save` and :func:`run_dcp_load`: the learner's checkpoint
@@ -25,8 +25,8 @@ from torch import nn
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from mgpu_lab import distcp, fsdp, sharding
-from mgpu_lab.comm_log import record_collectives
+from mgpu_lab.sharding import distcp, fsdp, zero
+from mgpu_lab.comm.comm_log import record_collectives
 
 
 # -- zero_memory ---------------------------------------------------------------------------
@@ -58,19 +58,19 @@ def measure_zero(width: int = 9, depth: int = 2) -> dict:
     ddp = DDP(model(), gradient_as_bucket_view=True)  # .grad are views into the buckets: no second copy
     opt = adam(ddp.parameters())
     fsdp.train_steps(ddp, opt, x, y, 2)
-    out["stage0"] = sharding.held_bytes(ddp.module, opt)["total"]
+    out["stage0"] = zero.held_bytes(ddp.module, opt)["total"]
     for stage in (1, 2):
         m = model()
-        zero = sharding.FlatZero(m, stage, adam)
-        fsdp.train_steps(m, zero, x, y, 2)  # FlatZero has zero_grad() and step()
-        out[f"stage{stage}"] = sharding.held_bytes(m, zero.optimizer)["total"]
+        flat = zero.FlatZero(m, stage, adam)
+        fsdp.train_steps(m, flat, x, y, 2)  # FlatZero has zero_grad() and step()
+        out[f"stage{stage}"] = zero.held_bytes(m, flat.optimizer)["total"]
     m = fsdp.shard_model(model(), fsdp.make_mesh(torch.device("cpu")))
     opt = adam(m.parameters())
     fsdp.train_steps(m, opt, x, y, 2)
-    out["stage3"] = sharding.held_bytes(m, opt)["total"]
-    out["flat_padding"] = sharding.shard_size(out["n"], world) * world - out["n"]
+    out["stage3"] = zero.held_bytes(m, opt)["total"]
+    out["flat_padding"] = zero.shard_size(out["n"], world) * world - out["n"]
     # FSDP2 pads every parameter on dim 0 to a multiple of the world size
-    out["fsdp_padding"] = sum((sharding.shard_size(p.shape[0], world) * world - p.shape[0]) * (p.numel() // p.shape[0])
+    out["fsdp_padding"] = sum((zero.shard_size(p.shape[0], world) * world - p.shape[0]) * (p.numel() // p.shape[0])
                               for p in model().parameters())
     return out
 
@@ -130,7 +130,7 @@ def _describe(p, mesh) -> dict:
 
 def padded_numel(params, world: int) -> int:
     """Elements FSDP2 all-gathers for these parameters: each padded on dim 0 to a multiple of ``world``."""
-    return sum(sharding.shard_size(p.shape[0], world) * world * (p.numel() // p.shape[0]) for p in params)
+    return sum(zero.shard_size(p.shape[0], world) * world * (p.numel() // p.shape[0]) for p in params)
 
 
 def run_shard_model(shard_model, steps: int, lr: float):

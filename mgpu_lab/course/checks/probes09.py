@@ -1,7 +1,7 @@
 """What lesson 09's checks run inside real ranks; they return plain evidence, judged in :mod:`.lesson09`.
 
 - :func:`run_ring`: the learner's ``ring_allreduce`` on several tensors, each call
-  recorded with :mod:`mgpu_lab.commlog` (every send/recv and collective, its peer
+  recorded with :mod:`mgpu_lab.comm.commlog` (every send/recv and collective, its peer
   and bytes), next to ``dist.all_reduce``'s answer computed before any of it runs;
 - :func:`call_all`: the learner's ``bucket_assignment`` on many inputs, in one process;
 - :func:`run_hook`: DDP with the learner's communication hook next to DDP without
@@ -15,7 +15,7 @@ import torch.distributed as tdist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mgpu_lab import commlog
+from mgpu_lab.comm import commlog
 
 
 # -- ring_allreduce ----------------------------------------------------------------------

@@ -27,8 +27,8 @@ import tempfile
 
 import torch
 
-from mgpu_lab import hangs
-from mgpu_lab.data import synthetic_classification
+from mgpu_lab.failures import hangs
+from mgpu_lab.data.datasets import synthetic_classification
 
 # -- atomic_save -----------------------------------------------------------------------
 OLD = {"version": 1, "weights": torch.arange(3000, dtype=torch.float32)}

@@ -1,6 +1,6 @@
 """Check of lesson 10's resumable_train: real ranks killed with SIGKILL, restarted, compared step by step.
 
-The reference is an uninterrupted run of :func:`mgpu_lab.snapshot.resumable_train`
+The reference is an uninterrupted run of :func:`mgpu_lab.failures.snapshot.resumable_train`
 in real ranks. Every run, the learner's and the reference's, trains a model
 whose forward pass logs the batch, the RNG state and the weights (see
 :func:`.probes10.run_resumable`), so a restarted run that ends with other
@@ -17,7 +17,9 @@ import os
 import shutil
 import tempfile
 
-from mgpu_lab import ddp, elastic, snapshot
+from mgpu_lab.failures import snapshot
+from mgpu_lab.launcher import elastic
+from mgpu_lab.parallel import ddp
 from mgpu_lab.launcher.errors import LaunchError, LaunchTimeout
 from ._core import CaseFailed, _error_text, exercise
 from .probes10 import read_log, run_resumable

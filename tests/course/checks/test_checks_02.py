@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, get_worker_info
 
 from checking import solutions_from
-from mgpu_lab import loaders
+from mgpu_lab.data import loaders
 from mgpu_lab.course.checks import check, exercises
 
 pytestmark = pytest.mark.timeout(300)
@@ -43,7 +43,7 @@ def test_registered():
 
 @pytest.mark.parametrize("exercise_id", list(POINTS))
 def test_the_library_reference_gets_full_marks(exercise_id):
-    """mgpu_lab.loaders is what the lesson's demos fall back on: it must be right too."""
+    """mgpu_lab.data.loaders is what the lesson's demos fall back on: it must be right too."""
     result = check(exercise_id, getattr(loaders, NAMES[exercise_id]))
     assert result.points == result.max_points, str(result)
 

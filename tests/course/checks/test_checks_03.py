@@ -17,7 +17,7 @@ from torch import nn
 from checking import solutions_from
 from mgpu_lab.course.checks import check, exercises
 from mgpu_lab.course.checks.probes03 import Placed, place, simulated_gpus
-from mgpu_lab.data_parallel import parallel_apply, replicate
+from mgpu_lab.parallel.data_parallel import parallel_apply, replicate
 
 pytestmark = pytest.mark.timeout(180)
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mgpu_lab import ddp
+from mgpu_lab.parallel import ddp
 from mgpu_lab.course.checks import check, exercises, lesson04, probes04
 from mgpu_lab.course.checks._moves import Moved
 from mgpu_lab.course.checks.judges04 import variant_train

@@ -17,8 +17,8 @@ from torch.utils.data import DistributedSampler, Sampler
 
 from mgpu_lab import check
 from mgpu_lab.course.checks import _core, exercises, judges05, lesson05
-from mgpu_lab.samplers import BalancedDistributedSampler, plan_balanced
-from mgpu_lab.workload import distributed_sampler_lists, step_imbalance
+from mgpu_lab.data.samplers import BalancedDistributedSampler, plan_balanced
+from mgpu_lab.data.workload import distributed_sampler_lists, step_imbalance
 
 pytestmark = pytest.mark.timeout(300)
 # The answers below travel to the check's processes by value, as notebook

@@ -39,8 +39,8 @@ def test_a_stub_is_not_attempted(name):
 def test_the_library_versions_pass():
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
-    from mgpu_lab.collectives import ring_allreduce
-    from mgpu_lab.ddp_buckets import torch_bucket_assignment
+    from mgpu_lab.comm.collectives import ring_allreduce
+    from mgpu_lab.comm.ddp_buckets import torch_bucket_assignment
 
     assert check("09.ring_allreduce", ring_allreduce).passed
     assert check("09.bucket_assignment", torch_bucket_assignment).passed

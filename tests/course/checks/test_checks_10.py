@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
-from mgpu_lab import snapshot
+from mgpu_lab.failures import snapshot
 from mgpu_lab import dist as mdist
 """
 

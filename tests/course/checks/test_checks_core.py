@@ -157,7 +157,7 @@ def test_a_check_imports_only_its_own_lessons_checkers():
     loaded = set(modules.split())
     lessons = {m.rsplit(".", 1)[1] for m in loaded if m.startswith("mgpu_lab.course.checks.lesson")}
     assert lessons == {"lesson01"}, lessons
-    assert not loaded & {"mgpu_lab.fsdp", "mgpu_lab.distcp", "mgpu_lab.elastic", "mgpu_lab.hangs"}, loaded
+    assert not loaded & {"mgpu_lab.sharding.fsdp", "mgpu_lab.sharding.distcp", "mgpu_lab.launcher.elastic", "mgpu_lab.failures.hangs"}, loaded
     # and the listing of every exercise still finds all ten lessons
     listed = subprocess.run([sys.executable, "-c", "from mgpu_lab import exercises\n"
                              "print(sorted({e.lesson for e in exercises()}))"], capture_output=True, text=True,

@@ -1,0 +1,233 @@
+"""Inside DDP: gradient buckets, when their all-reduces run, and what the bucket size costs.
+
+DDP does not all-reduce gradient by gradient: it groups the parameters into
+buckets of about ``bucket_cap_mb`` and all-reduces a bucket as soon as every
+gradient in it is ready, while backward goes on with the earlier layers.
+
+- :func:`torch_bucket_assignment`: PyTorch's own bucketing of parameters of given
+  sizes, as DDP rebuilds it after the first iteration (gradient-ready order, which
+  for a model run in registration order is the reverse of it);
+- :func:`bucket_probe` and :func:`named_buckets`: the buckets a real DDP forms, seen
+  from a communication hook, iteration by iteration;
+- :func:`overlap_probe` and :func:`plot_overlap`: when each layer's backward and each
+  bucket's all-reduce ran, from hooks, on every rank;
+- :func:`step_time_probe`: the time of a training step for several bucket caps.
+
+Example:
+    >>> torch_bucket_assignment([400, 400, 400], cap_bytes=800)
+    [[2, 1], [0]]
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as tdist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+__all__ = ["torch_bucket_assignment", "SizedModel", "bucket_probe", "named_buckets", "mlp",
+           "overlap_probe", "plot_overlap", "step_time_probe"]
+
+
+def torch_bucket_assignment(param_bytes: list[int], cap_bytes: int) -> list[list[int]]:
+    """The buckets PyTorch forms for parameters of these sizes, as DDP rebuilds them.
+
+    Calls ``torch.distributed._compute_bucket_assignment_by_size``, the function
+    DDP's reducer uses, with the parameters in gradient-ready order (the reverse of
+    registration order) and one cap, which is what DDP does from the second
+    iteration on when ``bucket_cap_mb`` is given (the first iteration puts
+    everything in one bucket; without ``bucket_cap_mb`` the first bucket's cap is
+    1 MiB and the others' 25 MiB).
+
+    Args:
+        param_bytes: bytes of each parameter, in registration order.
+        cap_bytes: the bucket cap in bytes (``bucket_cap_mb * 2**20``).
+
+    Returns:
+        Buckets in the order they are all-reduced; each a list of parameter indices.
+
+    Raises:
+        ValueError: a size or the cap that is not a positive int.
+    """
+    for name, value in [("cap_bytes", cap_bytes)] + [(f"param_bytes[{i}]", b) for i, b in enumerate(param_bytes)]:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive int (bytes)")
+    if not param_bytes:
+        return []  # no parameters, no buckets (the C++ function asserts on an empty list)
+    order = list(reversed(range(len(param_bytes))))
+    tensors = [torch.empty(param_bytes[i], dtype=torch.uint8) for i in order]
+    buckets, _ = tdist._compute_bucket_assignment_by_size(tensors, [cap_bytes], [False] * len(order), order)
+    return [list(b) for b in buckets]
+
+
+class SizedModel(nn.Module):
+    """Parameters of given sizes (float32), used in registration order by ``forward``.
+
+    Their gradients become ready in reverse order, as in a network run layer by layer.
+    """
+
+    def __init__(self, param_bytes: list[int]):
+        super().__init__()
+        bad = [b for b in param_bytes if b < 4 or b % 4]
+        if bad:
+            raise ValueError(f"SizedModel holds float32 parameters: sizes must be multiples of 4 bytes, got {bad}")
+        torch.manual_seed(0)
+        self.params = nn.ParameterList(nn.Parameter(torch.randn(b // 4)) for b in param_bytes)
+
+    def forward(self, x):
+        for p in self.params:
+            x = x + p.sum()
+        return x
+
+
+def _recorder(names: dict, seen: list):
+    def hook(state, bucket):
+        seen.append([names[id(p)] for p in bucket.parameters()])
+        return default_hooks.allreduce_hook(state, bucket)
+
+    return hook
+
+
+def bucket_probe(param_bytes: list[int], cap_bytes: int, steps: int = 2) -> list[list[list[int]]]:
+    """In a rank: the buckets a real DDP all-reduces in each of ``steps`` iterations.
+
+    Returns:
+        Per iteration, the buckets in the order their hooks ran, as parameter indices.
+    """
+    model = SizedModel(param_bytes)
+    ddp = DDP(model, bucket_cap_mb=cap_bytes / 2**20)
+    seen: list = []
+    ddp.register_comm_hook(None, _recorder({id(p): i for i, p in enumerate(model.parameters())}, seen))
+    out = []
+    for _ in range(steps):
+        seen.clear()
+        ddp(torch.ones(1)).sum().backward()
+        out.append([list(b) for b in seen])
+    return out
+
+
+def mlp(width: int = 256, depth: int = 4, classes: int = 10, seed: int = 0) -> nn.Sequential:
+    """``depth`` Linear+ReLU layers of ``width`` and a classifier: the lesson's model."""
+    torch.manual_seed(seed)
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(width, classes))
+
+
+def named_buckets(model_fn, cap_mb: float, steps: int = 2, batch: int = 8) -> dict:
+    """In a rank: DDP's buckets for ``model_fn()`` per iteration, by parameter name, and their bytes."""
+    model = model_fn()
+    ddp = DDP(model, bucket_cap_mb=cap_mb)
+    names = {id(p): n for n, p in model.named_parameters()}
+    sizes = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
+    seen: list = []
+    ddp.register_comm_hook(None, _recorder(names, seen))
+    width = next(model.parameters()).shape[1]
+    out = []
+    for _ in range(steps):
+        seen.clear()
+        ddp(torch.randn(batch, width)).sum().backward()
+        out.append([list(b) for b in seen])
+    return {"steps": out, "bytes": sizes}
+
+
+def overlap_probe(model_fn, cap_mb: float, batch: int = 64, steps: int = 3) -> dict:
+    """In a CPU rank (gloo): when each Linear's backward and each bucket's all-reduce ran.
+
+    Times are ``time.perf_counter()`` seconds (one clock for the processes of a
+    machine) relative to the start of backward, from the last of ``steps``
+    iterations. A bucket's all-reduce starts when DDP calls the communication hook
+    (its last gradient is ready) and ends when the all-reduce's future completes.
+    The model runs on the CPU: on a GPU, host timestamps in hooks mark when work is
+    queued, not when it runs (measure there with ``torch.profiler``).
+    """
+    model = model_fn()
+    ddp = DDP(model, bucket_cap_mb=cap_mb)
+    spans: dict = {"compute": [], "comm": []}
+    starts: dict = {}
+    for name, module in model.named_children():
+        if isinstance(module, nn.Linear):
+            module.register_full_backward_pre_hook(
+                lambda m, g, name=name: starts.__setitem__(name, time.perf_counter()))
+            module.register_full_backward_hook(
+                lambda m, gi, go, name=name: spans["compute"].append([f"layer {name}", starts[name],
+                                                                      time.perf_counter()]))
+
+    def hook(state, bucket):
+        index, buffer, t0 = bucket.index(), bucket.buffer(), time.perf_counter()
+
+        def done(fut):
+            spans["comm"].append([f"bucket {index}", t0, time.perf_counter(),
+                                  buffer.numel() * buffer.element_size()])
+            return fut.value()[0]
+
+        buffer.div_(tdist.get_world_size())
+        return tdist.all_reduce(buffer, async_op=True).get_future().then(done)
+
+    ddp.register_comm_hook(None, hook)
+    x = torch.randn(batch, model[0].in_features, requires_grad=True)  # so the first layer's hook fires
+    for _ in range(steps):
+        spans["compute"].clear()
+        spans["comm"].clear()
+        ddp.zero_grad()
+        loss = ddp(x).square().mean()
+        t0 = time.perf_counter()
+        loss.backward()
+        t1 = time.perf_counter()
+    shift = lambda rows: [[r[0], r[1] - t0, r[2] - t0, *r[3:]] for r in rows]  # noqa: E731
+    return {"compute": shift(spans["compute"]), "comm": shift(spans["comm"]), "backward": t1 - t0,
+            "rank": tdist.get_rank()}
+
+
+def plot_overlap(results: list[dict], ax=None):
+    """Backward compute (per layer) and all-reduce (per bucket) of every rank, on one time axis."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 0.8 + 0.6 * 2 * len(results)))
+    lanes = []
+    for res in results:
+        for kind, color in (("compute", "tab:orange"), ("comm", "tab:green")):
+            row = len(lanes)
+            lanes.append(f"rank {res['rank']} {'backward' if kind == 'compute' else 'all-reduce'}")
+            spans = sorted(res[kind], key=lambda s: s[1])
+            height = 0.8 / (len(spans) if kind == "comm" else 1)  # all-reduces may overlap: one strip each
+            for i, (label, a, b, *_) in enumerate(spans):
+                low = row - 0.4 + (i * height if kind == "comm" else 0)
+                ax.broken_barh([(a * 1e3, (b - a) * 1e3)], (low, height), color=color, edgecolor="white")
+                ax.text(a * 1e3, low + height / 2, " " + label.split()[-1], ha="left", va="center", fontsize=6)
+    ax.set_yticks(range(len(lanes)), lanes, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("time since backward started (ms)")
+    return ax
+
+
+def step_time_probe(model_fn, caps_mb: list[float], batch: int = 64, steps: int = 5) -> dict:
+    """In a rank: the median seconds of a DDP training step (forward, backward, SGD) per bucket cap."""
+    from mgpu_lab import dist as mdist
+
+    device = mdist.device()
+    out = {}
+    for cap in caps_mb:
+        model = model_fn().to(device)
+        ddp = DDP(model, bucket_cap_mb=cap, device_ids=[device.index] if device.type == "cuda" else None)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+        x = torch.randn(batch, model[0].in_features, device=device)
+        times = []
+        for i in range(steps + 2):  # two untimed: the first one buckets everything together
+            tdist.barrier()
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            ddp(x).square().mean().backward()
+            opt.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+        out[cap] = {"seconds": statistics.median(times), "buckets": ddp._get_ddp_logging_data().get(
+            "rebuilt_bucket_sizes", "")}
+    return out

@@ -1,0 +1,306 @@
+"""Measuring how well a DataLoader feeds the model.
+
+- :func:`measure` and :func:`sweep_workers`: samples per second of a loader
+  after its workers have started, for several ``num_workers``; :func:`knee`
+  and :func:`plot_sweep` read the result.
+- :func:`epoch_starts`: what each epoch pays before its first batch (worker
+  start-up, which ``persistent_workers`` pays only once).
+- :func:`timed_loop`: a training loop with a progress bar that splits the time
+  into *waiting for the next batch* and *computing*: data-bound or compute-bound.
+- :func:`copy_timing`: host-to-GPU copies from pageable vs pinned memory (CUDA).
+- :class:`RandomDraws` and :func:`draws_by_worker`: what the random number
+  generators of each worker produce (the seeding bug, and its fix).
+
+Example:
+    >>> from mgpu_lab.data.images import EncodedImages
+    >>> rows = sweep_workers(EncodedImages(n=64), [0], batch_size=8, n_batches=2, progress=False)
+    >>> rows[0]["num_workers"], rows[0]["samples_per_s"] > 0
+    (0, True)
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, get_worker_info
+
+__all__ = ["measure", "sweep_workers", "knee", "plot_sweep", "epoch_starts", "LoopTiming", "timed_loop",
+           "copy_timing", "RandomDraws", "draws_by_worker", "batch_size_of"]
+
+
+def _bar(iterable=None, **kwargs):
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, **kwargs)
+
+
+def batch_size_of(batch) -> int:
+    """Samples in a batch: the length of its first tensor (batches may be tuples, lists or dicts)."""
+    while isinstance(batch, (list, tuple, dict)):
+        if not batch:
+            return 0
+        batch = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
+    return len(batch) if isinstance(batch, torch.Tensor) and batch.dim() > 0 else 1
+
+
+def measure(loader, n_batches: int, warmup: int = 1) -> dict:
+    """Time ``n_batches`` of ``loader`` after ``warmup`` batches (worker start-up excluded).
+
+    Returns:
+        ``{"startup_s", "seconds", "samples", "samples_per_s"}``: start-up is the
+        time to create the iterator and draw the warm-up batches.
+
+    Raises:
+        ValueError: the loader has fewer than ``warmup + n_batches`` batches.
+    """
+    if n_batches < 1 or warmup < 0:
+        raise ValueError(f"n_batches={n_batches}, warmup={warmup}: time at least one batch, warmup >= 0")
+    try:
+        available = len(loader)
+    except TypeError:
+        available = None
+    if available is not None and available < warmup + n_batches:
+        raise ValueError(f"the loader has {available} batches but warmup={warmup} + n_batches={n_batches} "
+                         "were asked for; lower n_batches or use a larger data set")
+    start = time.perf_counter()
+    it = iter(loader)
+    for _ in range(warmup):
+        next(it)
+    timed = time.perf_counter()
+    samples = sum(batch_size_of(next(it)) for _ in range(n_batches))
+    end = time.perf_counter()
+    del it  # stops the workers of a non-persistent loader now
+    return {"startup_s": timed - start, "seconds": end - timed, "samples": samples,
+            "samples_per_s": samples / max(end - timed, 1e-9)}
+
+
+def sweep_workers(dataset: Dataset, workers, batch_size: int = 32, n_batches: int = 10,
+                  warmup: int = 1, progress: bool = True, **loader_kwargs) -> list[dict]:
+    """Throughput of ``DataLoader(dataset, num_workers=k, ...)`` for every ``k`` in ``workers``.
+
+    Each loader is timed after ``max(warmup, k)`` batches, so that every worker
+    has delivered its first batch (start-up is reported apart, as ``startup_s``).
+
+    Returns:
+        One dict per ``k``: ``num_workers`` plus the keys of :func:`measure`.
+    """
+    rows = []
+    bar = _bar(list(workers), desc="num_workers sweep", disable=not progress, leave=False)
+    for k in bar:
+        bar.set_postfix(num_workers=k)
+        loader = DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=k, **loader_kwargs)
+        rows.append({"num_workers": k, **measure(loader, n_batches, warmup=max(warmup, k))})
+    bar.close()
+    return rows
+
+
+def knee(rows: list[dict], fraction: float = 0.9) -> int:
+    """The fewest workers that reach ``fraction`` of the best throughput in a sweep.
+
+    Example:
+        >>> knee([{"num_workers": 0, "samples_per_s": 100}, {"num_workers": 2, "samples_per_s": 190},
+        ...       {"num_workers": 4, "samples_per_s": 200}])
+        2
+    """
+    if not rows:
+        raise ValueError("knee() needs the rows of a sweep; got none")
+    best = max(r["samples_per_s"] for r in rows)
+    return min(r["num_workers"] for r in rows if r["samples_per_s"] >= fraction * best)
+
+
+def plot_sweep(rows: list[dict], ax=None, cores: int | None = None, title: str = ""):
+    """Plot samples/s against num_workers, marking the knee and the number of CPU cores."""
+    import matplotlib.pyplot as plt
+
+    from mgpu_lab.devices import cpu_count
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(5.5, 3.4))
+    xs = [r["num_workers"] for r in rows]
+    ys = [r["samples_per_s"] for r in rows]
+    ax.plot(xs, ys, "o-", color="tab:blue")
+    k = knee(rows)
+    ax.plot([k], [ys[xs.index(k)]], "o", ms=12, mfc="none", mec="tab:red", label=f"knee: {k} workers")
+    cores = cpu_count() if cores is None else cores
+    ax.axvline(cores, color="gray", ls="--", lw=1, label=f"{cores} CPU cores")
+    ax.set_xlabel("num_workers")
+    ax.set_ylabel("samples / s")
+    ax.set_xticks(xs)
+    ax.set_ylim(bottom=0)
+    ax.set_title(title or "DataLoader throughput")
+    ax.legend(loc="lower right")
+    return ax
+
+
+def epoch_starts(loader, epochs: int = 3, batches: int | None = None) -> list[dict]:
+    """Per epoch: seconds until its first batch, and seconds for the whole (or ``batches``) epoch."""
+    rows = []
+    for epoch in range(epochs):
+        start = time.perf_counter()
+        first = None
+        for i, _ in enumerate(loader):
+            if first is None:
+                first = time.perf_counter() - start
+            if batches is not None and i + 1 >= batches:
+                break
+        rows.append({"epoch": epoch, "first_batch_s": first, "epoch_s": time.perf_counter() - start})
+    return rows
+
+
+@dataclass
+class LoopTiming:
+    """Where the time of a loop went: waiting for batches, or computing on them.
+
+    The first batch is kept apart (``startup_s``: worker start-up, lazy
+    initialisation); ``samples``, ``wait_s`` and ``compute_s`` count the batches after it.
+    """
+
+    batches: int
+    samples: int
+    startup_s: float
+    wait_s: float
+    compute_s: float
+
+    @property
+    def wait_fraction(self) -> float:
+        return self.wait_s / max(self.wait_s + self.compute_s, 1e-12)
+
+    @property
+    def verdict(self) -> str:
+        return "data-bound" if self.wait_s > self.compute_s else "compute-bound"
+
+    @property
+    def samples_per_s(self) -> float:
+        """Steady-state throughput: the batches after the first."""
+        return self.samples / max(self.wait_s + self.compute_s, 1e-12)
+
+    def __str__(self) -> str:
+        return (f"{self.batches} batches: waiting {self.wait_s:.2f} s, computing {self.compute_s:.2f} s "
+                f"({100 * self.wait_fraction:.0f}% waiting: {self.verdict}), {self.samples_per_s:.0f} samples/s; "
+                f"first batch after {self.startup_s:.2f} s")
+
+
+def timed_loop(loader, step, max_batches: int | None = None, device=None, desc: str = "train",
+               progress: bool = True) -> LoopTiming:
+    """Run ``step(batch)`` over ``loader`` with a progress bar; time waiting vs computing.
+
+    Args:
+        step: the work on one batch (e.g. a training step).
+        max_batches: stop after this many batches (default: one epoch).
+        device: when it is a CUDA device, the GPU is synchronised after each
+            step, so that the GPU's time counts as computing (CUDA calls
+            return before the GPU has finished).
+
+    Returns:
+        A :class:`LoopTiming`; ``str()`` of it says data-bound or compute-bound.
+    """
+    cuda = device is not None and torch.device(device).type == "cuda"
+    total = len(loader) if max_batches is None else min(max_batches, len(loader))
+    bar = _bar(total=total, desc=desc, disable=not progress, unit="batch")
+    wait = compute = startup = 0.0
+    batches = samples = 0
+    it = iter(loader)
+    try:
+        while batches < total:
+            t0 = time.perf_counter()
+            batch = next(it)
+            t1 = time.perf_counter()
+            step(batch)
+            if cuda:
+                torch.cuda.synchronize(device)
+            t2 = time.perf_counter()
+            if batches == 0:
+                startup = t1 - t0
+            else:
+                wait += t1 - t0
+                compute += t2 - t1
+                samples += batch_size_of(batch)
+                bar.set_postfix(waiting=f"{100 * wait / max(wait + compute, 1e-12):.0f}%", refresh=False)
+            batches += 1
+            bar.update(1)
+    finally:
+        bar.close()
+        del it
+    return LoopTiming(batches, samples, startup, wait, compute)
+
+
+def copy_timing(shape=(64, 3, 224, 224), device=None, repeats: int = 10) -> dict | None:
+    """Host-to-GPU copies of a batch of ``shape``: pageable vs pinned host memory.
+
+    Returns ``None`` when ``device`` is not a CUDA device (there is nothing to copy
+    to on a CPU-only machine). Otherwise, per copy in seconds:
+
+    - ``pageable_s`` / ``pinned_s``: the copy itself (GPU synchronised);
+    - ``pageable_nb_cpu_s`` / ``pinned_nb_cpu_s``: how long ``.to(device,
+      non_blocking=True)`` holds the Python thread. From pinned memory it returns
+      at once and the copy overlaps what follows; from pageable memory it cannot.
+    """
+    if device is None:
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    pageable = torch.randn(shape)
+    pinned = pageable.pin_memory()
+    out = {"bytes": pageable.numel() * pageable.element_size()}
+    for name, src in (("pageable", pageable), ("pinned", pinned)):
+        src.to(device)
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            src.to(device)
+        torch.cuda.synchronize(device)
+        out[f"{name}_s"] = (time.perf_counter() - start) / repeats
+        held = 0.0
+        for _ in range(repeats):
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            src.to(device, non_blocking=True)
+            held += time.perf_counter() - t0
+        torch.cuda.synchronize(device)
+        out[f"{name}_nb_cpu_s"] = held / repeats
+    out["pinned_GBps"] = out["bytes"] / out["pinned_s"] / 1e9
+    out["pageable_GBps"] = out["bytes"] / out["pageable_s"] / 1e9
+    return out
+
+
+class RandomDraws(Dataset):
+    """Items that show what each worker's random number generators produce.
+
+    ``dataset[i]`` is a dict: the index, the worker that made it (-1 in the main
+    process), and one draw from Python's ``random``, NumPy's global
+    ``np.random``, torch, and ``own_rng``: a NumPy Generator this data set
+    created in ``__init__`` (in the main process, before any worker forked).
+    """
+
+    def __init__(self, n: int = 8, seed: int = 0):
+        self.n = n
+        self.rng = np.random.default_rng(seed)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> dict:
+        info = get_worker_info()
+        return {"index": index, "worker": info.id if info is not None else -1,
+                "random": random.random(), "numpy": float(np.random.rand()),
+                "torch": float(torch.rand(())), "own_rng": float(self.rng.random())}
+
+
+def draws_by_worker(dataset: Dataset, num_workers: int = 2, worker_init_fn=None, generator=None,
+                    context: str = "fork") -> dict[int, list[dict]]:
+    """Run ``dataset`` through a DataLoader once; the items grouped by the worker that made them.
+
+    ``context="fork"`` (the Linux default before Python 3.14): workers start as
+    copies of this process, random number generator states included.
+    """
+    loader = DataLoader(dataset, batch_size=None, shuffle=False, num_workers=num_workers,
+                        worker_init_fn=worker_init_fn, generator=generator,
+                        multiprocessing_context=context if num_workers > 0 else None)
+    out: dict[int, list[dict]] = {}
+    for item in loader:
+        out.setdefault(item["worker"], []).append(item)
+    return out

@@ -1,0 +1,63 @@
+"""mgpu_lab.comm.ddp_hooks in real ranks: communication hooks' bytes and losses, compile graphs, throughput."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from mgpu_lab import launch
+from mgpu_lab.comm import ddp_buckets, ddp_hooks
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _hooks_and_throughput():
+    return {"hooks": ddp_hooks.hooks_probe(steps=6, batch=8),
+            "throughput": ddp_hooks.throughput_probe(functools.partial(ddp_buckets.mlp, 32, 2), 8, 2),
+            "compiled": ddp_hooks.compile_probe(1.0, width=512, depth=2)}
+
+
+@pytest.fixture(scope="module")
+def two():
+    return launch(_hooks_and_throughput, 2, backend="gloo")
+
+
+def test_bf16_halves_the_bytes_and_powersgd_sends_far_fewer(two):
+    hooks = two[0]["hooks"]
+    full = hooks["fp32"]["bytes per step"]
+    assert full == hooks["gradient bytes"]
+    assert hooks["bf16"]["bytes per step"] == full // 2
+    assert 0 < hooks["powerSGD"]["bytes per step"] < full // 4
+    assert hooks["fp32"]["losses"][0] == hooks["bf16"]["losses"][0] == hooks["powerSGD"]["losses"][0]
+    assert abs(hooks["bf16"]["losses"][-1] - hooks["fp32"]["losses"][-1]) < 1e-2
+    assert hooks["powerSGD"]["losses"][-1] != hooks["fp32"]["losses"][-1]
+
+
+def test_throughput_counts_every_ranks_samples(two):
+    for res in two:
+        t = res["throughput"]
+        assert t["device"] == "cpu" and t["samples per second"] == pytest.approx(2 * 8 / t["seconds per step"])
+        assert 0 < t["cpu share"] <= 4  # the rank process: its compute thread and gloo's
+    assert two[0]["throughput"]["seconds per step"] == two[1]["throughput"]["seconds per step"]  # the max
+    assert two[0]["throughput"]["cpu share"] == two[1]["throughput"]["cpu share"]  # the min
+
+
+def test_compile_cuts_one_graph_per_bucket_and_keeps_the_gradients(two):
+    compiled = two[0]["compiled"]
+    assert compiled == {"graphs": 2, "ops per graph": [2, 2], "buckets": 2, "same gradients": True}
+
+
+def test_single_process_throughput_needs_cuda_and_says_so():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the error path needs a machine without one")
+    with pytest.raises(RuntimeError, match=r"needs CUDA GPUs \[0\]; 0 visible"):
+        ddp_hooks.single_process_throughput(torch.nn.Linear, 8, [0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_on_gpus_dataparallel_and_one_gpu_give_a_throughput():
+    mlp = functools.partial(ddp_buckets.mlp, 64, 2)
+    assert ddp_hooks.single_process_throughput(mlp, 32, [0], 2) > 0
+    assert ddp_hooks.single_process_throughput(mlp, 64, [0, 1], 2) > 0

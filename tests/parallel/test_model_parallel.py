@@ -1,0 +1,266 @@
+"""mgpu_lab.parallel.model_parallel (one process) and mgpu_lab.parallel.pipeline (real ranks on the CPU)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from mgpu_lab import LaunchError, launch
+from mgpu_lab.parallel.model_parallel import (TwoStageNet, bubble_fraction, ideal_timeline, mlp,
+                                     pipelined_step, replica_devices, split, stage_devices, timed_step)
+from mgpu_lab.parallel.pipeline import ddp_replica_rank, run_gpipe, torch_gpipe_rank
+from mgpu_lab.parallel.timeline import Timeline, fit_gpipe, gpipe_schedule
+
+pytestmark = pytest.mark.timeout(300)
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _data(batch=12, features=8, classes=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, features, generator=g), torch.randint(0, classes, (batch,), generator=g)
+
+
+def _full_batch_grads(model, x, y, loss_fn=nn.CrossEntropyLoss()):
+    model = copy.deepcopy(model)
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    return float(loss.detach()), [p.grad for p in model.parameters()]
+
+
+def _close(a, b):
+    return len(a) == len(b) and all(torch.allclose(g, r, atol=1e-6, rtol=1e-4) for g, r in zip(a, b))
+
+
+# -- bubble_fraction ------------------------------------------------------------------
+@pytest.mark.parametrize("p, m, expected", [(2, 1, 0.5), (2, 4, 0.2), (4, 8, 3 / 11), (1, 5, 0.0)])
+def test_bubble_fraction_is_gpipes_formula(p, m, expected):
+    got = bubble_fraction(p, m)
+    assert isinstance(got, float) and got == pytest.approx(expected, abs=1e-15)
+
+
+@pytest.mark.parametrize("args, match", [((0, 4), "n_stages=0 must be >= 1"), ((2, -1), "n_micro=-1 must be >= 1"),
+                                         ((True, 4), "n_stages=True"), ((2, 4.0), r"n_micro=4\.0 \(float\)")])
+def test_bubble_fraction_rejects_non_positive_and_non_integers(args, match):
+    with pytest.raises(ValueError, match=match):
+        bubble_fraction(*args)
+
+
+@pytest.mark.parametrize("p, m", [(1, 1), (2, 1), (2, 3), (3, 8), (4, 4)])
+def test_the_ideal_gpipe_schedule_idles_exactly_the_formula(p, m):
+    tl = ideal_timeline(p, m)
+    assert tl.idle_fraction() == pytest.approx(bubble_fraction(p, m))
+    assert tl.makespan == pytest.approx((m + p - 1) * 3.0)
+    assert tl.lanes == [f"stage {s}" for s in range(1, p + 1)] and len(tl.spans) == 2 * p * m
+
+
+# -- placing stages -------------------------------------------------------------------
+def test_two_stage_net_matches_the_unsplit_model_in_output_and_gradients():
+    model = mlp(features=8, width=16, depth=4, classes=3)
+    x, y = _data()
+    ref_loss, ref = _full_batch_grads(model, x, y)
+    net = TwoStageNet(*split(copy.deepcopy(model), 2), "cpu", torch.device("cpu"))
+    out = net(x)
+    loss = nn.CrossEntropyLoss()(out, y)
+    loss.backward()
+    assert float(loss.detach()) == pytest.approx(ref_loss) and out.device == net.dev2
+    assert _close([p.grad for p in net.parameters()], ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPUS < 2, reason=f"needs 2 CUDA GPUs, {GPUS} visible")
+def test_two_stage_net_on_two_gpus_places_stages_and_returns_on_dev2():
+    net = TwoStageNet(nn.Linear(8, 16), nn.Linear(16, 3), "cuda:0", "cuda:1")
+    assert net.stage1.weight.device == torch.device("cuda", 0) and net.stage2.weight.device == torch.device("cuda", 1)
+    assert net(torch.randn(4, 8)).device == torch.device("cuda", 1)
+
+
+@pytest.mark.parametrize("batch, n_micro", [(12, 1), (12, 4), (10, 4), (6, 4), (3, 5)])
+def test_pipelined_step_gives_the_full_batch_gradient_and_mean_loss(batch, n_micro):
+    model = mlp(features=8, width=16, depth=4, classes=3)
+    x, y = _data(batch)
+    ref_loss, ref = _full_batch_grads(model, x, y)
+    s1, s2 = split(copy.deepcopy(model), 2)
+    loss = pipelined_step(s1, s2, x, y, nn.CrossEntropyLoss(), n_micro)
+    assert isinstance(loss, float) and loss == pytest.approx(ref_loss, rel=1e-5)
+    assert _close([p.grad for p in list(s1.parameters()) + list(s2.parameters())], ref)
+
+
+def test_split_balances_parameters_shares_layers_and_rejects_too_many_stages():
+    model = mlp(features=32, width=32, depth=8)
+    s1, s2 = split(model, 2)
+    counts = [sum(p.numel() for p in s.parameters()) for s in (s1, s2)]
+    assert abs(counts[0] - counts[1]) <= 33 * 32 and s1[0] is model[0]
+    assert [len(s) for s in split(model, 4)] == [4, 4, 4, 5]
+    with pytest.raises(ValueError, match="cannot be cut into n_stages=4; use n_stages<=3"):
+        split(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2)), 4)
+
+
+def test_stage_and_replica_devices_follow_the_gpu_count():
+    assert stage_devices(2, gpus=1) == [torch.device("cpu")] * 2
+    assert stage_devices(2, gpus=4) == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert replica_devices(0, 2, gpus=4) == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert replica_devices(1, 2, gpus=4) == [torch.device("cuda", 2), torch.device("cuda", 3)]
+    assert replica_devices(3, 2, gpus=0) == [torch.device("cpu")] * 2
+    with pytest.raises(ValueError, match=r"replica 1 needs cuda:2..cuda:3 but 2 GPU\(s\).*world_size<=1"):
+        replica_devices(1, 2, gpus=2)
+
+
+# -- timelines ------------------------------------------------------------------------
+def test_timeline_busy_idle_and_plot():
+    tl = Timeline()
+    tl.add("a", "F0", 10.0, 11.0)
+    tl.add("b", "F0", 11.0, 12.0)
+    tl.add("a", "B0", 13.0, 14.0)
+    assert tl.lanes == ["a", "b"] and tl.makespan == 4.0 and tl.busy("a") == 2.0
+    assert tl.idle_fraction() == pytest.approx(1 - 3 / 8)
+    assert tl.shifted().spans[0] == ("a", "F0", 0.0, 1.0)
+    with tl.span("b", "B0"):
+        sum(range(10000))
+    assert tl.cpu_share is not None and 0 < tl.cpu_share <= 1.05 and Timeline().cpu_share is None
+    assert tl.spans[-1][:2] == ("b", "B0") and Timeline().idle_fraction() == 0.0
+    import matplotlib
+    matplotlib.use("Agg")
+    ax = ideal_timeline(2, 4).plot(title="ideal")
+    assert ax.get_title() == "ideal" and len(ax.get_yticks()) == 2
+
+
+def test_timed_step_on_one_process_matches_the_full_batch_and_never_overlaps():
+    model = mlp(features=8, width=16, depth=4, classes=3)
+    x, y = _data(10)
+    ref_loss, ref = _full_batch_grads(model, x, y)
+    stages = split(copy.deepcopy(model), 2)
+    tl = Timeline()
+    loss = timed_step(stages, ["cpu", "cpu"], x, y, nn.CrossEntropyLoss(), 4, tl)
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    assert _close([p.grad for s in stages for p in s.parameters()], ref)
+    assert tl.lanes == ["stage 1 (cpu)", "stage 2 (cpu)"]
+    assert [label for _, label, *_ in tl.spans] == ["F0", "F0", "F1", "F1", "F2", "F2", "F3", "F3",
+                                                     "B0", "B0", "B1", "B1", "B2", "B2", "B3", "B3"]
+    ordered = sorted(tl.spans, key=lambda s: s[2])  # one process, CPU: one stage at a time
+    assert all(a[3] <= b[2] for a, b in zip(ordered, ordered[1:]))
+    with pytest.raises(ValueError, match="2 stages but 1 devices"):
+        timed_step(stages, ["cpu"], x, y, nn.CrossEntropyLoss(), 2)
+
+
+# -- the bubble model: GPipe's schedule with measured stage and transfer times ---------------------
+@pytest.mark.parametrize("p, m", [(1, 1), (2, 1), (2, 4), (3, 7), (4, 8), (8, 32)])
+def test_equal_stages_and_free_transfers_give_gpipes_formula(p, m):
+    tl = gpipe_schedule([1.5] * p, [3.0] * p, m)
+    assert tl.idle_fraction() == pytest.approx(bubble_fraction(p, m), abs=1e-12)
+    assert tl.makespan == pytest.approx((m + p - 1) * 4.5)
+
+
+def test_unequal_stages_and_transfers_make_the_bubble_grow_beyond_the_formula():
+    equal = gpipe_schedule([1, 1], [2, 2], 4).idle_fraction()
+    unequal = gpipe_schedule([1, 1.5], [2, 3], 4).idle_fraction()
+    slow = [gpipe_schedule([1, 1], [2, 2], 4, transfer=t).idle_fraction() for t in (0.0, 0.2, 0.5, 1.0)]
+    assert equal == pytest.approx(0.2) and unequal > equal and slow == sorted(slow) and slow[-1] > 0.29
+    with pytest.raises(ValueError, match="one duration per stage"):
+        gpipe_schedule([1, 1], [2], 4)
+
+
+@pytest.mark.parametrize("forward, backward, m, transfer, overhead", [
+    ([1.0, 2.0], [2.0, 3.0], 4, 0.5, 0.1), ([1.0, 1.0, 1.0], [2.0, 2.0, 2.0], 8, 0.3, 0.05),
+    ([2.0, 1.0], [3.0, 1.0], 3, 0.2, 0.4), ([1.0, 1.0], [2.0, 2.0], 6, 0.9, 0.0)])
+def test_the_fit_recovers_stage_times_transfer_and_overhead_of_a_known_schedule(forward, backward, m, transfer,
+                                                                                overhead):
+    tl = gpipe_schedule(forward, backward, m, transfer, overhead)
+    fit = fit_gpipe(tl)
+    assert fit.forward == pytest.approx(forward) and fit.backward == pytest.approx(backward) and fit.n_micro == m
+    assert (fit.transfer, fit.overhead) == (pytest.approx(transfer), pytest.approx(overhead, abs=1e-12))
+    assert fit.bubble() == pytest.approx(tl.idle_fraction())
+    if len(set(forward)) == 1 and len(set(backward)) == 1:  # the limit: free transfers, equal stages
+        assert fit.bubble(transfer=0, overhead=0) == pytest.approx(bubble_fraction(len(forward), m))
+
+
+def _jittered(forward, backward, m, transfer, overhead, jitter, seed):
+    """A "measured" GPipe step: every span, transfer and overhead drawn within +-jitter of its mean."""
+    import random
+
+    rnd = random.Random(seed)
+    p, tl, free, ends = len(forward), Timeline(), [None] * len(forward), {}
+    for phase, order, durations in (("F", range(p), forward), ("B", range(p - 1, -1, -1), backward)):
+        for i in range(m):
+            for s in order:
+                ready = 0.0 if free[s] is None else free[s] + overhead * rnd.uniform(1 - jitter, 1 + jitter)
+                sender = (phase, s - 1 if phase == "F" else s + 1, i)
+                if sender in ends:
+                    ready = max(ready, ends[sender] + transfer * rnd.uniform(1 - jitter, 1 + jitter))
+                ends[phase, s, i] = free[s] = ready + durations[s] * rnd.uniform(1 - jitter, 1 + jitter)
+                tl.add(f"stage {s + 1}", f"{phase}{i}", ready, free[s])
+    return tl
+
+
+@pytest.mark.parametrize("forward, backward", [([1.0, 1.3], [2.0, 2.4]), ([1.0, 0.8, 1.2], [2.0, 1.7, 2.5])])
+def test_the_fitted_model_predicts_the_bubble_of_noisy_steps_within_ten_percent(forward, backward):
+    for m in (1, 2, 4, 8, 16):
+        for transfer, overhead in ((0.0, 0.0), (0.3, 0.05), (1.0, 0.2)):
+            for seed in range(3):
+                measured = _jittered(forward, backward, m, transfer, overhead, 0.1, seed)
+                predicted = fit_gpipe(measured).bubble()
+                assert abs(predicted - measured.idle_fraction()) <= 0.1 * measured.idle_fraction(), (m, seed)
+
+
+def test_the_fit_reads_only_gpipe_steps():
+    tl = Timeline([("stage 1", "F0", 0, 1), ("stage 1", "X0", 1, 2)])
+    with pytest.raises(ValueError, match="'X0' of 'stage 1' is not GPipe's"):
+        fit_gpipe(tl)
+    with pytest.raises(ValueError, match="expected F0..F1 and B0..B1 on every stage"):
+        fit_gpipe(Timeline([("a", "F0", 0, 1), ("a", "F1", 1, 2), ("a", "B0", 2, 3)]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU")
+def test_timeline_times_cuda_spans_with_events():
+    tl = Timeline()
+    a = torch.randn(512, 512, device="cuda")
+    with tl.span("cuda:0", "F0", "cuda:0"):
+        a @ a
+    assert tl.makespan > 0 and tl.lanes == ["cuda:0"]
+
+
+# -- pipelines across ranks -------------------------------------------------------------
+def test_gpipe_across_two_ranks_gives_the_full_batch_gradients_and_a_timeline():
+    model = mlp(features=8, width=16, depth=4, classes=3)
+    x, y = _data(10)
+    ref_loss, ref = _full_batch_grads(model, x, y)
+    runs = run_gpipe(split(copy.deepcopy(model), 2), x, y, nn.CrossEntropyLoss(), n_micros=(1, 4), steps=2,
+                     pin=False, timeout=120)
+    assert [r["n_micro"] for r in runs] == [1, 4] and [r["formula"] for r in runs] == [0.5, 0.2]
+    for run in runs:
+        assert run["loss"] == pytest.approx(ref_loss, rel=1e-5) and _close(run["grads"], ref)
+        tl = run["timeline"]
+        assert tl.lanes == ["stage 1 · rank 0 · cpu", "stage 2 · rank 1 · cpu"]
+        assert len(tl.spans) == 2 * 2 * run["n_micro"] and 0 < run["bubble"] < 1 and run["step_time"] > 0
+        assert 0 < run["cpu_share"] <= 1.05
+
+
+def test_torch_pipelining_gpipe_on_gloo_gives_the_full_batch_gradients():
+    model = mlp(features=8, width=16, depth=4, classes=3)
+    x, y = _data(12)
+    ref_loss, ref = _full_batch_grads(model, x, y)
+    ranks = launch(torch_gpipe_rank, 2, split(copy.deepcopy(model), 2), x, y, nn.CrossEntropyLoss(), 4, 1,
+                   False, timeout=120)
+    assert _close(ranks[0]["grads"] + ranks[1]["grads"], ref)
+    assert sum(ranks[1]["losses"]) / 4 == pytest.approx(ref_loss, rel=1e-5) and len(ranks[0]["times"]) == 1
+    with pytest.raises(LaunchError, match="n_micro=5 does not divide the batch of 12"):
+        launch(torch_gpipe_rank, 2, split(copy.deepcopy(model), 2), x, y, nn.CrossEntropyLoss(), 5, 1, False,
+               timeout=120)
+
+
+def test_ddp_over_two_stage_replicas_trains_like_one_process_on_the_whole_batch():
+    model = mlp(features=8, width=16, depth=4, classes=3)
+    x, y = _data(12)
+    ranks = launch(ddp_replica_rank, 2, split(copy.deepcopy(model), 2), x, y, nn.CrossEntropyLoss(), 3, 0.5, 0,
+                   timeout=120)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for _ in range(3):
+        opt.zero_grad()
+        nn.CrossEntropyLoss()(ref(x), y).backward()
+        opt.step()
+    assert ranks[0]["devices"] == ["cpu", "cpu"]
+    assert _close(ranks[0]["params"], ranks[1]["params"])
+    assert _close(ranks[0]["params"], [p.detach() for p in ref.parameters()])

@@ -1,0 +1,137 @@
+"""mgpu_lab.sharding.zero (ZeRO formula, bytes held, ZeRO by hand) and mgpu_lab.comm.comm_log, in real ranks on the CPU."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch.torch_version import TorchVersion
+import torch.distributed as dist
+from torch import nn
+
+from mgpu_lab import launch
+from mgpu_lab.comm.comm_log import record_collectives, summarize
+from mgpu_lab.sharding.fsdp import BlockNet, batch, train_steps
+from mgpu_lab.sharding.zero import FlatZero, held_bytes, shard_size, sharded_sgd_step, zero_memory
+
+pytestmark = pytest.mark.timeout(300)
+
+
+# -- the formula -------------------------------------------------------------------------------
+@pytest.mark.parametrize("args, expected", [
+    ((1000, 4, 0), 16000), ((1000, 4, 1), 1000 * 8 + 250 * 8), ((1000, 4, 2), 1000 * 4 + 250 * 12),
+    ((1000, 4, 3), 250 * 16), ((10, 4, 3), 3 * 16), ((10, 4, 1, 2, 2, 12), 10 * 4 + 3 * 12), ((7, 1, 3), 7 * 16),
+])
+def test_zero_memory_is_the_zero_papers_formula_with_shards_rounded_up(args, expected):
+    got = zero_memory(*args)
+    assert got == expected and type(got) is int
+
+
+@pytest.mark.parametrize("args, match", [
+    ((10, 4, 4), r"stage=4: ZeRO has stages 0 \(DDP\), 1, 2 and 3"), ((10, 4, True), "stage=True"),
+    ((0, 4, 1), "n_params=0 must be a positive int"), ((10, -2, 1), "world_size=-2"),
+    ((10, 4, 1, 4, 0), "grad_bytes=0"), ((10.0, 4, 1), r"n_params=10\.0"),
+])
+def test_zero_memory_rejects_bad_stages_and_sizes_naming_the_value(args, match):
+    with pytest.raises(ValueError, match=match):
+        zero_memory(*args)
+
+
+def test_shard_size_rounds_up():
+    assert [shard_size(n, 4) for n in (1, 4, 5, 8, 9)] == [1, 1, 2, 2, 3]
+
+
+def test_held_bytes_counts_16_bytes_a_parameter_with_adam_and_each_storage_once():
+    model = nn.Linear(10, 10)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 10)).sum().backward()
+    optimizer.step()
+    assert held_bytes(model, optimizer) == {"params": 440, "grads": 440, "optimizer": 880, "total": 1760}
+    flat = torch.zeros(110)
+    model.weight.data, model.bias.data = flat[:100].view(10, 10), flat[100:]  # views of one buffer: counted once
+    assert held_bytes(model)["params"] == 440
+
+
+def test_flat_zero_refuses_stage_3_and_says_where_it_is():
+    with pytest.raises(ValueError, match="stage 3 is FSDP"):
+        FlatZero(nn.Linear(2, 2), 3, torch.optim.SGD)
+
+
+def test_summarize_counts_calls_or_elements_and_refuses_other_measures():
+    log = [{"op": "all_gather", "numel": 8, "bytes": 32}, {"op": "all_gather", "numel": 8, "bytes": 32}]
+    assert summarize(log) == {"all_gather": 2} and summarize(log, "bytes") == {"all_gather": 64}
+    with pytest.raises(ValueError, match="what='time'"):
+        summarize(log, "time")
+
+
+# -- in 3 real ranks ---------------------------------------------------------------------------
+def _in_ranks():
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    param = torch.linspace(-1, 1, 10)
+    grad = torch.arange(10.0) * (rank + 1)
+    with record_collectives(keep_inputs=True) as log:
+        out["sgd"] = sharded_sgd_step(param, grad, 0.5)
+    out["sgd_log"] = [(c["op"], c["call"], c["numel"], c["input"].numel()) for c in log]
+    with record_collectives() as log, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dist.all_gather_into_tensor(torch.empty(3 * world), torch.ones(3))  # deprecated: calls all_gather_single
+        dist.all_reduce(torch.ones(2))
+    out["alias_log"] = [(c["op"], c["call"], c["numel"]) for c in log]
+    out["alias_warned"] = any(issubclass(w.category, FutureWarning) for w in caught)
+    out["restored"] = dist.all_reduce.__module__
+
+    x, y = batch(12, 8)
+    adam = lambda ps: torch.optim.Adam(ps, lr=1e-2)  # noqa: E731
+    model = BlockNet(width=10, depth=2)
+    net = DDP(model, gradient_as_bucket_view=True)
+    opt = adam(net.parameters())
+    train_steps(net, opt, x, y, 3)
+    out["ddp"] = {k: v.detach().clone() for k, v in model.named_parameters()}
+    out["ddp_held"] = held_bytes(model, opt)["total"]
+    for stage in (0, 1, 2):
+        model = BlockNet(width=10, depth=2)
+        zero = FlatZero(model, stage, adam)
+        with record_collectives() as log:
+            train_steps(model, zero, x, y, 3)
+        out[f"zero{stage}"] = {k: v.detach().clone() for k, v in model.named_parameters()}
+        out[f"zero{stage}_held"] = held_bytes(model, zero.optimizer)
+        out[f"zero{stage}_log"] = summarize(log, "numel")
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return launch(_in_ranks, 3)
+
+
+def test_sharded_sgd_step_is_sgd_on_the_mean_gradient_through_a_reduce_scatter_and_an_all_gather(ranks):
+    expected = torch.linspace(-1, 1, 10) - 0.5 * torch.arange(10.0) * 2  # mean of 1x, 2x, 3x is 2x
+    for r in ranks:
+        assert torch.allclose(r["sgd"], expected, atol=1e-6)
+        assert r["sgd_log"] == [("reduce_scatter", "reduce_scatter_single", 12, 12),
+                                ("all_gather", "all_gather_single", 12, 4)]
+
+
+def test_record_collectives_records_a_deprecated_alias_once_and_restores_the_functions(ranks):
+    assert ranks[0]["alias_log"] == [("all_gather", "all_gather_into_tensor", 9), ("all_reduce", "all_reduce", 2)]
+    # torch 2.14 deprecates all_gather_into_tensor (in favour of all_gather_single, torch 2.13); 2.11 does not warn
+    assert ranks[0]["alias_warned"] == (TorchVersion(torch.__version__) >= "2.14")
+    assert ranks[0]["restored"] == "torch.distributed.distributed_c10d"
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_flat_zero_trains_like_ddp_and_holds_what_the_formula_says(ranks, stage):
+    n = BlockNet.count(width=10, depth=2)  # 343: padded to 345 on 3 ranks
+    for r in ranks:
+        for name, ref in r["ddp"].items():
+            assert torch.allclose(r[f"zero{stage}"][name], ref, atol=1e-6), name
+        held = r[f"zero{stage}_held"]
+        assert zero_memory(n, 3, stage) <= held["total"] <= zero_memory(n, 3, stage) + 16 * 2
+        assert r["ddp_held"] == zero_memory(n, 3, 0)
+    moved = ranks[0][f"zero{stage}_log"]
+    assert moved == ({"all_reduce": 3 * n} if stage == 0 else {"reduce_scatter": 3 * 345, "all_gather": 3 * 345})
+    if stage == 2:
+        assert ranks[0]["zero2_held"]["grads"] == 4 * 115  # only the gradient shard survives the step
