@@ -15,7 +15,6 @@ Example:
 """
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.distributed as tdist

@@ -265,14 +265,14 @@ time.sleep(600)
 def test_lesson_07_runs_outside_the_sandbox_only_the_command_its_cases_judged_when_grading():
     from types import SimpleNamespace
 
-    from mgpu_lab.course.checks.lesson07 import _runnable, parse_torchrun
+    from mgpu_lab.course.checks.l07.judges import parse_torchrun, runnable
 
     argv = ["/proc/1/root/tmp/work/torchrun", "--nnodes=2", "--nproc-per-node=2", "--node-rank=1",
             "--master-addr=10.213.7.1", "--master-port=29500", "--log-dir=/etc/cron.d", "--no-python", "probe.py"]
     args, why = parse_torchrun(argv)
     assert why == "" and args.log_dir == "/etc/cron.d"
-    assert _runnable(SimpleNamespace(grading=False), argv, args) is argv  # in the learner's own kernel: as written
-    assert _runnable(SimpleNamespace(grading=True), argv, args) == [
+    assert runnable(SimpleNamespace(grading=False), argv, args) is argv  # in the learner's own kernel: as written
+    assert runnable(SimpleNamespace(grading=True), argv, args) == [
         "torchrun", "--nnodes=2", "--nproc-per-node=2", "--node-rank=1", "--master-addr=10.213.7.1",
         "--master-port=29500", "probe.py"]
 

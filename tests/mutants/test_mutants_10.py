@@ -185,9 +185,9 @@ SPECS = [ATOMIC, DESYNC, RESUME]
 def needs_a_second_file_system(mutant):
     """The temp-dir mutant is only wrong where the system temp dir is on another file system."""
     if mutant.name == "the temporary file in the system temp dir":
-        from mgpu_lab.course.checks.lesson10 import _other_filesystem
+        from mgpu_lab.course.checks.l10.judges import other_filesystem
 
-        other = _other_filesystem(__import__("tempfile").gettempdir())
+        other = other_filesystem(__import__("tempfile").gettempdir())
         if other is None:
             pytest.skip("no second file system here (e.g. /dev/shm) to put the system temp dir on")
         __import__("shutil").rmtree(other)

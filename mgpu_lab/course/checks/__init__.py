@@ -1,8 +1,9 @@
 """Graded exercises: ``check(exercise_id, *answers)`` and the registry of exercises.
 
-One module per lesson (``lessonNN.py``) registers its checkers with
-:func:`exercise`; :func:`exercises` lists every id with its points and
-description.
+One package per lesson (``lNN/``: ``checkers``, ``ranks``, ``judges``) registers
+its checkers with :func:`exercise`; :func:`exercises` lists every id with its
+points and description. ``sim/`` is the simulation every lesson shares (GPUs in
+name on a machine without one, several scenarios per launch, a call's outcome).
 
 Example:
     >>> from mgpu_lab.course.checks import exercises

@@ -1,6 +1,6 @@
 """The registry of graded exercises: :func:`exercise` registers a checker, :func:`exercises` lists them.
 
-Every lesson module (``lessonNN.py`` beside this one) registers its checkers
+Every lesson's ``lNN/checkers.py`` (beside this module) registers its checkers
 when imported, which happens only when its lesson is asked for (``check("01...")``
 imports lesson 01's checkers and no other); the grader takes an exercise's points
 from here and nowhere else.
@@ -54,11 +54,11 @@ def exercise(exercise_id: str, points: int, description: str):
 
 def _load(lesson: str | None = None) -> None:
     """Import the checkers of ``lesson`` (e.g. ``"01"``), or of every lesson: nothing else."""
-    # The lesson modules sit beside this one; found by path, not by importing
+    # The lesson packages sit beside this module; found by path, not by importing
     # the package (which imports this module).
     for mod in pkgutil.iter_modules([os.path.dirname(__file__)]):
-        if mod.name.startswith("lesson") and (lesson is None or mod.name == f"lesson{lesson}"):
-            importlib.import_module(f"{__package__}.{mod.name}")
+        if mod.ispkg and re.fullmatch(r"l\d\d", mod.name) and (lesson is None or mod.name == f"l{lesson}"):
+            importlib.import_module(f"{__package__}.{mod.name}.checkers")
 
 
 def exercises(lesson: str | None = None) -> list[Exercise]:

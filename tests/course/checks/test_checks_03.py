@@ -16,7 +16,7 @@ from torch import nn
 
 from checking import solutions_from
 from mgpu_lab.course.checks import check, exercises
-from mgpu_lab.course.checks.probes03 import Placed, place, simulated_gpus
+from mgpu_lab.course.checks.l03.ranks import Placed, place, simulated_gpus
 from mgpu_lab.parallel.data_parallel import parallel_apply, replicate
 
 pytestmark = pytest.mark.timeout(180)

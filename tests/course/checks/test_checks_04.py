@@ -14,9 +14,11 @@ import torch
 import torch.distributed as dist
 
 from mgpu_lab.parallel import ddp
-from mgpu_lab.course.checks import check, exercises, lesson04, probes04
-from mgpu_lab.course.checks._moves import Moved
-from mgpu_lab.course.checks.judges04 import variant_train
+from mgpu_lab.course.checks import check, exercises
+from mgpu_lab.course.checks.l04 import checkers, ranks
+from mgpu_lab.course.checks.l04.judges import variant_train
+from mgpu_lab.course.checks.sim import cuda
+from mgpu_lab.course.checks.sim.moved import Moved
 
 pytestmark = pytest.mark.timeout(300)
 # The answers below travel to the check's processes by value, as notebook
@@ -60,7 +62,7 @@ def _raises_on_empty(local_sum, local_count):
 
 
 def test_global_mean_a_rank_skipping_the_collective_in_the_last_scenario_fails_only_its_case(monkeypatch):
-    monkeypatch.setattr(lesson04, "GLOBAL_MEAN_TIMEOUT", 8.0)
+    monkeypatch.setattr(checkers, "GLOBAL_MEAN_TIMEOUT", 8.0)
     result = check("04.global_mean", _all_reduce_unless_empty)  # a hang, or a peer's closed connection
     assert [c.passed for c in result.cases] == [True, True, True, False], result
     assert result.cases[3].got, result
@@ -87,7 +89,7 @@ def _waits_for_a_message_never_sent(fn):
 
 
 def test_download_once_that_hangs_fails_in_bounded_time(monkeypatch):
-    monkeypatch.setattr(lesson04, "DOWNLOAD_TIMEOUT", 8.0)
+    monkeypatch.setattr(checkers, "DOWNLOAD_TIMEOUT", 8.0)
     result = check("04.download_once", _waits_for_a_message_never_sent)
     assert result.points == 0 and "no answer within 8 s" in result.cases[0].got, result
     assert all("did not finish" in c.hint for c in result.cases[1:]), result
@@ -99,11 +101,11 @@ def test_virtual_gpus_log_the_moves_and_undo_restores_torch_cuda():
 
     before = (torch.cuda.is_available, torch.cuda.device_count, DDP.__init__)
     Moved.log = []
-    undo = probes04.virtual_gpus(1, 2)
+    undo = cuda.virtual_gpus(1, 2)
     try:
         assert torch.cuda.is_available() and torch.cuda.device_count() == 2
-        model = probes04.placed_model().to("cuda:1")
-        x, y = next(iter(torch.utils.data.DataLoader(probes04.Recorded(probes04.check_data(4), "/dev/null"),
+        model = ranks.placed_model().to("cuda:1")
+        x, y = next(iter(torch.utils.data.DataLoader(ranks.Recorded(ranks.check_data(4), "/dev/null"),
                                                      batch_size=4)))
         x = x.to("cuda:1")
         assert x.device.type == "cpu" and model(x).shape == (4, 3)  # the data stays here
@@ -115,8 +117,8 @@ def test_virtual_gpus_log_the_moves_and_undo_restores_torch_cuda():
 
 
 def test_the_diagnosis_reference_is_the_reference_when_nothing_is_changed():
-    s = lesson04.DDP_SETUP
-    ref = ddp.reference_train(probes04.check_model, probes04.check_data(s["n"]), s["epochs"],
+    s = checkers.DDP_SETUP
+    ref = ddp.reference_train(ranks.check_model, ranks.check_data(s["n"]), s["epochs"],
                               s["batch"] * s["world"], s["lr"])
     assert ddp.max_diff(variant_train(s, s["batch"] * s["world"], s["lr"]), ref) < 1e-6
     assert ddp.max_diff(variant_train(s, s["batch"] * s["world"], s["lr"], set_epoch=False), ref) > 1e-3

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch.utils.data import DistributedSampler, Sampler
 
 from mgpu_lab import check
-from mgpu_lab.course.checks import _core, exercises, judges05, lesson05
+from mgpu_lab.course.checks import _core, exercises
+from mgpu_lab.course.checks.l05 import checkers, judges
 from mgpu_lab.data.samplers import BalancedDistributedSampler, plan_balanced
 from mgpu_lab.data.workload import distributed_sampler_lists, step_imbalance
 
@@ -75,17 +76,17 @@ def test_distributed_sampler_itself_fails_exactly_the_balance_cases():
 
 
 def test_the_reference_meets_both_tolerances_with_room_and_distributed_sampler_neither():
-    heavy = judges05.case_costs("lognormal", 400, 3)
+    heavy = judges.case_costs("lognormal", 400, 3)
     ds = distributed_sampler_lists(400, 4).tolist()
-    assert judges05.rank_balance(ds, heavy) >= 1.1 and step_imbalance(ds, heavy, 1) >= 2 * judges05.STEP_TOL - 1
+    assert judges.rank_balance(ds, heavy) >= 1.1 and step_imbalance(ds, heavy, 1) >= 2 * judges.STEP_TOL - 1
     for kind, n, seed, world, drop in [("lognormal", 400, 3, 4, False), ("lognormal", 1001, 11, 2, False),
                                        ("pareto", 240, 5, 3, True), ("lengths", 515, 8, 5, False),
                                        ("bimodal", 707, 9, 7, False), ("lengths", 200, 4, 3, False)]:
-        costs = judges05.case_costs(kind, n, seed)
+        costs = judges.case_costs(kind, n, seed)
         for epoch in range(3):
             lists = plan_balanced(costs, world, epoch=epoch, drop_last=drop).tolist()
-            assert judges05.rank_balance(lists, costs) <= 1.01, (kind, epoch)
-            assert step_imbalance(lists, costs, 1) <= judges05.STEP_TOL - 0.1, (kind, epoch)
+            assert judges.rank_balance(lists, costs) <= 1.01, (kind, epoch)
+            assert step_imbalance(lists, costs, 1) <= judges.STEP_TOL - 0.1, (kind, epoch)
             assert len(lists[0]) == (n // world if drop else math.ceil(n / world))
 
 
@@ -108,7 +109,7 @@ def test_join_stub_is_not_attempted():
 
 def test_loop_without_join_hangs_and_fails_in_bounded_time(monkeypatch):
     """The bug the exercise is about (so not repeated among the mutants, where it would cost a timeout too)."""
-    monkeypatch.setattr(lesson05, "JOIN_TIMEOUT", 6.0)
+    monkeypatch.setattr(checkers, "JOIN_TIMEOUT", 6.0)
     start = time.monotonic()
     r = check("05.train_with_join", without_join)
     took = time.monotonic() - start
@@ -119,4 +120,4 @@ def test_loop_without_join_hangs_and_fails_in_bounded_time(monkeypatch):
 
 
 def test_the_checks_default_timeout_leaves_room_for_a_slow_machine():
-    assert lesson05.JOIN_TIMEOUT >= 10 and _core.CALL_TIMEOUT >= 30
+    assert checkers.JOIN_TIMEOUT >= 10 and _core.CALL_TIMEOUT >= 30

@@ -3,7 +3,7 @@
 The wrong answers made by editing the solution (a forgotten ``.to``, a wrong
 weight, ...) are in tests/mutants/test_mutants_06.py; here are the solution
 itself (read from the notebook), the stubs, answers of another shape, and the
-virtual devices (``placement06``) the checks rely on, tested in this process.
+virtual devices (``sim.placement``) the checks rely on, tested in this process.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from torch import nn
 
 from checking import case_starting, solutions_from
 from mgpu_lab.course.checks import check, exercises
-from mgpu_lab.course.checks.placement06 import Placed, PlacedLoss, Stage, place, reset, where
+from mgpu_lab.course.checks.sim.placement import Placed, PlacedLoss, Stage, place, reset, where
 
 pytestmark = pytest.mark.timeout(300)
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -93,7 +93,7 @@ def test_a_step_without_micro_batches_fails_only_the_micro_batch_case():
         "batch 8, n_micro=4: both stages see 4 micro-batches of 2, and no pass over the whole batch"], str(result)
 
 
-# -- the virtual GPUs the checks rely on (placement06), in this process -----------------------------
+# -- the virtual GPUs the checks rely on (sim.placement), in this process -----------------------------
 def test_placed_tensors_keep_their_device_through_chunks_and_arithmetic_and_log_every_move():
     reset()
     x = place(torch.arange(8.0).reshape(4, 2), "inputs", "cpu")

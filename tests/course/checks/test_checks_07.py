@@ -15,7 +15,8 @@ import pytest
 
 from checking import solutions_from
 from mgpu_lab.course.checks import check, exercises
-from mgpu_lab.course.checks.torchrun07 import fast, parse_torchrun
+from mgpu_lab.course.checks.l07.judges import parse_torchrun
+from mgpu_lab.course.checks.l07.ranks import fast
 
 pytestmark = pytest.mark.timeout(400)
 # The answers below travel to the check's processes by value, as notebook functions do.

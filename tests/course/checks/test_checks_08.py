@@ -14,7 +14,7 @@ import torch
 
 from mgpu_lab.course.checks import check, exercises
 from mgpu_lab.course.checks._core import CaseFailed, Exercise, Tester
-from mgpu_lab.course.checks import judges08
+from mgpu_lab.course.checks.l08 import judges
 
 pytestmark = pytest.mark.timeout(400)
 NOTEBOOK = Path(__file__).resolve().parents[3] / "solutions" / "08_sharding.ipynb"
@@ -59,7 +59,7 @@ SIZES = {"block": 64, "root": 80, "total": 272, "blocks": 3}
     ([], "not sharded"),
 ])
 def test_block_by_block_all_gathers(calls, words):
-    said = _verdict(judges08.judge_gathers, calls, "all_gather", SIZES)
+    said = _verdict(judges.judge_gathers, calls, "all_gather", SIZES)
     assert (words in said) if words else said == "", said
 
 
@@ -72,13 +72,13 @@ def _sgd_evidence(results_of_rank):
 
 
 @pytest.mark.parametrize("answer, words", [
-    (lambda p, g, r: p - judges08.SGD_LR * sum(g) / 3, ""),
-    (lambda p, g, r: p - judges08.SGD_LR * sum(g), "sum of the gradients"),
-    (lambda p, g, r: p - judges08.SGD_LR * g[r], "own gradient"),
+    (lambda p, g, r: p - judges.SGD_LR * sum(g) / 3, ""),
+    (lambda p, g, r: p - judges.SGD_LR * sum(g), "sum of the gradients"),
+    (lambda p, g, r: p - judges.SGD_LR * g[r], "own gradient"),
     (lambda p, g, r: torch.cat([p, torch.zeros(2)]), "cut the padding"),
 ])
 def test_sgd_result_judge_names_the_bug(answer, words):
-    said = _verdict(judges08.judge_result, _sgd_evidence(answer), 0)
+    said = _verdict(judges.judge_result, _sgd_evidence(answer), 0)
     assert (words in said) if words else said == "", said
 
 
@@ -97,10 +97,10 @@ def _layout(chunks):
 
 
 def test_dcp_judges_say_what_is_wrong():
-    assert "not a dcp checkpoint" in _verdict(judges08.judge_dcp, "files", _dcp_evidence(None))
-    assert _verdict(judges08.judge_dcp, "files", _dcp_evidence(_layout(4))) == ""
-    assert "1 slice(s)" in _verdict(judges08.judge_dcp, "sharded", _dcp_evidence(_layout(1)))
-    assert _verdict(judges08.judge_dcp, "sharded", _dcp_evidence(_layout(4))) == ""
-    assert "it raised keyerror" in _verdict(judges08.judge_dcp, "load4", _dcp_evidence(_layout(4), None, "KeyError: x"))
-    assert "differ" in _verdict(judges08.judge_dcp, "load4", _dcp_evidence(_layout(4), {"model.w": torch.zeros(4)}))
-    assert _verdict(judges08.judge_dcp, "load4", _dcp_evidence(_layout(4), {"model.w": torch.ones(4)})) == ""
+    assert "not a dcp checkpoint" in _verdict(judges.judge_dcp, "files", _dcp_evidence(None))
+    assert _verdict(judges.judge_dcp, "files", _dcp_evidence(_layout(4))) == ""
+    assert "1 slice(s)" in _verdict(judges.judge_dcp, "sharded", _dcp_evidence(_layout(1)))
+    assert _verdict(judges.judge_dcp, "sharded", _dcp_evidence(_layout(4))) == ""
+    assert "it raised keyerror" in _verdict(judges.judge_dcp, "load4", _dcp_evidence(_layout(4), None, "KeyError: x"))
+    assert "differ" in _verdict(judges.judge_dcp, "load4", _dcp_evidence(_layout(4), {"model.w": torch.zeros(4)}))
+    assert _verdict(judges.judge_dcp, "load4", _dcp_evidence(_layout(4), {"model.w": torch.ones(4)})) == ""

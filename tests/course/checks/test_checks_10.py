@@ -10,8 +10,8 @@ import pytest
 from checking import stub
 
 from mgpu_lab.course.checks import check, exercises
-from mgpu_lab.course.checks import resume10
-from mgpu_lab.course.checks.probes10 import NEW, OLD, classify
+from mgpu_lab.course.checks.l10 import judges
+from mgpu_lab.course.checks.l10.ranks import NEW, OLD, classify
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -56,12 +56,12 @@ def test_classify_tells_old_new_missing_and_torn_files(tmp_path):
 
 
 def test_resumed_from_follows_the_snapshots_of_a_kill_schedule():
-    every = resume10.CFG["every"]
+    every = judges.CFG["every"]
     assert every == 4
-    assert resume10.resumed_from([None]) == 0
-    assert resume10.resumed_from([["step", 0, 1, 10], None]) == 8        # steps 1-9 done, snapshot of 8
-    assert resume10.resumed_from([["save", 0, 0, 2], None]) == 4         # the 2nd snapshot (8) torn: the 1st
-    assert resume10.resumed_from([["step", 0, 0, 3], ["step", 1, 1, 5], None]) == 4
+    assert judges.resumed_from([None]) == 0
+    assert judges.resumed_from([["step", 0, 1, 10], None]) == 8        # steps 1-9 done, snapshot of 8
+    assert judges.resumed_from([["save", 0, 0, 2], None]) == 4         # the 2nd snapshot (8) torn: the 1st
+    assert judges.resumed_from([["step", 0, 0, 3], ["step", 1, 1, 5], None]) == 4
 
 
 def _trace(n, w=None, x=None, rng=None):
@@ -78,11 +78,11 @@ def _trace(n, w=None, x=None, rng=None):
     (_trace(18)[8:12], "stopped after step 12"),
 ])
 def test_first_difference_names_the_first_thing_that_differs_after_a_resume(steps, words):
-    why = resume10.first_difference(steps, _trace(18), 8, 1)
+    why = judges.first_difference(steps, _trace(18), 8, 1)
     assert (why is None) if words is None else (words in why), why
 
 
 def test_first_difference_of_a_fresh_run_points_at_set_epoch_after_the_first_epoch():
     ref = _trace(18)
     steps = [dict(r, x=-1.0) if r["f"] > 6 else r for r in ref]
-    assert "set_epoch" in resume10.first_difference(steps, ref, 0, 0)
+    assert "set_epoch" in judges.first_difference(steps, ref, 0, 0)

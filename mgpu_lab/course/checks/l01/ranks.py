@@ -1,0 +1,146 @@
+"""What lesson 01's checks run in a fresh process: every case of an exercise in one call.
+
+:func:`run_pick` calls the learner's ``pick_device`` under several simulated
+GPU counts; :func:`run_train_step` runs ``train_step`` next to a reference with
+``device=cuda:1`` (simulated: the batch's moves are logged and its data stays
+on the CPU) and with ``device=cpu``; :func:`run_visible` starts real child
+processes with the environment ``visible_devices_env`` returns. Each returns
+plain evidence per case, which :mod:`.checkers` judges in the kernel: one
+process per check instead of one per case.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+import torch
+
+from ..sim.cuda import simulated_gpus
+from ..sim.moved import Moved, tag as _tag
+from ..sim.outcome import one_thread, outcome
+
+
+def run_pick(pick_device, calls) -> list:
+    """``pick_device(*args)`` for every ``(gpus, args)`` in ``calls``, each under ``gpus`` simulated GPUs."""
+    one_thread()
+    out = []
+    for gpus, args in calls:
+        with simulated_gpus(gpus):
+            out.append(outcome(pick_device, *args))
+    return out
+
+
+# -- train_step ----------------------------------------------------------------------
+def _reference_step(model, x, y, optimizer, loss_fn):
+    optimizer.zero_grad()
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+def _first(args, kwargs, position, name):
+    return args[position] if len(args) > position else kwargs.get(name)
+
+
+def _plain(value):
+    """A returned loss as something that travels back to the check: a float, or its repr."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value.detach())
+    return value if isinstance(value, (int, float)) else repr(value)[:200]
+
+
+def _keep_model_in_place(model, log: list) -> None:
+    """``model.to``/``.cuda`` are logged and leave the model where it is: the model is "already on
+    device", and a real move to a simulated GPU would fail on a machine without one."""
+
+    def to(*args, **kwargs):
+        log.append(str(torch._C._nn._parse_to(*args, **kwargs)[0]))
+        return model
+
+    def cuda(device=None):
+        log.append(str(torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")))
+        return model
+
+    model.to, model.cuda = to, cuda
+
+
+def one_run(train_step, regression: bool, steps: int, device) -> dict:
+    """Run the learner's train_step ``steps`` times on ``device`` next to a reference step.
+
+    Returns the losses and their types, the reference losses, every move of the
+    batch (``(tag, device)``, dtype-only ``.to`` left out), which batch tensors
+    reached the model or the loss *unmoved* (a ``y.to(device)`` whose result
+    was thrown away), the model's own ``.to`` calls, and after each step
+    whether the weights match the reference.
+    """
+    torch.manual_seed(0)
+    if regression:
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+        loss_fn = torch.nn.MSELoss()
+        batches = [(torch.randn(6, 3), torch.randn(6, 1)) for _ in range(steps)]
+    else:
+        model, loss_fn = torch.nn.Linear(4, 3), torch.nn.CrossEntropyLoss()
+        batches = [(torch.randn(8, 4), torch.randint(0, 3, (8,))) for _ in range(steps)]
+    ref, ref_loss_fn = copy.deepcopy(model), copy.deepcopy(loss_fn)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
+    unmoved, model_moves = set(), []
+    _keep_model_in_place(model, model_moves)
+    # Moved tensors come back as plain tensors, so a tagged one reaching the
+    # model or the loss was never moved: on a GPU that is the device error.
+    model.register_forward_pre_hook(
+        lambda m, args, kwargs: unmoved.add("inputs") if isinstance(_first(args, kwargs, 0, "input"), Moved)
+        else None, with_kwargs=True)
+    loss_fn.register_forward_pre_hook(
+        lambda m, args, kwargs: unmoved.add("labels") if isinstance(_first(args, kwargs, 1, "target"), Moved)
+        else None, with_kwargs=True)
+    losses, ref_losses, same = [], [], []
+    Moved.log = []
+    for x, y in batches:
+        losses.append(train_step(model, (_tag(x, "inputs"), _tag(y, "labels")), opt, loss_fn, device))
+        ref_losses.append(_reference_step(ref, x, y, ref_opt, ref_loss_fn))
+        same.append(all(torch.allclose(a, b, atol=1e-6) for a, b in zip(model.parameters(), ref.parameters())))
+    return {"losses": [_plain(v) for v in losses], "ref_losses": ref_losses,
+            "types": [type(v).__name__ for v in losses], "device": str(device),
+            "moves": [(what, where) for what, where in Moved.log if where != "None"],
+            "unmoved": sorted(unmoved), "model_moves": model_moves, "same_weights": same}
+
+
+def run_train_step(train_step) -> dict:
+    """Three steps with ``device=cuda:1`` (simulated GPU) and two of a regression with ``device=cpu``."""
+    one_thread()
+    Moved.virtual_cuda = True
+    return {"gpu": one_run(train_step, False, 3, torch.device("cuda", 1)),
+            "cpu": one_run(train_step, True, 2, torch.device("cpu"))}
+
+
+# -- visible_devices_env ----------------------------------------------------------------
+def _child_sees(env: dict) -> str:
+    # -S: no site packages to import; the child only reads its environment (3x faster to start here).
+    proc = subprocess.run([sys.executable, "-S", "-c", "import os; print(os.environ.get('CUDA_VISIBLE_DEVICES'))"],
+                          env={**os.environ, **env}, capture_output=True, text=True, timeout=30)
+    return proc.stdout.strip()
+
+
+def run_visible(visible_devices_env, calls) -> list:
+    """For each ids in ``calls``: what the learner's function did, what a real child started with
+    that environment sees, and whether this process's own ``os.environ`` changed."""
+    out = []
+    for ids in calls:
+        before = dict(os.environ)
+        got = outcome(visible_devices_env, list(ids))
+        changed = sorted(k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k))
+        os.environ.clear()
+        os.environ.update(before)
+        report = {"outcome": got, "environ_changed": changed}
+        if got[0] == "ok":
+            env = got[1]
+            report["strings"] = isinstance(env, dict) and all(
+                isinstance(k, str) and isinstance(v, str) for k, v in env.items())
+            report["seen"] = _child_sees(env) if report["strings"] else None
+            if not report["strings"]:
+                report["outcome"] = ("ok", repr(env)[:200])
+        out.append(report)
+    return out

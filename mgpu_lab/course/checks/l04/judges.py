@@ -1,0 +1,292 @@
+"""How lesson 04's ddp_train check judges the evidence of its ranks (in the kernel).
+
+:func:`mgpu_lab.course.checks.l04.ranks.run_ddp_train` returns, per rank, the
+samples it read, every move of the model and of each batch (on virtual GPUs),
+DDP's ``device_ids`` and the final weights. Each ``judge_*`` function here
+fails its case with the bug the evidence shows: the shards, the order across
+epochs, where the model and the batches went, and the weights, compared with
+one process trained on the global batch and, when they differ, with the wrong
+variants a learner is likely to have written.
+"""
+from __future__ import annotations
+
+import math
+import os
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from mgpu_lab.data import sampler_view
+from mgpu_lab.parallel import ddp
+from .ranks import check_data, check_model
+
+
+# -- shard_indices -----------------------------------------------------------------------
+def _shard_diagnosis(combo, got, hint) -> str:
+    """The bug a wrong list shows, when it matches a known wrong variant; else the case's hint."""
+    n, rank, world, shuffle, seed, epoch, drop_last = combo
+    right = sampler_view.sampler_indices
+    padded = right(n, 0, 1, shuffle, seed, epoch)
+    per = len(right(n, rank, world, shuffle, seed, epoch, drop_last))
+    known = [
+        (shuffle and epoch and got == right(n, rank, world, shuffle, seed, 0, drop_last),
+         "your order ignores the epoch: seed the generator with seed + epoch"),
+        (shuffle and n >= 6 and got == right(n, rank, world, False, seed, epoch, drop_last),
+         "with shuffle=True the order must be shuffled: torch.randperm(n, generator=g)"),
+        (world > 1 and got == (padded * world)[rank * per:(rank + 1) * per],
+         "your ranks take contiguous blocks: rank r takes every world_size-th index starting at r "
+         "(indices[rank::world_size], interleaved)"),
+    ]
+    return next((message for found, message in known if found), hint)
+
+
+def shard_case(t, results, combos, hint):
+    for combo, got in zip(combos, results):
+        n, rank, world, shuffle, seed, epoch, drop_last = combo
+        expected = sampler_view.sampler_indices(n, rank, world, shuffle, seed, epoch, drop_last)
+        if got[0] != "ok" or got[1] != expected:
+            call = (f"shard_indices(n={n}, rank={rank}, world_size={world}, shuffle={shuffle}, seed={seed}, "
+                    f"epoch={epoch}, drop_last={drop_last})")
+            why = _shard_diagnosis(combo, got[1], hint) if got[0] == "ok" else hint
+            t.fail(f"{call}: {why}", expected, got[1] if got[0] == "ok" else f"raised {got[1]}: {got[2]}")
+
+
+def every_rank(n, world, **kw):
+    return [(n, r, world, kw.get("shuffle", False), kw.get("seed", 0), kw.get("epoch", 0),
+             kw.get("drop_last", False)) for r in range(world)]
+
+
+# -- download_once -----------------------------------------------------------------------
+def log_counts(roots, name, round_):
+    counts = []
+    for root in roots:
+        path = os.path.join(root, name)
+        lines = open(path).read().split() if os.path.exists(path) else []
+        counts.append(sum(1 for k in lines[0::2] if k == str(round_)))
+    return counts
+
+
+def download_callers(roots, round_):
+    out = []
+    for root in roots:
+        path = os.path.join(root, "calls.log")
+        words = open(path).read().split() if os.path.exists(path) else []
+        out.append(sorted(int(r) for k, r in zip(words[0::2], words[1::2]) if k == str(round_)))
+    return out
+
+
+def judge_paths(t, results, roots, round_):
+    for r, res in enumerate(results):
+        got = res["rounds"][round_]
+        expected = os.path.join(roots[res["node"]], "data.bin")
+        if got["path"] != expected:
+            other = [i for i, root in enumerate(roots) if got["path"].startswith(root) and i != res["node"]]
+            hint = (f"rank {r} on node {res['node']} got node {other[0]}'s path: take the path from local rank 0 "
+                    "of your own node (e.g. gather every rank's answer with dist.all_gather_object and pick "
+                    "global rank rank - local_rank)") if other else (
+                f"rank {r} (local rank {res['local_rank']}) returned {got['path']}: every rank must return the "
+                "path that fn returned on its node's local rank 0")
+            t.fail(hint, expected, got["path"])
+
+
+def judge_complete(t, results, round_):
+    for r, res in enumerate(results):
+        if not res["rounds"][round_]["found"]:
+            t.fail(f"not judged: rank {r} returned no file (see the case above)", "a file", "no file")
+        if not res["rounds"][round_]["complete"]:
+            t.fail(f"rank {r} returned before the file was complete: make the other ranks wait at "
+                   "dist.barrier() until local rank 0's fn has returned", "the complete file", "half a file")
+
+
+# -- global_mean -------------------------------------------------------------------------
+def mean_diagnosis(values, sums, counts) -> str:
+    """Name the wrong formula that every rank's value matches, if one does."""
+    world, total = len(sums), sum(counts)
+    means = [s / c if c else math.nan for s, c in zip(sums, counts)]
+    known = [
+        ([sum(means) / world] * world, "you averaged the ranks' means: that weighs a rank with 1 sample like a "
+                                        "rank with 8; all_reduce the sum and the count, then divide"),
+        ([sum(sums) / c if c else math.nan for c in counts], "only the sum was all-reduced: divide by the "
+                                                            "all-reduced count, not this rank's own"),
+        ([sum(sums) / total] + values[1:], "only rank 0 has the right mean: use all_reduce (every rank gets "
+                                            "the result), not reduce"),
+        ([max(sums) / max(counts)] * world, "the all_reduce used op MAX: sums and counts add up, use "
+                                            "ReduceOp.SUM (the default)"),
+        ([float(sum(sums))] * world, "you returned the total sum: divide it by the total count"),
+    ]
+    for formula, message in known:
+        if all(isinstance(v, (int, float)) and math.isclose(v, f, rel_tol=1e-6) for v, f in zip(values, formula)):
+            return message
+    return ("all_reduce the sum and the count (e.g. one tensor [sum, count] with op SUM), then divide; "
+            "every rank must return the same mean")
+
+
+def judge_shards(t, results, n, world, epochs):
+    """Every rank read a disjoint 1/world of the data set in every epoch."""
+    per_epoch = -(-n // world)
+    for r, res in enumerate(results):
+        if len(res["seen"]) == epochs * n:
+            t.fail("every rank read the whole data set: DataLoader(shuffle=True) shuffles but does not "
+                   "split; pass sampler=DistributedSampler(dataset)", f"{epochs * per_epoch} reads on rank {r}",
+                   f"{epochs * n} reads")
+        if len(res["seen"]) != epochs * per_epoch:
+            t.fail("train on the dataset passed in, through a DataLoader with a DistributedSampler",
+                   f"{epochs * per_epoch} samples read by rank {r} ({epochs} epochs)", f"{len(res['seen'])}")
+    for e in range(epochs):
+        chunks = [set(res["seen"][e * per_epoch:(e + 1) * per_epoch]) for res in results]
+        if set().union(*chunks) != set(range(n)) or sum(map(len, chunks)) != n:
+            t.fail("the ranks' samples overlap or miss some: each rank needs its own shard",
+                   f"epoch {e}: disjoint shards covering 0..{n - 1}", [sorted(c) for c in chunks])
+
+
+def judge_order(t, results, s):
+    """A new shuffled order in every epoch: set_epoch called, shuffle left on."""
+    for r, res in enumerate(results):
+        size = len(res["seen"]) // s["epochs"]
+        orders = [res["seen"][e * size:(e + 1) * size] for e in range(s["epochs"])]
+        if all(order == list(range(r, s["n"], s["world"])) for order in orders):
+            t.fail("DistributedSampler(dataset) shuffles by default: don't pass shuffle=False",
+                   "a shuffled order", f"rank {r}: {orders[0]} in every epoch")
+        if size and orders[0] == orders[1]:
+            t.fail("call sampler.set_epoch(epoch) at the start of every epoch: without it the sampler "
+                   "shuffles the same way each epoch", "a new order in epoch 1",
+                   f"rank {r}: the same order {orders[0]} twice")
+
+
+def _resolved(moves):
+    """The moves with ``"cuda"`` read as the current device (``torch.cuda.set_device``, else GPU 0)."""
+    current, out = "cuda:0", []
+    for tag, device in moves:
+        if tag == "set_device":
+            current = device
+        else:  # DDP's device_ids are logged as "None" or "cuda:1,cuda:2"
+            out.append((tag, ",".join(current if d == "cuda" else d for d in device.split(","))))
+    return out
+
+
+def _wrong_device(got, want, res) -> str:
+    rank, local, node = res["rank"], res["local_rank"], res["node"]
+    if got in ("cpu", ".cpu()"):
+        return (f"rank {rank} sent it to the CPU: on a GPU node each rank uses its own GPU, "
+                "device = mgpu_lab.dist.device(), not a hard-coded 'cpu'")
+    if got == "cuda:0":
+        return (f"rank {rank} (local rank {local}) used cuda:0, as if every rank shared GPU 0 ('cuda' without an "
+                "index is the current device, GPU 0): use device = mgpu_lab.dist.device(), cuda:LOCAL_RANK")
+    if got == f"cuda:{rank}":
+        return (f"rank {rank} is local rank {local} on node {node}: index the GPU with the local rank "
+                "(LOCAL_RANK, mgpu_lab.dist.device()), not the global rank")
+    return f"rank {rank} used {got}: each rank uses cuda:LOCAL_RANK, here {want} (mgpu_lab.dist.device())"
+
+
+def judge_model_device(t, results, s):
+    """The model went to cuda:LOCAL_RANK on every rank, and DDP's device_ids, if given, say that GPU."""
+    for res in results:
+        want, moves = f"cuda:{res['local_rank']}", _resolved(res["moves"])
+        placed = [device for tag, device in moves if tag == "model"]
+        if not placed:
+            t.fail(f"rank {res['rank']} never moved the model: model_fn().to(device) with "
+                   f"device = mgpu_lab.dist.device() ({want} on this rank)", want, "the model never moved")
+        if placed[-1] != want:
+            t.fail(_wrong_device(placed[-1], want, res), want, f"rank {res['rank']}: the model on {placed[-1]}")
+        ids = [device for tag, device in moves if tag == "DDP device_ids"]
+        if ids and ids[-1] not in ("None", want):
+            t.fail(f"rank {res['rank']}'s model is on {want} but DDP got device_ids=[{ids[-1]}]: pass "
+                   "device_ids=[device.index] (the local rank), or none", f"device_ids=[{want}] or None",
+                   f"rank {res['rank']}: device_ids=[{ids[-1]}]")
+
+
+def _model_on(moves):
+    placed = [device for tag, device in moves if tag == "model"]
+    return placed[-1] if placed else None
+
+
+def judge_batches(t, results, s):
+    """Every batch's inputs and labels went to the rank's GPU.
+
+    The model's parameters stay on the CPU in this simulation, so a batch sent to
+    ``next(model.parameters()).device`` (the CPU here, the GPU on a real node) is
+    accepted when the model itself went to the right GPU.
+    """
+    for res in results:
+        want, moves = f"cuda:{res['local_rank']}", _resolved(res["moves"])
+        for tag, name in (("inputs", "x"), ("labels", "y")):
+            made = sum(1 for tg, d in moves if tg == tag and d == "batch made")
+            moved = [d for tg, d in moves if tg == tag and d != "batch made"]
+            if not made:
+                t.fail("no batch of the dataset passed in was recorded: read it through a DataLoader "
+                       "(num_workers=0 in this exercise)", "batches", "none")
+            # "cpu" is where the parameters of this simulation's model are: x.to(next(model.parameters()).device)
+            wrong = [d for d in moved if d != want and not (d == "cpu" and _model_on(moves) == want)]
+            if wrong:
+                t.fail(_wrong_device(wrong[0], want, res) + f" (the {tag})", want, f"{tag} moved to {wrong[0]}")
+            if len(moved) < made:
+                t.fail(f"rank {res['rank']}: the {tag} of {made - len(moved)} of its {made} batches never went "
+                       f"to its GPU: {name} = {name}.to(device) for every batch, before the forward pass (on a GPU "
+                       "a CPU tensor meeting the model or the loss fails)", f"{made} moves to {want}",
+                       f"{len(moved)}")
+
+
+def variant_train(s, global_batch, lr, *, set_epoch=True, zero_grad=True, momentum=0.0, shuffle=True):
+    """One process trained like the reference with one thing changed: the wrong variants to diagnose."""
+    data, model = check_data(s["n"]), check_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=shuffle)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    for epoch in range(s["epochs"]):
+        if set_epoch:
+            sampler.set_epoch(epoch)
+        for x, y in DataLoader(data, batch_size=global_batch, sampler=sampler):
+            if zero_grad:
+                optimizer.zero_grad()
+            loss_fn(model(x), y).backward()
+            optimizer.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _diagnose(state, s) -> str:
+    """Name the likely bug: the variant of the reference that the learner's weights match, if any."""
+    big, lr, world = s["batch"] * s["world"], s["lr"], s["world"]
+    guesses = [
+        (dict(global_batch=big, lr=lr / world), f"your weights match lr / world_size = {lr / world:g}: "
+                                                "use lr as given"),
+        (dict(global_batch=big, lr=lr * world), f"your weights match lr * world_size = {lr * world:g}: "
+                                                "use lr as given"),
+        (dict(global_batch=big, lr=lr, set_epoch=False), "your weights match training without "
+                                                           "sampler.set_epoch(epoch)"),
+        (dict(global_batch=s["batch"], lr=lr), "your weights match a global batch of batch_size: batch_size is "
+                                               "per rank, pass it to the DataLoader unchanged"),
+        (dict(global_batch=big, lr=lr, zero_grad=False), "your weights match training without "
+                                                         "optimizer.zero_grad(): the gradients piled up over steps"),
+        (dict(global_batch=big, lr=lr, momentum=0.9), "your weights match SGD with momentum=0.9: use plain "
+                                                      "SGD(params, lr=lr)"),
+    ]
+    for kwargs, message in guesses:
+        if ddp.max_diff(state, variant_train(s, **kwargs)) < 1e-5:
+            return message
+    return ("train like the reference: model_fn() wrapped in DDP, DataLoader(dataset, batch_size, "
+            "sampler=DistributedSampler(dataset)), sampler.set_epoch(epoch), plain SGD(lr) without momentum, "
+            "mean CrossEntropyLoss, zero_grad/backward/step once per batch")
+
+
+def _states(t, results):
+    bad = [res["type"] for res in results if res["state"] is None]
+    if bad:
+        t.fail("return model.state_dict() (of the module inside DDP: ddp_model.module.state_dict())",
+               "dict[str, Tensor]", bad[0])
+    return [res["state"] for res in results]
+
+
+def judge_same_weights(t, results, s):
+    """Every rank ends with rank 0's weights (DDP averages the gradients)."""
+    states = _states(t, results)
+    worst = max(ddp.max_diff(states[0], other) for other in states[1:])
+    if worst > 1e-6:
+        t.fail("", "identical weights", f"ranks differ by up to {worst:.3g}")
+
+
+def judge_weights(t, results, s):
+    """Rank 0's weights equal one process trained on the global batch (to 1e-5)."""
+    state = _states(t, results)[0]
+    ref = ddp.reference_train(check_model, check_data(s["n"]), s["epochs"], s["batch"] * s["world"], s["lr"])
+    worst = ddp.max_diff(state, ref)
+    if worst > 1e-5:
+        t.fail(_diagnose(state, s), "max difference <= 1e-05", f"max difference {worst:.3g}")

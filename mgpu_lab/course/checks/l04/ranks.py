@@ -1,0 +1,155 @@
+"""What lesson 04's checks run inside real ranks: the probes and what they hand the learner's code.
+
+Each probe calls the learner's function in a fresh process (``t.call``) or in
+real ranks (``t.ranks``) for :mod:`.checkers`, and returns plain evidence for
+the checker to judge in the kernel: which samples each rank read and in which
+order, where the model and every batch were moved, the weights it ended with,
+which rank called the download and what it found on return, each rank's mean.
+They are module-level functions of an importable module, so a rank receives
+them by name and imports this module, which holds no judging.
+
+:func:`virtual_gpus` makes a rank a GPU rank in name on a machine without one:
+``mgpu_lab.dist.device()`` is ``cuda:LOCAL_RANK``, ``torch.cuda`` reports a GPU
+per local rank, and the model, the batches and DDP's ``device_ids`` record
+where they were sent while their data stays on the CPU. So "every rank on
+cuda:0", "the global rank as GPU index" and "labels left behind" show here.
+"""
+from __future__ import annotations
+
+import os
+import time
+import torch
+import torch.distributed as tdist
+from torch import nn
+from torch.utils.data import Dataset
+
+from mgpu_lab import dist as mdist
+from mgpu_lab.data.datasets import synthetic_classification
+from mgpu_lab.data.download import simulate_nodes
+from ..sim.cuda import PlacedNet, Sample, virtual_gpus
+from ..sim.moved import Moved
+from ..sim.scenarios import run_scenarios
+
+
+# -- shard_indices -----------------------------------------------------------------------
+def shard_all(shard_indices, combos):
+    """Probe: ``shard_indices(*combo)`` for each combination: ("ok", list) or ("raised", type, message)."""
+    out = []
+    for combo in combos:
+        try:
+            got = shard_indices(*combo)
+            got = got.tolist() if isinstance(got, torch.Tensor) else list(got)
+            out.append(("ok", [int(i) for i in got]))
+        except NotImplementedError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the check judges each combination
+            out.append(("raised", type(exc).__name__, str(exc)))
+    return out
+
+
+# -- ddp_train ---------------------------------------------------------------------------
+class Recorded(Dataset):
+    """A data set that appends every index it serves to a file and tags its samples ``inputs``/``labels``."""
+
+    def __init__(self, inner, log_path: str):
+        self.inner, self.log_path = inner, log_path
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, i):
+        with open(self.log_path, "a") as f:
+            f.write(f"{int(i)}\n")
+        x, y = self.inner[i]
+        x, y = x.as_subclass(Sample), y.as_subclass(Sample)
+        x.tag, y.tag = "inputs", "labels"
+        return x, y
+
+
+def _layers():
+    torch.manual_seed(0)
+    return nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3)
+
+
+def check_model():
+    """The model the ddp_train check trains: the same initial weights in every process."""
+    return nn.Sequential(*_layers())
+
+
+def placed_model():
+    """:func:`check_model`'s network (same weights) that logs where it is moved."""
+    return PlacedNet(*_layers())
+
+
+def check_data(n):
+    """The data set the ddp_train check trains on: ``n`` samples, 6 features, 3 classes."""
+    return synthetic_classification(n, features=6, classes=3, seed=3)
+
+
+def run_ddp_train(ddp_train, n, epochs, batch_size, lr, log_dir, ranks_per_node):
+    """Probe: the learner's ddp_train in this rank of a simulated node of virtual GPUs."""
+    node = simulate_nodes(ranks_per_node)
+    log = os.path.join(log_dir, f"rank{tdist.get_rank()}.log")
+    Moved.log = []
+    undo = virtual_gpus(mdist.local_rank(), ranks_per_node)
+    try:
+        state = ddp_train(placed_model, Recorded(check_data(n), log), epochs, batch_size, lr)
+    finally:
+        undo()
+    seen = [int(line) for line in open(log)] if os.path.exists(log) else []
+    out = {"seen": seen, "moves": list(Moved.log), "node": node, "local_rank": mdist.local_rank(),
+           "rank": tdist.get_rank(), "state": None, "type": type(state).__name__}
+    if isinstance(state, dict) and all(isinstance(v, torch.Tensor) for v in state.values()):
+        out["state"] = {k.removeprefix("module."): v.detach().cpu().as_subclass(torch.Tensor).clone()
+                        for k, v in state.items()}
+    return out
+
+
+# -- download_once -----------------------------------------------------------------------
+PAYLOAD = bytes(range(256)) * 32
+
+
+def slow_fetch(root):
+    """The function the check decorates: logs its calls, writes data.bin slowly, skips a complete file."""
+    root = os.fspath(root)
+    with open(os.path.join(root, "calls.log"), "a") as f:
+        f.write(f"{os.environ.get('MGPU_LAB_CHECK_ROUND', '?')} {mdist.rank()}\n")
+    path = os.path.join(root, "data.bin")
+    if os.path.isfile(path) and os.path.getsize(path) == len(PAYLOAD):
+        return path
+    with open(os.path.join(root, "downloads.log"), "a") as f:
+        f.write(f"{os.environ.get('MGPU_LAB_CHECK_ROUND', '?')} {mdist.rank()}\n")
+    with open(path, "wb") as f:  # written in place, slowly: an early reader sees half a file
+        for i in range(0, len(PAYLOAD), 1024):  # 8 chunks over about 0.3 s
+            f.write(PAYLOAD[i:i + 1024])
+            f.flush()
+            time.sleep(0.04)
+    return path
+
+
+def run_download_once(download_once, roots, ranks_per_node, rounds=2):
+    """Probe: simulate the node layout, call the decorated slow_fetch ``rounds`` times."""
+    node = simulate_nodes(ranks_per_node)
+    fetch = download_once(slow_fetch)
+    out = []
+    for k in range(rounds):
+        os.environ["MGPU_LAB_CHECK_ROUND"] = str(k)
+        path = fetch(roots[node])
+        ok = isinstance(path, (str, os.PathLike)) and os.path.isfile(path)
+        complete = ok and open(path, "rb").read() == PAYLOAD
+        out.append({"path": os.fspath(path) if ok else repr(path), "found": ok, "complete": complete})
+        tdist.barrier()
+    return {"node": node, "local_rank": mdist.local_rank(), "rounds": out}
+
+
+# -- global_mean -------------------------------------------------------------------------
+def run_global_mean(global_mean, scenarios, log_dir):
+    """Probe: this rank's (value, type name) of the learner's global_mean in each scenario."""
+    me = tdist.get_rank()
+
+    def one(scenario):
+        sums, counts = scenario
+        value = global_mean(sums[me], counts[me])
+        return (value.item() if isinstance(value, torch.Tensor) else value), type(value).__name__
+
+    return run_scenarios(log_dir, one, scenarios)

@@ -1,0 +1,222 @@
+"""What lesson 06's checks run in a fresh process: the learner's net and step on virtual GPUs.
+
+:func:`run_two_stage` builds the learner's ``TwoStageNet`` from stages that are
+placed only by its own ``.to`` calls and runs it on a batch on the CPU;
+:func:`run_pipelined` runs the learner's ``pipelined_step`` on several batches
+with the stages on ``cuda:2`` and ``cuda:3`` and names the gradient the answer
+matches; :func:`evaluate` calls a function on many arguments. The devices are
+virtual (:mod:`..sim.placement`): every move and every stage's input device is
+recorded, so a forgotten ``.to`` shows here as it would on two GPUs. Each
+function runs all of its configurations in one process (one launch per check)
+and returns plain evidence that :mod:`.checkers` judges in the kernel; an error
+of the learner's code in one configuration is evidence too, not the end.
+"""
+from __future__ import annotations
+
+import copy
+import torch
+import traceback
+from pathlib import Path
+from torch import nn
+
+from ..sim.placement import place, Placed, PlacedLoss, plain, reset, Stage, where
+
+
+CPU = torch.device("cpu")
+
+
+_LIBRARIES = (str(Path(__file__).resolve().parents[2]), str(Path(torch.__file__).resolve().parent))
+
+
+DEVICES = ("cuda:2", "cuda:3")  # pipelined_step's stages: replica 1 of the lesson's DDP over two-device replicas
+
+
+def _one_thread() -> None:
+    # The models are tiny: with two intra-op threads on a busy 2-core machine each small op waits
+    # for a second thread (measured: 3.0 s against 0.2 s for run_pipelined); one thread is enough.
+    torch.set_num_threads(1)
+
+
+def _raised(exc: Exception) -> str:
+    """``Type: message (where in the learner's code)``."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(_LIBRARIES)]
+    where_ = f" (line {frames[-1].lineno}, in {frames[-1].name}: {frames[-1].line})" if frames else ""
+    return f"{type(exc).__name__}: {exc}"[:300] + where_
+
+
+# -- TwoStageNet --------------------------------------------------------------------
+def _stages(conv: bool):
+    torch.manual_seed(1)
+    if conv:
+        return (nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU()),
+                nn.Sequential(nn.Flatten(), nn.Linear(4 * 5 * 5, 3))), torch.randn(3, 2, 5, 5)
+    return (nn.Sequential(nn.Linear(6, 8), nn.Tanh()), nn.Sequential(nn.Linear(8, 8), nn.ReLU(),
+                                                                   nn.Linear(8, 4))), torch.randn(5, 6)
+
+
+def run_two_stage(TwoStageNet, configs) -> list[dict]:
+    """For each ``(conv, dev1, dev2)``: the learner's net on a batch on the CPU, against the unsplit model."""
+    _one_thread()
+    return [_two_stage(TwoStageNet, *config) for config in configs]
+
+
+def _two_stage(TwoStageNet, conv: bool, dev1, dev2) -> dict:
+    (inner1, inner2), x = _stages(conv)
+    ref = nn.Sequential(copy.deepcopy(inner1), copy.deepcopy(inner2))
+    s1, s2 = Stage(inner1, "stage1", "activations"), Stage(inner2, "stage2", "output")
+    reset()
+    out = {"dev1": str(torch.device(dev1)), "dev2": str(torch.device(dev2))}
+    try:
+        net = TwoStageNet(s1, s2, dev1, dev2)
+        out.update(module=isinstance(net, nn.Module), type=type(net).__name__)
+        if not out["module"]:
+            return out
+        params = list(net.parameters())
+        out["n_params"], out["n_expected"] = len(params), len(list(ref.parameters()))
+        out["placed"] = {m.name: str(m.vdev) for m in net.modules() if isinstance(m, Stage)}
+        got = net(place(x.clone(), "inputs", CPU))
+    except NotImplementedError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - judged as evidence
+        return {**out, "raised": _raised(exc), "stage_log": list(Stage.log), "moves": list(Placed.moves)}
+    out["stage_log"], out["moves"] = list(Stage.log), list(Placed.moves)
+    out["placed_after"] = {m.name: str(m.vdev) for m in net.modules() if isinstance(m, Stage)}
+    out["output_type"] = "Tensor" if isinstance(got, torch.Tensor) else type(got).__name__
+    if not isinstance(got, torch.Tensor):
+        return out
+    out["out_device"], out["out_tag"] = str(where(got)), getattr(got, "tag", "")
+    got = plain(got)
+    expected = ref(x)
+    out["same_output"] = got.shape == expected.shape and torch.allclose(got, expected, atol=1e-6)
+    weight = torch.randn(expected.shape, generator=torch.Generator().manual_seed(2))
+    (expected * weight).sum().backward()
+    if out["same_output"]:
+        (got * weight).sum().backward()
+        ref_grads = [p.grad for p in ref.parameters()]
+        own = [p.grad for p in list(inner1.parameters()) + list(inner2.parameters())]
+        if any(g is None for g in own):  # the net copied the stages: judge its own parameters
+            own = [p.grad for p in params]
+        out["same_grads"] = len(own) == len(ref_grads) and all(
+            g is not None and torch.allclose(g, r, atol=1e-6) for g, r in zip(own, ref_grads))
+    return out
+
+
+# -- pipelined_step -----------------------------------------------------------------
+def _params(*modules):
+    return [p for m in modules for p in m.parameters()]
+
+
+def _micro_grads(stage1, stage2, x, y, loss_fn, n_micro):
+    """Per micro-batch (torch.chunk): gradient of its own mean loss, and its size."""
+    out = []
+    for xs, ys in zip(torch.chunk(x, n_micro), torch.chunk(y, n_micro)):
+        for p in _params(stage1, stage2):
+            p.grad = None
+        loss_fn(stage2(stage1(xs)), ys).backward()
+        out.append(([p.grad.clone() for p in _params(stage1, stage2)], len(xs)))
+    return out
+
+
+def _kept_grads(stage1, stage2, x, y, loss_fn, n_micro, weight: float):
+    """``weight`` x the gradient of the mean loss over the first n_micro * (len(x) // n_micro) samples."""
+    kept = n_micro * (len(x) // n_micro)
+    stage1, stage2 = copy.deepcopy(stage1), copy.deepcopy(stage2)
+    for p in _params(stage1, stage2):
+        p.grad = None
+    if kept == 0 or kept == len(x):
+        return [torch.full_like(p, float("nan")) for p in _params(stage1, stage2)]
+    (loss_fn(stage2(stage1(x[:kept])), y[:kept]) * (kept / len(x) if weight else 1.0)).backward()
+    return [p.grad for p in _params(stage1, stage2)]
+
+
+def _same(a, b) -> bool:
+    return len(a) == len(b) and all(g is not None and torch.allclose(g, r, atol=1e-6, rtol=1e-4)
+                                    for g, r in zip(a, b))
+
+
+def run_pipelined(pipelined_step, specs) -> list[dict]:
+    """For each ``(batch, n_micro, regression, prefill)``: the learner's step on stages on cuda:2 and cuda:3.
+
+    ``prefill``: the stages' ``.grad`` already hold gradients, as when the caller
+    accumulates several steps; the step must add to them.
+    """
+    _one_thread()
+    return [_pipelined(pipelined_step, *spec) for spec in specs]
+
+
+def _pipelined(pipelined_step, batch: int, n_micro: int, regression: bool, prefill: bool) -> dict:
+    torch.manual_seed(3)
+    if regression:
+        s1, s2, loss_fn = nn.Sequential(nn.Linear(5, 7), nn.Tanh()), nn.Linear(7, 1), nn.MSELoss()
+        x, y = torch.randn(batch, 5), torch.randn(batch, 1)
+    else:
+        s1, s2, loss_fn = nn.Sequential(nn.Linear(6, 9), nn.ReLU()), nn.Linear(9, 4), nn.CrossEntropyLoss()
+        x, y = torch.randn(batch, 6), torch.randint(0, 4, (batch,))
+    r1, r2 = copy.deepcopy(s1), copy.deepcopy(s2)
+    ref_loss = loss_fn(r2(r1(x)), y)
+    ref_loss.backward()
+    ref = [p.grad for p in _params(r1, r2)]
+    micro = _micro_grads(copy.deepcopy(r1), copy.deepcopy(r2), x, y, loss_fn, n_micro)
+    before = [torch.randn(p.shape, generator=torch.Generator().manual_seed(5 + i)) if prefill else None
+              for i, p in enumerate(ref)]
+    stage1, stage2 = Stage(s1, "stage1", "activations", DEVICES[0]), Stage(s2, "stage2", "output", DEVICES[1])
+    for p, g in zip(_params(stage1, stage2), before):
+        p.grad = None if g is None else g.clone()
+    reset()
+    out = {"batch": batch, "n_micro": n_micro, "devices": list(DEVICES), "ref_loss": float(ref_loss.detach()),
+           "chunks": [len(c) for c in torch.chunk(x, n_micro)]}
+    try:
+        loss = pipelined_step(stage1, stage2, place(x.clone(), "inputs", CPU), place(y.clone(), "labels", CPU),
+                              PlacedLoss(loss_fn), n_micro)
+    except NotImplementedError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - judged as evidence
+        return {**out, "raised": _raised(exc), "stage_log": list(Stage.log), "moves": list(Placed.moves),
+                "loss_log": list(PlacedLoss.log), "same": False, "bug": ""}
+    out.update(stage_log=list(Stage.log), moves=list(Placed.moves), loss_log=list(PlacedLoss.log))
+    number = isinstance(loss, (int, float, torch.Tensor)) and not isinstance(loss, bool) \
+        and torch.as_tensor(plain(loss)).numel() == 1
+    out["type"] = "float" if isinstance(loss, float) else type(loss).__name__
+    out["loss"] = float(torch.as_tensor(plain(loss)).detach()) if number else repr(loss)[:100]
+    grads = [None if p.grad is None else p.grad.detach().clone() for p in _params(stage1, stage2)]
+    expected = [r if b is None else r + b for r, b in zip(ref, before)]
+    out["same"] = _same(grads, expected)
+    out["bug"] = "" if out["same"] else _name_the_bug(grads, before, ref, micro, n_micro, batch, len(_params(s1)),
+                                                      (r1, r2, x, y, loss_fn))
+    return out
+
+
+def _name_the_bug(grads, before, ref, micro, n_micro, batch, n_first, setup) -> str:
+    """The likely bug whose gradients the learner's match, or ""."""
+    if any(g is None for g in grads):
+        first_missing = all(g is None for g in grads[:n_first]) and all(g is not None for g in grads[n_first:])
+        return "detached" if first_missing else "no_grads"
+    prefill = before[0] is not None
+    added = [g - b for g, b in zip(grads, before)] if prefill else grads
+    if prefill and _same(grads, ref):
+        return "zeroed"
+    if _same(added[:n_first], [torch.zeros_like(r) for r in ref[:n_first]]) and _same(added[n_first:], ref[n_first:]):
+        return "detached"
+    total = [sum(g[i] for g, _ in micro) for i in range(len(ref))]
+    last, size = micro[-1]
+    candidates = [("unscaled", added, total), ("one_over_n", added, [g / n_micro for g in total]),
+                  ("last_only", grads, last), ("last_only", grads, [g / len(micro) for g in last]),
+                  ("last_only", grads, [g * size / batch for g in last])]
+    candidates += [("dropped", added, _kept_grads(*setup, n_micro, weight)) for weight in (0, 1)]
+    return next((name for name, got, cand in candidates if _same(got, cand)), "")
+
+
+# -- bubble_fraction ----------------------------------------------------------------
+def evaluate(fn, calls) -> list:
+    """``fn(*args)`` for every args tuple: ``("ok", value, is_float)`` or ``("raised", type name, message)``."""
+    out = []
+    for args in calls:
+        try:
+            value = fn(*args)
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            out.append(("ok", value if number else repr(value)[:80], isinstance(value, float)))
+        except NotImplementedError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the check judges the exception
+            out.append(("raised", type(exc).__name__, str(exc)[:200]))
+    return out

@@ -1,0 +1,1 @@
+"""The checks' simulation layer, shared by every lesson."""
