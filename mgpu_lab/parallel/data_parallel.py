@@ -17,7 +17,7 @@ on GPUs (it can concatenate them on a GPU or on the CPU, ``target_device="cpu"``
 here do the same steps on any devices: with CUDA devices they call PyTorch's
 pieces; on a CPU they make the same autograd-linked replicas on "devices" that
 are all the CPU, run in threads.
-Given a :class:`mgpu_lab.parallel.dp_timeline.Timeline`, they record which step ran on
+Given a :class:`mgpu_lab.parallel.timeline.Timeline`, they record which step ran on
 which device, and when.
 
 Example:
@@ -36,7 +36,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch import nn
 
-from mgpu_lab.parallel.dp_timeline import Timeline
+from mgpu_lab.parallel.timeline import Timeline
 
 __all__ = ["default_devices", "cpu_threads", "scatter", "replicate", "parallel_apply", "gather",
            "StepByStepDataParallel", "train_step", "time_steps"]
@@ -81,6 +81,21 @@ def _devices(devices) -> list[torch.device]:
 
 def _all_cuda(devices) -> bool:
     return all(d.type == "cuda" for d in devices)
+
+
+@contextmanager
+def _span(timeline: Timeline | None, lane: str | None, phase: str, device: torch.device):
+    """A span of ``timeline`` timed on the host, ending when ``device``'s work does; nothing without one.
+
+    Host time, not CUDA events: DataParallel's phases run in several threads and
+    copy between GPUs on streams of their own, and the lesson shows wall time.
+    """
+    if timeline is None:
+        yield
+        return
+    with timeline.span(lane, phase):
+        yield
+        _sync(device)
 
 
 def _sync(device: torch.device) -> None:
@@ -160,7 +175,7 @@ def parallel_apply(replicas, inputs, devices=None, timeline: Timeline | None = N
         device = devices[i]
         try:
             with torch.set_grad_enabled(grad), (torch.cuda.device(device) if device.type == "cuda" else nullcontext()):
-                with (timeline.span(_lane(i, device), "forward", device) if timeline else nullcontext()):
+                with _span(timeline, _lane(i, device), "forward", device):
                     results[i] = replicas[i](inputs[i])
         except Exception as exc:  # noqa: BLE001 - re-raised in the caller's thread below
             results[i] = exc
@@ -203,11 +218,8 @@ class StepByStepDataParallel(nn.Module):
                 timeline.add_lane(_lane(i, d))
 
     def _span(self, lane_index, phase):
-        if self.timeline is None:
-            return nullcontext()
         d = self.devices[lane_index] if lane_index is not None else self.devices[0]
-        lane = None if lane_index is None else _lane(lane_index, d)
-        return self.timeline.span(lane, phase, d)
+        return _span(self.timeline, None if lane_index is None else _lane(lane_index, d), phase, d)
 
     def forward(self, batch: torch.Tensor) -> torch.Tensor:
         if len(self.devices) == 1:  # as nn.DataParallel: one device, no copies
@@ -227,11 +239,10 @@ def train_step(model, batch, target, loss_fn, optimizer, timeline: Timeline | No
     optimizer.zero_grad(set_to_none=True)
     out = model(batch)
     device = out.device
-    span = (lambda phase: timeline.span(None, phase, device)) if timeline is not None else (lambda p: nullcontext())
-    with span("loss+backward"):
+    with _span(timeline, None, "loss+backward", device):
         loss = loss_fn(out, target.to(device))
         loss.backward()
-    with span("optimizer"):
+    with _span(timeline, None, "optimizer", device):
         optimizer.step()
     return loss.item()
 

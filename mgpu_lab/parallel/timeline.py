@@ -1,5 +1,10 @@
 """Busy/idle timelines of devices or ranks: when each one worked, and the idle fraction.
 
+One :class:`Timeline` serves lesson 03 (``nn.DataParallel`` step by step: one
+lane per device, spans recorded from one thread per device, and spans of every
+lane at once, ``lane=None``, for the backward that runs through all replicas)
+and lesson 06 (pipeline stages on devices or ranks, and their idle fraction).
+
 Spans on the CPU are timed with ``time.perf_counter``, one clock for every
 process of a machine, so spans recorded in different ranks line up; spans on a
 CUDA device are timed with CUDA events, so recording never makes the host wait
@@ -18,6 +23,7 @@ Example:
 """
 from __future__ import annotations
 
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -29,6 +35,10 @@ __all__ = ["Timeline", "gpipe_schedule", "GPipeFit", "fit_gpipe"]
 
 class Timeline:
     """Busy spans of several lanes (devices or ranks); idle is everything else.
+
+    A span is ``(lane, label, start, end)``, in seconds; a span whose lane is
+    ``None`` is a span of every lane (work that runs on all of them at once).
+    Spans may be recorded from several threads.
 
     Spans on a CUDA device are timed with CUDA events, so the host never waits
     for the GPU while recording; call :meth:`resolve` (done by every reader)
@@ -42,28 +52,53 @@ class Timeline:
         >>> tl.add("dev 0", "F0", 0.0, 1.0); tl.add("dev 1", "F0", 1.0, 2.0)
         >>> tl.makespan, tl.idle_fraction()
         (2.0, 0.5)
+        >>> tl.add(None, "B0", 2.0, 3.0)   # both lanes busy
+        >>> tl.busy("dev 0"), tl.totals()
+        (2.0, {'F0': 2.0, 'B0': 2.0})
     """
 
+    #: Colours of lesson 03's DataParallel phases; other labels: F... blue, B... orange.
+    PHASES = {"scatter": "tab:orange", "replicate": "tab:red", "forward": "tab:blue",
+              "gather": "tab:purple", "loss+backward": "tab:green", "optimizer": "tab:gray"}
+
     def __init__(self, spans=()):
-        self.spans: list[tuple[str, str, float, float]] = [tuple(s) for s in spans]
+        self.spans: list[tuple[str | None, str, float, float]] = []
+        self._declared: list[str] = []
         self._pending: list = []
         self._base: dict = {}
+        self._lock = threading.Lock()
         self.cpu_seconds = self.cpu_wall_seconds = 0.0  # thread CPU time and wall time of CPU spans
+        for span in spans:
+            self.add(*span)
 
-    def add(self, lane: str, label: str, start: float, end: float) -> None:
-        """Record that ``lane`` was busy with ``label`` from ``start`` to ``end`` (seconds)."""
-        self.spans.append((str(lane), str(label), float(start), float(end)))
+    def add(self, lane: str | None, label: str, start: float, end: float) -> None:
+        """Record that ``lane`` (``None``: every lane) was busy with ``label`` from ``start`` to ``end`` (s)."""
+        with self._lock:
+            self.spans.append((None if lane is None else str(lane), str(label), float(start), float(end)))
+
+    def add_lane(self, lane: str) -> None:
+        """Declare a lane before any span of it, so that lanes are listed in this order."""
+        if lane not in self._declared:
+            self._declared.append(str(lane))
+
+    def reset(self) -> None:
+        """Forget every span (declared lanes stay): e.g. after a warm-up step."""
+        self.resolve()
+        with self._lock:
+            self.spans.clear()
+            self.cpu_seconds = self.cpu_wall_seconds = 0.0
 
     @contextmanager
-    def span(self, lane: str, label: str, device=None):
+    def span(self, lane: str | None, label: str, device=None):
         """Time the body as one busy span of ``lane``; on a CUDA ``device``, with CUDA events."""
         device = torch.device(device) if device is not None else None
         if device is None or device.type != "cuda":
             start, cpu = time.perf_counter(), time.thread_time()
             yield
             end = time.perf_counter()
-            self.cpu_seconds += time.thread_time() - cpu
-            self.cpu_wall_seconds += end - start
+            with self._lock:
+                self.cpu_seconds += time.thread_time() - cpu
+                self.cpu_wall_seconds += end - start
             self.add(lane, label, start, end)
             return
         if device not in self._base:  # one host/GPU clock pairing per device
@@ -76,7 +111,8 @@ class Timeline:
         start.record(torch.cuda.current_stream(device))
         yield
         end.record(torch.cuda.current_stream(device))
-        self._pending.append((lane, label, device, start, end))
+        with self._lock:
+            self._pending.append((lane, label, device, start, end))
 
     @property
     def cpu_share(self) -> float | None:
@@ -98,9 +134,9 @@ class Timeline:
 
     @property
     def lanes(self) -> list[str]:
-        """Lane names in order of first appearance."""
+        """Lane names: the declared ones (:meth:`add_lane`), then the others in order of first appearance."""
         self.resolve()
-        return list(dict.fromkeys(lane for lane, *_ in self.spans))
+        return list(dict.fromkeys([*self._declared, *(lane for lane, *_ in self.spans if lane is not None)]))
 
     @property
     def makespan(self) -> float:
@@ -111,9 +147,18 @@ class Timeline:
         return max(s[3] for s in self.spans) - min(s[2] for s in self.spans)
 
     def busy(self, lane: str) -> float:
-        """Seconds ``lane`` was busy."""
+        """Seconds ``lane`` was busy (its spans and the spans of every lane)."""
         self.resolve()
-        return sum(end - start for name, _, start, end in self.spans if name == lane)
+        return sum(end - start for name, _, start, end in self.spans if name in (lane, None))
+
+    def totals(self) -> dict[str, float]:
+        """Seconds per label, summed over lanes (a span of every lane counts once per lane)."""
+        self.resolve()
+        out: dict[str, float] = {}
+        lanes = max(len(self.lanes), 1)
+        for lane, label, start, end in self.spans:
+            out[label] = out.get(label, 0.0) + (end - start) * (lanes if lane is None else 1)
+        return out
 
     def idle_fraction(self) -> float:
         """The measured bubble: 1 - busy time of all lanes / (lanes x makespan)."""
@@ -122,26 +167,40 @@ class Timeline:
         return 0.0 if span == 0 else 1.0 - sum(map(self.busy, lanes)) / (len(lanes) * span)
 
     def shifted(self) -> "Timeline":
-        """A copy whose first span starts at 0."""
+        """A copy whose first span starts at 0 (declared lanes kept)."""
         self.resolve()
         t0 = min((s[2] for s in self.spans), default=0.0)
-        return Timeline((lane, label, a - t0, b - t0) for lane, label, a, b in self.spans)
+        out = Timeline((lane, label, a - t0, b - t0) for lane, label, a, b in self.spans)
+        out._declared = list(self._declared)
+        return out
+
+    def _colour(self, label: str) -> str:
+        if label in self.PHASES:
+            return self.PHASES[label]
+        return "tab:blue" if label.startswith("F") else "tab:orange" if label.startswith("B") else "tab:olive"
 
     def plot(self, ax=None, title: str = "", unit: float = 1e3):
-        """Draw the lanes as bars: forward spans (labels F...) blue, backward (B...) orange, idle blank."""
+        """Draw the lanes as bars, idle blank: lesson 03's phases in their colours (with a legend),
+        forward spans (labels F...) blue, backward (B...) orange; a span of every lane in every row."""
         import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
 
-        ax = ax or plt.gca()
         tl, lanes = self.shifted(), self.lanes
+        if ax is None:
+            _, ax = plt.subplots(figsize=(9, 0.6 + 0.55 * max(len(lanes), 1)))
         for row, lane in enumerate(lanes):
             for name, label, a, b in tl.spans:
-                if name == lane:
-                    color = "tab:blue" if label.startswith("F") else "tab:orange"
-                    ax.broken_barh([(a * unit, (b - a) * unit)], (row - 0.4, 0.8), color=color, edgecolor="white")
+                if name in (lane, None):
+                    ax.broken_barh([(a * unit, max(b - a, 1e-9) * unit)], (row - 0.4, 0.8),
+                                   color=self._colour(label), edgecolor="white", linewidth=0.4)
         ax.set_yticks(range(len(lanes)), lanes)
         if not ax.yaxis_inverted():  # axes that share y would flip back and forth
             ax.invert_yaxis()
         ax.set_xlabel("time (ms)" if unit == 1e3 else "time")
+        phases = [p for p in self.PHASES if any(s[1] == p for s in tl.spans)]
+        if phases:
+            ax.legend(handles=[Patch(color=self.PHASES[p], label=p) for p in phases], ncol=len(phases),
+                      loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(lanes) < 3 else -0.2), fontsize=8)
         ax.set_title(title or f"idle {self.idle_fraction():.0%}", fontsize=9)
         return ax
 

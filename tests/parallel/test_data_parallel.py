@@ -9,7 +9,7 @@ from torch import nn
 
 from mgpu_lab.parallel.data_parallel import (StepByStepDataParallel, cpu_threads, default_devices, gather, parallel_apply,
                                     replicate, scatter, time_steps, train_step)
-from mgpu_lab.parallel.dp_timeline import Timeline
+from mgpu_lab.parallel.timeline import Timeline
 
 CPU2 = ["cpu", "cpu"]
 
@@ -80,9 +80,9 @@ def test_step_by_step_equals_plain_model_and_records_a_timeline():
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q)
     assert tl.lanes == ["cpu (replica 0)", "cpu (replica 1)"]
-    phases = {e[1] for e in tl.events}
+    phases = {s[1] for s in tl.spans}
     assert phases == {"scatter", "replicate", "forward", "gather", "loss+backward", "optimizer"}
-    assert sum(e[1] == "forward" for e in tl.events) == 4  # 2 forwards x 2 replicas
+    assert sum(s[1] == "forward" for s in tl.spans) == 4  # 2 forwards x 2 replicas
     assert set(tl.totals()) == phases
 
 
