@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from mgpu_lab import launch
 from mgpu_lab.data import samplers, uneven
 from mgpu_lab.data.samplers import (BalancedDistributedSampler, DistributedWeightedSampler, class_balanced_weights,
-                               plan_balanced)
+                                    plan_balanced)
 from mgpu_lab.data.workload import distributed_sampler_lists, heavy_tailed_lengths, imbalance, step_imbalance
 
 matplotlib.use("Agg")

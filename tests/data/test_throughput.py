@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from mgpu_lab.data.throughput import (LoopTiming, RandomDraws, batch_size_of, copy_timing, draws_by_worker,
-                              epoch_starts, knee, measure, plot_sweep, sweep_workers, timed_loop)
+                                      epoch_starts, knee, measure, plot_sweep, sweep_workers, timed_loop)
 
 matplotlib.use("Agg")
 pytestmark = pytest.mark.timeout(120)

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from mgpu_lab.parallel.data_parallel import (StepByStepDataParallel, cpu_threads, default_devices, gather, parallel_apply,
-                                    replicate, scatter, time_steps, train_step)
+from mgpu_lab.parallel.data_parallel import (StepByStepDataParallel, cpu_threads, default_devices, gather,
+                                             parallel_apply, replicate, scatter, time_steps, train_step)
 from mgpu_lab.parallel.timeline import Timeline
 
 CPU2 = ["cpu", "cpu"]

@@ -19,8 +19,7 @@ from mgpu_lab.launcher import elastic
 from mgpu_lab.launcher.errors import LaunchError, LaunchTimeout
 from .._core import _error_text, CaseFailed, exercise
 from .judges import (count_saves, expected_desync, judge_run, judge_trials, other_filesystem, random_logs,
-                     recorded_logs, shown, AR3, AR4, BAR, BC, CFG, read_logs, resumed_from, RUN_TIMEOUT, STEPS,
-                     WORLD)
+                     recorded_logs, shown, AR3, AR4, BAR, BC, CFG, read_logs, resumed_from, RUN_TIMEOUT, STEPS, WORLD)
 from .ranks import atomic_probe, first_desync_all, HANGS, read_log, run_resumable
 
 
