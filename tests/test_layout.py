@@ -1,14 +1,17 @@
-"""The package's layout: three parts a newcomer can tell apart, short functions, layers.
+"""The package's layout: parts a newcomer can tell apart, code found from a lesson's title, short functions, layers.
 
-``mgpu_lab/launcher`` (start ranks), ``mgpu_lab/course`` (checks, assign, grade)
-and ``mgpu_lab/cluster`` (simulated nodes, SLURM) sit beside the modules a
-learner imports (``ddp``, ``samplers``, ...) and the base (``dist``, ``devices``).
-These tests read the source with ``ast`` (nothing is imported), so a cycle or a
-layer crossed shows as a failure that names the modules.
+From the bottom: the base (``dist``, ``devices``, ``core/``), ``launcher/`` (start
+ranks), one package per topic (``data/``, ``parallel/``, ``sharding/``, ``comm/``,
+``failures/``, and ``devices/``' lesson-01 modules), each naming its lessons;
+``cluster/`` (simulated nodes, SLURM), ``course/`` (checks, assign, grade), and the
+command line (``cli``, ``doctor``) on top. These tests read the source with
+``ast`` (nothing is imported), so a cycle or a layer crossed shows as a failure
+that names the modules.
 """
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "mgpu_lab"
 MAX_BODY = 60  # the guide's "functions short (about 60 lines)": body lines, the docstring not counted
 PARTS = ("launcher", "course", "cluster")
+TOPICS = ("data", "parallel", "sharding", "comm", "failures", "devices")
+TOP_LEVEL = {"__init__", "__main__", "cli", "dist", "doctor", "doctor_probes"}  # everything else lives in a package
 BASE = {"mgpu_lab.dist", "mgpu_lab.devices", "mgpu_lab.core.compat", "mgpu_lab.core", "mgpu_lab.core.libc",
         "mgpu_lab.core.procenv"}
 APPS = {"mgpu_lab.cli", "mgpu_lab.doctor", "mgpu_lab.__main__"}
@@ -73,11 +78,45 @@ def part(name: str) -> str:
     return pieces[1] if len(pieces) > 1 and pieces[1] in PARTS else "top"
 
 
+def topic(name: str) -> str | None:
+    pieces = name.split(".")
+    return pieces[1] if len(pieces) > 1 and pieces[1] in TOPICS and name not in BASE else None
+
+
 def test_the_three_parts_exist_and_say_what_they_hold():
     for name in PARTS:
         init = PACKAGE / name / "__init__.py"
         assert init.is_file(), f"mgpu_lab/{name}/ is not a package"
         assert ast.get_docstring(ast.parse(init.read_text())), f"mgpu_lab/{name}/__init__.py has no docstring"
+
+
+def test_every_topic_package_names_its_lessons():
+    for name in TOPICS:
+        init = PACKAGE / name / "__init__.py"
+        assert init.is_file(), f"mgpu_lab/{name}/ is not a package"
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert re.search(r"\b[Ll]essons? \d\d", doc), f"mgpu_lab/{name}/__init__.py's docstring names no lesson"
+
+
+def test_no_topic_module_sits_flat_in_the_package():
+    flat = {p.stem for p in PACKAGE.glob("*.py")} - TOP_LEVEL
+    assert not flat, f"modules at the top of mgpu_lab/ (put each in its topic's package): {sorted(flat)}"
+
+
+def test_topic_packages_build_only_on_the_base_the_launcher_and_each_other(graph):
+    allowed = lambda dep: dep in BASE or part(dep) == "launcher" or topic(dep) is not None  # noqa: E731
+    bad = {name: sorted(d for d in deps if not allowed(d)) for name, deps in graph.items() if topic(name)}
+    assert not {k: v for k, v in bad.items() if v}, f"topic modules import the course, cluster or the CLI: {bad}"
+
+
+def test_the_checks_have_one_shape_per_lesson():
+    checks = PACKAGE / "course" / "checks"
+    lessons = sorted(p for p in checks.iterdir() if p.is_dir() and re.fullmatch(r"l\d\d", p.name))
+    assert [p.name for p in lessons] == [f"l{n:02d}" for n in range(1, len(lessons) + 1)] and len(lessons) >= 10
+    for lesson in lessons:
+        assert sorted(p.name for p in lesson.glob("*.py")) == ["__init__.py", "checkers.py", "judges.py", "ranks.py"]
+    flat = sorted(p.stem for p in checks.glob("*.py") if not p.stem.startswith("_"))  # the framework is _*.py
+    assert flat == [], f"lesson code outside lNN/ and sim/: {flat}"
 
 
 def body_lines(node) -> int:
