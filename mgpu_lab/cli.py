@@ -268,7 +268,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         The exit code: 0 on success, 1 if a check failed, 2 on a usage error.
 
     Example:
-        >>> main(["doctor", "--backend", "gloo"])  # doctest: +SKIP
+        >>> main(["doctor", "--backend", "gloo"])   # real ranks: a few seconds
+        mgpu-lab doctor
+        versions
+        ...
+        result: all 3 check(s) passed
         0
     """
     parser = build_parser()

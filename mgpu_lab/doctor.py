@@ -10,10 +10,10 @@ went wrong and what to try. The launches themselves are in
 
 Example:
     >>> from mgpu_lab.doctor import run_doctor
-    >>> run_doctor(backends=["gloo"])  # doctest: +SKIP
+    >>> run_doctor(backends=["gloo"], course=False)
     mgpu-lab doctor
     ...
-      gloo   OK in 0.4 s (2 ranks, all_reduce sum 3 on every rank)
+      gloo   OK in ... s (2 ranks, all_reduce sum 3 on every rank)
     result: all 1 check(s) passed
     0
 """
@@ -196,8 +196,13 @@ def run_doctor(
             not None or an int from 2 to 16.
 
     Example:
-        >>> run_doctor(backends=["gloo"], nprocs=2, timeout=60)  # doctest: +SKIP
+        >>> import io
+        >>> report = io.StringIO()
+        >>> run_doctor(backends=["gloo"], nprocs=1, timeout=60, out=report, course=False)
+        launch: 1 rank · ...
         0
+        >>> report.getvalue().splitlines()[-1]
+        'result: all 1 check(s) passed'
     """
     requested = _validate(backends, nprocs, timeout, nodes)
     out = sys.stdout if out is None else out

@@ -70,7 +70,10 @@ def md5sum(path: str | os.PathLike) -> str:
     """The MD5 hex digest of a file (what torchvision's ``md5=`` arguments expect).
 
     Example:
-        >>> md5sum(archive)  # doctest: +SKIP
+        >>> import pathlib, tempfile
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "hello.txt"
+        >>> _ = path.write_bytes(b"hello")
+        >>> md5sum(path)
         '5d41402abc4b2a76b9719d911017c592'
     """
     digest = hashlib.md5(usedforsecurity=False)

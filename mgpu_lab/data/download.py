@@ -125,8 +125,15 @@ def fetch_archive(url: str, root: str | os.PathLike, md5: str, progress: bool = 
         RuntimeError: the download does not match ``md5`` (torchvision's check).
 
     Example:
-        >>> fetch_archive(server.url + "blobs.tar.gz", "/tmp/root", md5)  # doctest: +SKIP
-        '/tmp/root/blobs'
+        >>> import tempfile
+        >>> from mgpu_lab.data import datasets
+        >>> served = tempfile.mkdtemp()
+        >>> _ = datasets.write_archive(datasets.synthetic_classification(20), f"{served}/blobs.tar.gz")
+        >>> with serve(served) as server:   # the wrong checksum: nothing is kept under root
+        ...     fetch_archive(server.url + "blobs.tar.gz", tempfile.mkdtemp(), md5="0" * 32)
+        Traceback (most recent call last):
+        ...
+        RuntimeError: ...
     """
     from unittest import mock
 
@@ -255,7 +262,9 @@ def simulate_nodes(ranks_per_node: int) -> int:
         ValueError: the world size is not a multiple of ``ranks_per_node``.
 
     Example:
-        >>> launch(lambda: simulate_nodes(2), 4)   # doctest: +SKIP
+        >>> from mgpu_lab import launch
+        >>> launch(simulate_nodes, 4, 2)
+        launch: 4 ranks · ...
         [0, 0, 1, 1]
     """
     me = mdist.info()

@@ -17,8 +17,9 @@ Example:
     >>> from torch.utils.data import DistributedSampler
     >>> costs = [10] * 64  # 64 samples, 1 ms each
     >>> make = lambda rank, world: DistributedSampler(range(64), world, rank)
-    >>> results = launch(timed_epoch, 2, make, costs, batch_size=8)   # doctest: +SKIP
-    >>> summarize(results)["steps"]                                   # doctest: +SKIP
+    >>> results = launch(timed_epoch, 2, make, costs, batch_size=8)
+    launch: 2 ranks · ...
+    >>> summarize(results)["steps"]
     4
 """
 from __future__ import annotations
@@ -127,7 +128,18 @@ def train_with_join(model, batches, optimizer, loss_fn=None) -> int:
         The number of optimizer steps this rank took.
 
     Example:
-        >>> steps = train_with_join(DDP(net), my_batches, optimizer)   # doctest: +SKIP
+        >>> from mgpu_lab import launch
+        >>> def uneven(batches_per_rank):
+        ...     import torch.distributed as tdist
+        ...     from torch.nn.parallel import DistributedDataParallel as DDP
+        ...     torch.manual_seed(0)
+        ...     model = DDP(torch.nn.Linear(4, 1))
+        ...     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        ...     batch = (torch.randn(2, 4), torch.randn(2, 1))
+        ...     return train_with_join(model, [batch] * batches_per_rank[tdist.get_rank()], optimizer)
+        >>> launch(uneven, 2, [3, 5])   # without Join, rank 1's 4th step would wait for rank 0 for ever
+        launch: 2 ranks · ...
+        [3, 5]
     """
     from torch.distributed.algorithms.join import Join
 

@@ -10,12 +10,11 @@ excluded. Each run comes back as a :class:`SubsetRun`.
 
 Example:
     >>> from mgpu_lab.devices.subset_jobs import SubsetJobs
-    >>> with SubsetJobs({"A": [0, 1], "B": [2, 3]}) as jobs:  # doctest: +SKIP
+    >>> with SubsetJobs({"A": [0, 1], "B": [2, 3]}) as jobs:
     ...     runs = jobs.train(steps=300)           # both at once
-    [A] pid 812 · CUDA_VISIBLE_DEVICES='0,1' · no CUDA GPU visible (...): running on the CPU
-    ...
-    >>> runs["A"].device  # doctest: +SKIP
-    'cpu'
+    [...] pid ... · CUDA_VISIBLE_DEVICES=... · ...
+    >>> sorted(runs), runs["B"].device   # GPUs 2 and 3: the CPU on a machine with fewer than 3 GPUs
+    (['A', 'B'], 'cpu')
 """
 from __future__ import annotations
 
@@ -98,9 +97,11 @@ class SubsetJobs:
             (Python start-up and ``import torch``).
 
     Example:
-        >>> with SubsetJobs({"A": [0, 1], "B": [2, 3]}, echo=False) as jobs:  # doctest: +SKIP
-        ...     one_by_one = [jobs.train(["A"]), jobs.train(["B"])]
-        ...     at_once = jobs.train()
+        >>> with SubsetJobs({"A": [0], "B": [1]}, echo=False) as jobs:
+        ...     one_by_one = [jobs.train(["A"], steps=50), jobs.train(["B"], steps=50)]
+        ...     at_once = jobs.train(steps=50)
+        >>> [sorted(runs) for runs in one_by_one], sorted(at_once)
+        ([['A'], ['B']], ['A', 'B'])
     """
 
     def __init__(self, jobs: Mapping[str, Sequence[int]], threads: int = 1, timeout: float = 120.0,

@@ -11,7 +11,9 @@ Example:
     >>> visible_devices_env([2, 3], environ={})
     {'CUDA_VISIBLE_DEVICES': '2,3', 'CUDA_DEVICE_ORDER': 'PCI_BUS_ID'}
     >>> import subprocess, sys
-    >>> subprocess.run([sys.executable, "train.py"], env=child_env([2, 3]))  # doctest: +SKIP
+    >>> code = "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])"
+    >>> subprocess.run([sys.executable, "-c", code], env=child_env([2, 3]), capture_output=True, text=True).stdout
+    '2,3\\n'
 """
 
 from __future__ import annotations
@@ -164,7 +166,9 @@ def child_env(
 
     Example:
         >>> import subprocess, sys
-        >>> subprocess.run([sys.executable, "train.py"], env=child_env([2, 3]))  # doctest: +SKIP
+        >>> env = child_env([2, 3])   # this process's environment, and the child's GPUs
+        >>> env["CUDA_VISIBLE_DEVICES"], env["PATH"] == os.environ["PATH"]
+        ('2,3', True)
     """
     env = dict(os.environ if base is None else base)
     env.update(visible_devices_env(ids))

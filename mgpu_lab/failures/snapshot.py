@@ -154,7 +154,16 @@ def resumable_train(model_fn, dataset, epochs: int, batch_size: int, lr: float, 
         ValueError: ``snapshot_every`` < 1.
 
     Example:
-        >>> launch(resumable_train, 2, model_fn, ds, 3, 4, 0.1, "/tmp/snap.pt", 4)   # doctest: +SKIP
+        >>> from mgpu_lab import launch
+        >>> from mgpu_lab.data import datasets
+        >>> def model_fn():
+        ...     torch.manual_seed(0)                 # the same initial weights on every rank
+        ...     return torch.nn.Linear(8, 3)
+        >>> path = os.path.join(tempfile.mkdtemp(), "snap.pt")
+        >>> states = launch(resumable_train, 2, model_fn, datasets.synthetic_classification(32), 2, 4, 0.1, path, 4)
+        launch: 2 ranks · ...
+        >>> os.path.exists(path), torch.equal(states[0]["weight"], states[1]["weight"])
+        (True, True)
     """
     if snapshot_every < 1:
         raise ValueError(f"snapshot_every={snapshot_every} must be >= 1 (optimizer steps between snapshots)")

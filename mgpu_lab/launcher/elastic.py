@@ -18,9 +18,12 @@ and importing torch again (about 3 s of CPU each on this machine). The agent,
 its restarts and the variables are the same; a cluster does not need it.
 
 Example:
-    >>> result = run(torchrun_argv("scripts/resumable_train.py", "--epochs", "2", max_restarts=1))  # doctest: +SKIP
-    >>> result.returncode                                                                            # doctest: +SKIP
-    0
+    >>> script = os.path.join(tempfile.mkdtemp(), "hello.py")
+    >>> with open(script, "w") as f:
+    ...     _ = f.write("import os; print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])")
+    >>> result = run(torchrun_argv(script, nproc=2, fork=True), echo=False)
+    >>> result.returncode, sorted(result.lines("rank [0-9] of 2"))
+    (0, ['rank 0 of 2', 'rank 1 of 2'])
 """
 from __future__ import annotations
 

@@ -213,7 +213,15 @@ def train(model_fn, dataset, epochs: int, batch_size: int, lr: float, *, seed: i
     ``set_epoch`` every epoch. This is the solution of exercise 04.ddp_train.
 
     Example:
-        >>> launch(train, 2, model_fn, ds, 2, 8, 0.1)   # doctest: +SKIP
+        >>> from mgpu_lab import launch
+        >>> from mgpu_lab.data import datasets
+        >>> def model_fn():
+        ...     torch.manual_seed(0)                 # the same initial weights on every rank
+        ...     return nn.Linear(8, 3)
+        >>> states = launch(train, 2, model_fn, datasets.synthetic_classification(64), 2, 8, 0.1)
+        launch: 2 ranks · ...
+        >>> sorted(states[0]), torch.equal(states[0]["weight"], states[1]["weight"])   # replicas stay equal
+        (['bias', 'weight'], True)
     """
     model = wrap(model_fn())
     loader, _ = make_loader(dataset, batch_size, shuffle=True, seed=seed)

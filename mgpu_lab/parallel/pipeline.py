@@ -16,8 +16,9 @@ Example:
     >>> from mgpu_lab.parallel.model_parallel import mlp, split
     >>> stages = split(mlp(features=32, width=64, depth=4), 2)
     >>> x, y = torch.randn(64, 32), torch.randint(0, 10, (64,))
-    >>> runs = run_gpipe(stages, x, y, torch.nn.CrossEntropyLoss(), n_micros=(1, 4))  # doctest: +SKIP
-    >>> [round(r["formula"], 2) for r in runs]  # doctest: +SKIP
+    >>> runs = run_gpipe(stages, x, y, torch.nn.CrossEntropyLoss(), n_micros=(1, 4), steps=1)
+    launch: 2 ranks · ...
+    >>> [round(r["formula"], 2) for r in runs]
     [0.5, 0.2]
 """
 from __future__ import annotations
@@ -45,7 +46,10 @@ def pin_to_core(rank: int | None = None, threads: int = 1) -> int | None:
         The core, or None where affinity cannot be set (then only the thread count is set).
 
     Example:
-        >>> core = pin_to_core(0)  # doctest: +SKIP
+        >>> from mgpu_lab import launch
+        >>> launch(pin_to_core, 1)   # in a rank: pinning the caller would pin this process for good
+        launch: 1 rank · ...
+        [0]
     """
     rank = dist.rank() if rank is None else rank
     torch.set_num_threads(threads)
