@@ -22,16 +22,19 @@ from pathlib import Path
 import pytest
 
 ONE_AT_A_TIME = {
-    "slurm": ["tests/cluster/test_slurm_local.py", "solutions/07_multi_node.ipynb"],
+    "slurm": ["tests/cluster/test_slurm_local.py", "solutions/07_multi_node.ipynb", "mgpu_lab/cluster/slurm_local.py"],
     "sandbox-users": ["tests/course/test_grade.py", "tests/course/test_grade_hostile.py",
-                      "tests/course/test_batch.py", "tests/course/test_sandbox.py"],
+                      "tests/course/test_batch.py", "tests/course/test_sandbox.py", "mgpu_lab/course/grade.py",
+                      "mgpu_lab/course/judge.py", "mgpu_lab/course/sandbox.py"],
 }
 _GROUP = {path: name for name, paths in ONE_AT_A_TIME.items() for path in paths}
 
 # What needs root (network namespaces, the local SLURM cluster, a sandbox user per submission): these files
 # whole, and the tests marked `root`. CI runs them as root (`make test PART=root`) and everything else as an
 # ordinary user from a clone in a 0700 home folder (`make test PART=user`); a plain `make test` runs both.
-NEEDS_ROOT = ("tests/cluster/", "solutions/07_multi_node.ipynb")
+# (the docstring examples of network namespaces, troubleshooting and the local SLURM cluster too).
+NEEDS_ROOT = ("tests/cluster/", "solutions/07_multi_node.ipynb", "mgpu_lab/cluster/netns.py",
+              "mgpu_lab/cluster/troubleshoot.py", "mgpu_lab/cluster/slurm_local.py")
 
 # The longest files of a serial run on the 2-core machine (CI's kind), longest first; files not
 # named here come after these, in their usual order.

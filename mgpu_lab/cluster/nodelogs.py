@@ -8,13 +8,17 @@ view's filter: a failing torchrun prints the same traceback several times and
 C++ exceptions add dozens of stack frames; the log keeps them, the view folds them.
 
 Example:
-    >>> result = cluster.run(...)            # doctest: +SKIP
-    >>> print(result.summary())              # doctest: +SKIP
-    FAILED: 2 nodes in 9.0 s (stopped 3 s after node0 failed)
-      node0 (10.213.7.1): exit code 1 after 4.8 s
-      node1 (10.213.7.2): still running after 9.0 s, 3 s after node0 failed: stopped
-    >>> result.key_lines()                   # doctest: +SKIP
-    ['[node0] RuntimeError: Gloo connectFullMesh failed ... remote=[127.0.0.1]:2971$0', ...]
+    >>> import sys
+    >>> from mgpu_lab.cluster.multinode import SimCluster
+    >>> with SimCluster(2) as cluster:   # node0 fails at once; node1 is stopped 1 s later
+    ...     result = cluster.run([[sys.executable, "-c", "raise RuntimeError('no GPU here')"], ["sleep", "30"]],
+    ...                          after_failure=1, echo=False)
+    >>> print(result.summary())
+    FAILED: 2 nodes in ... s (stopped 1 s after node0 failed)
+      node0 (...): exit code 1 after ... s
+      node1 (...): still running after ... s, 1 s after node0 failed: stopped
+    >>> result.key_lines()
+    ['[node0] RuntimeError: no GPU here']
 """
 from __future__ import annotations
 
@@ -145,7 +149,8 @@ class RunResult:
         for n in self.nodes:
             seen, picked, previous = set(), [], ""
             for line in n.lines:
-                text, code = line.strip(), previous.startswith('File "')  # a traceback's source line
+                # a traceback's source line: indented, after a 'File "..."' line (none under python -c)
+                text, code = line.strip(), previous.startswith('File "') and line[:1].isspace()
                 previous = text
                 if KEY_LINE.search(text) and not NOISE.search(text) and not NOT_KEY.search(text) \
                         and not code and text not in seen:

@@ -10,11 +10,17 @@ run started, whole process trees included, is killed before it returns, also
 when it raises (see :func:`stop`).
 
 Example:
-    >>> runs = [NodeRun(node, ["python", "-c", "print('hi')"], {}) for node in cluster.nodes]  # doctest: +SKIP
-    >>> result = run_nodes(runs, [{}] * len(runs), parse_starts(None, len(runs)), timeout=30,
-    ...                    after_failure=None, echo=True, cwd=None, net=None, owned=set())  # doctest: +SKIP
+    >>> import sys
+    >>> from mgpu_lab.cluster.multinode import SimCluster
+    >>> with SimCluster(2, netns=False) as cluster:   # every node on 127.0.0.1 (net=None)
+    ...     runs = [NodeRun(node, [sys.executable, "-c", "print('hi')"], {}) for node in cluster.nodes]
+    ...     result = run_nodes(runs, [{}, {}], parse_starts([0, "after node0"], 2), timeout=30,
+    ...                        after_failure=None, echo=True, cwd=None, net=None, owned=set())
     [node0] hi
     [node1] hi
+    OK: 2 nodes in ... s
+      node0 (127.0.0.1): exit code 0 after ... s
+      node1 (127.0.0.1): exit code 0 after ... s
 """
 from __future__ import annotations
 

@@ -15,7 +15,10 @@ Example:
     #SBATCH --job-name=mgpu-lab
     #SBATCH --nodes=2
     ...
-    >>> job.write("train.sbatch")              # doctest: +SKIP
+    >>> import os, tempfile
+    >>> path = job.write(os.path.join(tempfile.mkdtemp(), "train.sbatch"))   # executable, ready for sbatch
+    >>> os.access(path, os.X_OK), path.read_text() == job.text
+    (True, True)
 """
 from __future__ import annotations
 

@@ -24,12 +24,15 @@ by the namespaces' names and the processes inside them, not only by what
 the packages ``slurm-wlm`` and ``munge``; :func:`problem` says what is missing.
 
 Example:
-    >>> from mgpu_lab.cluster import slurm_local                       # doctest: +SKIP
-    >>> cluster = slurm_local.up(nodes=2)                                # doctest: +SKIP
-    slurm: 2 nodes up (node0 node1) + login node ctl ...
-    >>> slurm_local.run(["sbatch", "--wait", "job.sbatch"]).stdout       # doctest: +SKIP
-    'Submitted batch job 1\\n'
-    >>> slurm_local.down()                                               # doctest: +SKIP
+    >>> import os, tempfile
+    >>> from mgpu_lab.cluster import slurm_local
+    >>> state = os.path.join(tempfile.mkdtemp(), "slurm")   # default: the one cluster `mgpu-lab slurm` manages
+    >>> cluster = slurm_local.up(nodes=2, state=state)
+    slurm: 2 nodes up (node0 node1) + login node ctl; ...
+    >>> sorted(slurm_local.run(["srun", "--nodes=2", "hostname"], state=state).stdout.split())
+    ['node0', 'node1']
+    >>> "namespace mgpuslurm-node0" in slurm_local.down(state, quiet=True)   # everything it made, removed
+    True
 """
 from __future__ import annotations
 

@@ -10,10 +10,14 @@ the fix applied.
 
 Example:
     >>> from mgpu_lab.cluster.troubleshoot import reproduce
-    >>> runs = reproduce(["blocked_port"])              # doctest: +SKIP
-    blocked port: FAILED after 9.8 s, as on a cluster (where it takes 15 min: ...)
+    >>> runs = reproduce(["blocked_port"])   # needs root: the nodes are network namespaces
+    troubleshoot: 1 job(s) at once, each on 2 simulated nodes of its own, ...
+    blocked port: FAILED after ... s here; a cluster waits 15 min (static rendezvous timeout)
+    ...
       [node0] torch.distributed.DistStoreError: Timed out after 5 seconds waiting for clients. 1/2 clients joined.
-      ...
+    ...
+    >>> [(run.fault.key, run.as_expected) for run in runs]
+    [('blocked_port', True)]
 """
 from __future__ import annotations
 

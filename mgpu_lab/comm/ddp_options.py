@@ -11,8 +11,9 @@ gradient_as_bucket_view, static_graph, and SyncBatchNorm against per-rank statis
 Example:
     >>> from mgpu_lab import launch
     >>> from mgpu_lab.comm import ddp_options
-    >>> facts = launch(ddp_options.options_probe, 2)[0]    # doctest: +SKIP
-    >>> facts["unused"]["default"][:40]                    # doctest: +SKIP
+    >>> facts = launch(ddp_options.options_probe, 2)[0]
+    launch: 2 ranks · ...
+    >>> facts["unused"]["default"][:40]
     'Expected to have finished reduction in t'
 """
 from __future__ import annotations

@@ -22,9 +22,11 @@ notebook gives it 0 points for what could not be judged, with the reason, and
 the next notebook is graded as if nothing happened.
 
 Example:
-    >>> grades = grade(["notebooks/01_devices.ipynb"], timeout=300)   # doctest: +SKIP
-    >>> grades[0].points, grades[0].max_points                          # doctest: +SKIP
-    (0, 18)
+    >>> from pathlib import Path
+    >>> unanswered = Path(__file__).parents[2] / "notebooks" / "01_devices.ipynb"   # a student copy, as given out
+    >>> grades = grade([unanswered], timeout=300)   # in a sandbox: a fresh kernel runs it, the grader judges
+    >>> grades[0].points, grades[0].max_points, {e.status for e in grades[0].exercises}
+    (0, 18, {'not attempted'})
 """
 from __future__ import annotations
 

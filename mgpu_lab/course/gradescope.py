@@ -10,8 +10,15 @@ that was not judged (not attempted, not checked, could not be judged) is one
 test worth its points, with the reason.
 
 Example:
-    >>> write_gradescope(grade(["sub/01_devices.ipynb"]), "out")   # doctest: +SKIP
-    [PosixPath('out/01_devices/results.json')]
+    >>> import json, tempfile
+    >>> from mgpu_lab.course.grade import ExerciseGrade, NotebookGrade
+    >>> grades = [NotebookGrade("class/ann/01_devices.ipynb", [ExerciseGrade("01.pick_device", 0, 6, "not attempted")])]
+    >>> out = tempfile.mkdtemp()
+    >>> [p.relative_to(out) for p in write_gradescope(grades, out)]   # a grade(...) result, in practice
+    [PosixPath('01_devices/results.json')]
+    >>> results = json.loads((Path(out) / "01_devices" / "results.json").read_text())
+    >>> results["score"], [(t["name"], t["max_score"]) for t in results["tests"]]
+    (0, [('01.pick_device: not attempted', 6)])
 """
 from __future__ import annotations
 

@@ -15,7 +15,8 @@ naming the exercise of each. The grader:
   exercise's points, each exercise once.
 
 Example:
-    >>> with Sandbox() as box, Session(box, deadline=time.monotonic() + 600) as s:   # doctest: +SKIP
+    >>> from mgpu_lab.course.sandbox import Sandbox
+    >>> with Sandbox() as box, Session(box, deadline=time.monotonic() + 600) as s:
     ...     s.run(max, 1, ([1, 2],), {}, timeout=30)
     [2]
 """

@@ -9,7 +9,10 @@ validates with ``fastjsonschema``; so :func:`nbformat` imports it with that one
 optional module hidden, and ``jsonschema`` goes without its ``iri`` checks.
 
 Example:
-    >>> nb = nbformat().read("solutions/01_devices.ipynb", as_version=4)   # doctest: +SKIP
+    >>> from pathlib import Path
+    >>> nb = nbformat().read(Path(__file__).parents[2] / "solutions" / "01_devices.ipynb", as_version=4)
+    >>> nb.nbformat, nb.cells[0].cell_type
+    (4, 'markdown')
 """
 from __future__ import annotations
 

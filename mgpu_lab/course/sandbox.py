@@ -33,7 +33,7 @@ limited (only each file's). :func:`~mgpu_lab.course.isolation.protections` says
 which protections this machine gives, once per run, in the report.
 
 Example:
-    >>> with Sandbox() as box:                                  # doctest: +SKIP
+    >>> with Sandbox() as box:
     ...     proc = box.start([sys.executable, "-c", "print(1)"])
     ...     proc.wait()
     0

@@ -6,10 +6,15 @@ most common failure beside each bar, so an instructor sees which idea the class
 missed.
 
 Example:
-    >>> rows = summarize(grades)                      # doctest: +SKIP
-    >>> print(table(rows))                            # doctest: +SKIP
-    exercise                   graded passed  rate  mean   most common failures
-    01.pick_device                 30     24   80%   5.4   3x "an index past the last GPU raises" ...
+    >>> from mgpu_lab.course.grade import ExerciseGrade, NotebookGrade
+    >>> def graded(path, points, failed=None):   # as grade() returns them
+    ...     cases = [{"name": failed, "passed": False}] if failed else []
+    ...     status = "passed" if points == 6 else "failed"
+    ...     return NotebookGrade(path, [ExerciseGrade("01.pick_device", points, 6, status, "", cases)])
+    >>> grades = [graded("ann.ipynb", 6), graded("bob.ipynb", 5, "an index past the last GPU raises")]
+    >>> print(table(summarize(grades)))
+    exercise                     graded passed  rate      mean  most common failures
+    01.pick_device                    2      1   50%   5.5/6    1x an index past the last GPU raises
 """
 from __future__ import annotations
 
