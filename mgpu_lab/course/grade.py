@@ -6,7 +6,7 @@ For every notebook:
    environment, limits and namespaces) runs the notebook in a Jupyter kernel
    started inside it, under the per-notebook timeout. Its check cells judge
    nothing there: they save the learner's objects in the sandbox's folder.
-2. The grader runs each exercise's checker itself (:mod:`mgpu_lab.course.judge`);
+2. The grader runs each exercise's checker itself (:mod:`mgpu_lab.course.session`);
    the learner's code runs only in the sandbox, in ranks, and sends back plain
    data. Points come from the grader's registry: the exercises of the
    notebook's lesson (``NN_`` prefix of its file name), each once, one point
@@ -46,7 +46,7 @@ from .batch import Store, check_jobs, fingerprint, run_batch
 from .cells import reference_skips
 from .checks import exercises
 from .checks._answers import ANSWERS_ENV
-from .judge import ANSWERS, Session, clean, judge_all
+from .session import ANSWERS, Session, clean, run_checkers
 from .sandbox import Limits, Sandbox, protections
 
 DEFAULT_TIMEOUT = 600.0
@@ -212,7 +212,7 @@ def _grade(path: Path, timeout: float, limits: Limits | None, expected, slot: in
         # Judging starts once nothing of the notebook runs any more, with a runner that still answers.
         session.deadline = time.monotonic() + max(timeout, JUDGE_MIN)
         session.ready()
-        results, notes = judge_all(box, expected, session)
+        results, notes = run_checkers(box, expected, session)
     grades = []
     for ex in expected:
         r = results.get(ex.id)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from mgpu_lab.course.checks import CaseFailed, exercises
-from mgpu_lab.course.judge import Session, read_manifest
+from mgpu_lab.course.session import Session, read_manifest
 from mgpu_lab.course.runner import unjudgeable
 from mgpu_lab.course.sandbox import ENV_KEEP, Limits, Sandbox, _python_paths, protections
 

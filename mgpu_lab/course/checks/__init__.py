@@ -10,8 +10,8 @@ Example:
     >>> exercises("01")[0].id
     '01.pick_device'
 """
-from ._core import CaseFailed, Exercise, NotAttempted, Tester, check, exercise, exercises, get, judge
+from ._core import CaseFailed, Exercise, NotAttempted, Tester, check, exercise, exercises, get, run_checker
 from ._result import Case, CheckResult
 
-__all__ = ["check", "judge", "exercises", "exercise", "get", "Exercise", "Tester", "CaseFailed",
+__all__ = ["check", "run_checker", "exercises", "exercise", "get", "Exercise", "Tester", "CaseFailed",
            "NotAttempted", "Case", "CheckResult"]

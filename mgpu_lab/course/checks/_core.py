@@ -252,10 +252,10 @@ def check(exercise_id: str, *answers, **named) -> CheckResult:
     folder = grading_folder()
     if folder:  # a grader runs this notebook: it judges later, from what is saved here
         return save(folder, ex.id, ex.points, dict(list(bound.arguments.items())[1:]))
-    return judge(ex, Tester(ex), answers, named)
+    return run_checker(ex, Tester(ex), answers, named)
 
 
-def judge(ex: Exercise, t: Tester, answers: tuple = (), named: dict | None = None) -> CheckResult:
+def run_checker(ex: Exercise, t: Tester, answers: tuple = (), named: dict | None = None) -> CheckResult:
     """Run the checker of ``ex`` with the tester ``t``; the verdict (at most ``ex.points`` points)."""
     note = ""
     try:

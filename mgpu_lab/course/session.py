@@ -6,7 +6,7 @@ naming the exercise of each. The grader:
 
 - reads the manifest as untrusted text: known exercise ids of the lesson only,
   the last check of each counts, anything malformed is ignored with a note;
-- runs each exercise's checker itself (:func:`mgpu_lab.course.checks.judge`)
+- runs each exercise's checker itself (:func:`mgpu_lab.course.checks.run_checker`)
   with an :class:`Answer` per argument: a reference, never the object;
 - sends every ``t.call`` / ``t.ranks`` / ``t.local`` of the checker to a
   :class:`Session`, a ``serve`` runner in the same sandbox, which runs it in
@@ -34,11 +34,11 @@ import time
 from mgpu_lab.launcher import pickling
 from mgpu_lab.launcher.errors import LaunchError, LaunchTimeout
 
-from .checks import CheckResult, Exercise, Tester, judge
+from .checks import CheckResult, Exercise, Tester, run_checker
 from .runner import MAX_FRAME, frame
 from .sandbox import Sandbox
 
-__all__ = ["Answer", "Session", "read_manifest", "judge_all"]
+__all__ = ["Answer", "Session", "read_manifest", "run_checkers"]
 
 ANSWERS = "answers"
 MANIFEST_LIMIT = 1 << 20
@@ -263,7 +263,7 @@ def _params(ex: Exercise) -> list[str]:
     return list(inspect.signature(ex.checker).parameters)[1:]
 
 
-def judge_all(box: Sandbox, expected: list[Exercise], session: Session) -> tuple[dict[str, CheckResult], list[str]]:
+def run_checkers(box: Sandbox, expected: list[Exercise], session: Session) -> tuple[dict[str, CheckResult], list[str]]:
     """Judge every expected exercise the notebook checked, through ``session``; results by id, and notes."""
     try:
         manifest = box.read(f"{ANSWERS}/manifest.jsonl", MANIFEST_LIMIT)
@@ -282,7 +282,7 @@ def judge_all(box: Sandbox, expected: list[Exercise], session: Session) -> tuple
         t = Tester(ex, runner=session.run, local=session.local, grading=True)
         named = {p: Answer(entry["file"], p) for p in _params(ex)}
         try:
-            result = judge(ex, t, (), named)
+            result = run_checker(ex, t, (), named)
         except Exception as exc:  # noqa: BLE001 - one exercise's trouble must not stop the others
             result = CheckResult(ex.id, 0, ex.points, "failed", [],
                                  f"the grader could not judge it: {type(exc).__name__}: {exc}"[:500])
