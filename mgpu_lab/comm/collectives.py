@@ -158,16 +158,16 @@ def ring_trace(elements_per_chunk: int = 1) -> dict:
     Returns ``{"steps": [[chunk values, ...] per step], "sent": bytes this rank sent,
     "bytes": the tensor's bytes, "same": equal to dist.all_reduce}``.
     """
-    from mgpu_lab.comm import commlog
+    from mgpu_lab.comm.record import record
 
     rank, world = tdist.get_rank(), tdist.get_world_size()
     x = torch.full((world * elements_per_chunk,), float(10 ** rank), device=_device())
     steps = []
-    with commlog.record() as log:
+    with record() as log:
         got = ring_allreduce(x, steps)
     expected = x.clone()
     tdist.all_reduce(expected)
-    sent = sum(e["bytes"] for e in log.events if e["op"] in ("send", "isend"))
+    sent = sum(e["bytes"] for e in log.events if e["op"] == "send")
     return {"steps": steps, "sent": sent, "bytes": x.numel() * x.element_size(),
             "same": bool(torch.equal(got, expected))}
 

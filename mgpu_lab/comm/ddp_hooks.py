@@ -56,7 +56,7 @@ def hooks_probe(steps: int = 40, batch: int = 32, lr: float = 0.1, features: int
         ``{name: {"losses": [...], "accuracy": float, "bytes per step": int,
         "seconds per step": float}}`` and ``"gradient bytes"``.
     """
-    from mgpu_lab.comm import commlog
+    from mgpu_lab.comm.record import record
 
     rank, world = tdist.get_rank(), tdist.get_world_size()
     x, y = _data(steps * batch * world + 512, features, classes, seed=1)
@@ -80,7 +80,7 @@ def hooks_probe(steps: int = 40, batch: int = 32, lr: float = 0.1, features: int
             opt.zero_grad()
             loss = nn.functional.cross_entropy(ddp(x[lo:lo + batch]), y[lo:lo + batch])
             if step == 3:
-                with commlog.record() as log:
+                with record() as log:
                     loss.backward()
                 sent = sum(e["bytes"] for e in log.events if e["op"] == "all_reduce")
             else:

@@ -4,9 +4,9 @@
 under each scheme, in every rank, and measures what the lesson compares: the
 bytes the rank holds (:func:`mgpu_lab.sharding.zero.held_bytes`), the peak bytes of a
 step (:func:`mgpu_lab.sharding.fsdp.peak_bytes`: ``torch.cuda.max_memory_allocated`` on a
-GPU), the elements its collectives move per step
-(:func:`mgpu_lab.comm.comm_log.record_collectives`; DDP's all-reduce is made visible
-by registering PyTorch's own ``allreduce_hook``) and the time per step.
+GPU), the elements its collectives move in a step (:func:`mgpu_lab.comm.record.record`;
+DDP's all-reduce is made visible by registering PyTorch's own ``allreduce_hook``) and
+the time per step, measured in steps that are not recorded.
 :func:`compare` launches it.
 
 Example:
@@ -16,6 +16,7 @@ Example:
 """
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 
@@ -23,7 +24,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mgpu_lab.sharding import fsdp, zero
-from mgpu_lab.comm.comm_log import record_collectives, summarize
+from mgpu_lab.comm.record import record, summarize
 
 __all__ = ["SCHEMES", "scheme_rank", "compare"]
 
@@ -59,7 +60,7 @@ def _build(scheme: str, model, device: torch.device, lr: float):
 
 def scheme_rank(width: int = 256, depth: int = 4, features: int = 64, classes: int = 10, batch: int = 32,
                 steps: int = 3, lr: float = 1e-3, schemes=SCHEMES) -> list[dict]:
-    """In every rank: train under each scheme, one warm-up step and ``steps`` measured ones.
+    """In every rank: train under each scheme: one warm-up step, one recorded step, ``steps`` timed ones.
 
     Returns:
         One dict per scheme: ``scheme``, ``n_params``, ``held`` (dict of bytes),
@@ -78,18 +79,19 @@ def scheme_rank(width: int = 256, depth: int = 4, features: int = 64, classes: i
         n = sum(p.numel() for p in model.parameters())
         net, stepper, module, opt = _build(scheme, model, device, lr)
         fsdp.train_steps(net, stepper, x, y, 1)  # warm-up: the optimizer creates its state
+        with record() as log:  # a recorder slows every operation down: the timed steps are not recorded
+            fsdp.train_steps(net, stepper, x, y, 1)
         times = []
-        with record_collectives() as log:
-            for _ in range(steps):
-                _sync(device)
-                start = time.perf_counter()
-                fsdp.train_steps(net, stepper, x, y, 1)
-                _sync(device)
-                times.append(time.perf_counter() - start)
-        peak = fsdp.peak_bytes(lambda: fsdp.train_steps(net, stepper, x, y, 1), device)
+        for _ in range(steps):
+            _sync(device)
+            start = time.perf_counter()
+            fsdp.train_steps(net, stepper, x, y, 1)
+            _sync(device)
+            times.append(time.perf_counter() - start)
+        peak = fsdp.peak_bytes(functools.partial(fsdp.train_steps, net, stepper, x, y, 1), device)
         rows.append({"scheme": scheme, "n_params": n, "held": zero.held_bytes(module, opt),
                      "formula": zero.zero_memory(n, world, STAGE[scheme]), "peak": peak,
-                     "moved": {k: v // steps for k, v in summarize(log, "numel").items()},
+                     "moved": summarize(log, "numel"),
                      "step_s": statistics.median(times), "device": str(device)})
         del net, stepper, module, opt, model
     return rows

@@ -1,4 +1,4 @@
-"""mgpu_lab.sharding.fsdp, mgpu_lab.sharding.distcp and mgpu_lab.sharding.side_by_side: FSDP2 and DCP in real ranks on the CPU."""
+"""mgpu_lab.sharding.fsdp, .distcp and .side_by_side: FSDP2 and DCP in real ranks on the CPU."""
 from __future__ import annotations
 
 import os
@@ -9,8 +9,9 @@ import torch.distributed as dist
 
 from mgpu_lab import launch
 from mgpu_lab.sharding import distcp
-from mgpu_lab.comm.comm_log import record_collectives
-from mgpu_lab.sharding.fsdp import BlockNet, batch, full_params, make_mesh, peak_bytes, reference_steps, shard_model, train_steps
+from mgpu_lab.comm.record import record
+from mgpu_lab.sharding.fsdp import (BlockNet, batch, full_params, make_mesh, peak_bytes, reference_steps, shard_model,
+                                    train_steps)
 from mgpu_lab.sharding.zero import zero_memory
 from mgpu_lab.sharding.side_by_side import scheme_rank
 
@@ -53,7 +54,7 @@ def _fsdp_rank():
            "local_rows": model.inp.weight.to_local().shape[0]}
     x, y = batch(8, 5)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    with record_collectives() as log:
+    with record() as log:
         train_steps(model, optimizer, x, y, 1)
     out["log"] = [(c["op"], c["numel"]) for c in log]
     train_steps(model, optimizer, x, y, 2)

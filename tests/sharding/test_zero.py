@@ -1,16 +1,13 @@
-"""mgpu_lab.sharding.zero (ZeRO formula, bytes held, ZeRO by hand) and mgpu_lab.comm.comm_log, in real ranks on the CPU."""
+"""mgpu_lab.sharding.zero (ZeRO formula, bytes held, ZeRO by hand), in real ranks on the CPU."""
 from __future__ import annotations
-
-import warnings
 
 import pytest
 import torch
-from torch.torch_version import TorchVersion
 import torch.distributed as dist
 from torch import nn
 
 from mgpu_lab import launch
-from mgpu_lab.comm.comm_log import record_collectives, summarize
+from mgpu_lab.comm.record import record, summarize
 from mgpu_lab.sharding.fsdp import BlockNet, batch, train_steps
 from mgpu_lab.sharding.zero import FlatZero, held_bytes, shard_size, sharded_sgd_step, zero_memory
 
@@ -57,31 +54,17 @@ def test_flat_zero_refuses_stage_3_and_says_where_it_is():
         FlatZero(nn.Linear(2, 2), 3, torch.optim.SGD)
 
 
-def test_summarize_counts_calls_or_elements_and_refuses_other_measures():
-    log = [{"op": "all_gather", "numel": 8, "bytes": 32}, {"op": "all_gather", "numel": 8, "bytes": 32}]
-    assert summarize(log) == {"all_gather": 2} and summarize(log, "bytes") == {"all_gather": 64}
-    with pytest.raises(ValueError, match="what='time'"):
-        summarize(log, "time")
-
-
 # -- in 3 real ranks ---------------------------------------------------------------------------
 def _in_ranks():
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     out = {}
     param = torch.linspace(-1, 1, 10)
     grad = torch.arange(10.0) * (rank + 1)
-    with record_collectives(keep_inputs=True) as log:
+    with record(keep_inputs=True) as log:
         out["sgd"] = sharded_sgd_step(param, grad, 0.5)
     out["sgd_log"] = [(c["op"], c["call"], c["numel"], c["input"].numel()) for c in log]
-    with record_collectives() as log, warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        dist.all_gather_into_tensor(torch.empty(3 * world), torch.ones(3))  # deprecated: calls all_gather_single
-        dist.all_reduce(torch.ones(2))
-    out["alias_log"] = [(c["op"], c["call"], c["numel"]) for c in log]
-    out["alias_warned"] = any(issubclass(w.category, FutureWarning) for w in caught)
-    out["restored"] = dist.all_reduce.__module__
 
     x, y = batch(12, 8)
     adam = lambda ps: torch.optim.Adam(ps, lr=1e-2)  # noqa: E731
@@ -94,7 +77,7 @@ def _in_ranks():
     for stage in (0, 1, 2):
         model = BlockNet(width=10, depth=2)
         zero = FlatZero(model, stage, adam)
-        with record_collectives() as log:
+        with record() as log:
             train_steps(model, zero, x, y, 3)
         out[f"zero{stage}"] = {k: v.detach().clone() for k, v in model.named_parameters()}
         out[f"zero{stage}_held"] = held_bytes(model, zero.optimizer)
@@ -113,13 +96,6 @@ def test_sharded_sgd_step_is_sgd_on_the_mean_gradient_through_a_reduce_scatter_a
         assert torch.allclose(r["sgd"], expected, atol=1e-6)
         assert r["sgd_log"] == [("reduce_scatter", "reduce_scatter_single", 12, 12),
                                 ("all_gather", "all_gather_single", 12, 4)]
-
-
-def test_record_collectives_records_a_deprecated_alias_once_and_restores_the_functions(ranks):
-    assert ranks[0]["alias_log"] == [("all_gather", "all_gather_into_tensor", 9), ("all_reduce", "all_reduce", 2)]
-    # torch 2.14 deprecates all_gather_into_tensor (in favour of all_gather_single, torch 2.13); 2.11 does not warn
-    assert ranks[0]["alias_warned"] == (TorchVersion(torch.__version__) >= "2.14")
-    assert ranks[0]["restored"] == "torch.distributed.distributed_c10d"
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])

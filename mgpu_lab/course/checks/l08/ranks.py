@@ -23,7 +23,7 @@ import torch.distributed as tdist
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from mgpu_lab.comm.comm_log import record_collectives
+from mgpu_lab.comm.record import record
 from mgpu_lab.sharding import distcp, fsdp, zero
 
 
@@ -88,7 +88,7 @@ def run_sgd_cases(sharded_sgd_step, cases, lr: float):
         param, grad = _sgd_inputs(n, getattr(torch, dtype_name), rank, seed=k)
         entry = {"param": param.clone(), "grad": grad.clone()}
         try:
-            with record_collectives(keep_inputs=True) as log:
+            with record(keep_inputs=True) as log:
                 if meta:  # factory calls without device= land on 'meta', as a CPU default beside a GPU tensor
                     with torch.device("meta"):
                         got = sharded_sgd_step(param.clone(), grad.clone(), lr)
@@ -151,9 +151,9 @@ def run_shard_model(shard_model, steps: int, lr: float):
     rank, world = tdist.get_rank(), tdist.get_world_size()
     xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
     opt = torch.optim.SGD(model.parameters(), lr=lr)
-    with record_collectives() as forward:
+    with record() as forward:
         loss = nn.functional.cross_entropy(model(xs), ys)
-    with record_collectives() as backward:
+    with record() as backward:
         loss.backward()
     out["forward"] = [(c["op"], c["numel"]) for c in forward]
     out["backward"] = [(c["op"], c["numel"]) for c in backward]

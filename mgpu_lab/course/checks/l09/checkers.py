@@ -3,7 +3,7 @@
 The references are the real things: ``dist.all_reduce`` for the ring, PyTorch's own
 bucketing function (the one DDP's reducer calls) for the buckets, and DDP without a
 hook for the hook. The ring and the hook run in real ranks with every send, recv and
-collective recorded (:mod:`mgpu_lab.comm.commlog`), so "no collective", "only the
+collective recorded (:mod:`mgpu_lab.comm.record`), so "no collective", "only the
 neighbours", "2(W-1)/W of the tensor" and "the tensor sent is bfloat16" are judged
 from what the ranks really did. What runs in the ranks is :mod:`.ranks`.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 
-from mgpu_lab.comm.commlog import P2P
+from mgpu_lab.comm.record import P2P
 from .._core import exercise
 from .judges import ring_events, grads_match, judge_buckets, ring_device, ring_result, ring_traffic
 from .ranks import call_all, run_hook, run_ring
@@ -60,7 +60,8 @@ def _ring_allreduce(t, ring_allreduce):
                      "between neighbours, not dist.all_reduce, broadcast, all_gather, reduce_scatter, ..."):
         if len(done) < 3:
             t.fail("not every world size ran to the end", "3 runs", f"{len(done)}")
-        used = sorted({e["op"] for *_, e in ring_events(done) if e["op"] not in P2P + ("barrier",)})
+        used = sorted({e["call"] for *_, e in ring_events(done)
+                       if e["call"] not in P2P + ("barrier",) and e["op"] != "wait"})
         if used:
             t.fail("", "only send/recv/isend/irecv", f"collectives used: {', '.join(used)}")
     with t.case("each rank talks only to its two ring neighbours (4 ranks: rank r with r-1 and r+1)",
@@ -69,10 +70,10 @@ def _ring_allreduce(t, ring_allreduce):
         if 4 not in done:
             t.fail("the 4-rank run did not finish")
         for world, rank, trial, event in ring_events({4: done[4]}):
-            if event["op"] in P2P and event["peer"] not in ((rank + 1) % world, (rank - 1) % world):
+            if event["call"] in P2P and event["peer"] not in ((rank + 1) % world, (rank - 1) % world):
                 peer = "any rank (src=None)" if event["peer"] is None else f"rank {event['peer']}"
                 t.fail("", f"rank {rank} talks to ranks {(rank - 1) % world} and {(rank + 1) % world}",
-                       f"rank {rank} did {event['op']} with {peer}")
+                       f"rank {rank} did {event['call']} with {peer}")
     ring_traffic(t, done)
     ring_device(t, done)
 

@@ -1,7 +1,7 @@
 """What lesson 09's checks run inside real ranks; they return plain evidence, judged in :mod:`.checkers`.
 
 - :func:`run_ring`: the learner's ``ring_allreduce`` on several tensors, each call
-  recorded with :mod:`mgpu_lab.comm.commlog` (every send/recv and collective, its peer
+  recorded with :mod:`mgpu_lab.comm.record` (every send/recv and collective, its peer
   and bytes), next to ``dist.all_reduce``'s answer computed before any of it runs;
 - :func:`call_all`: the learner's ``bucket_assignment`` on many inputs, in one process;
 - :func:`run_hook`: DDP with the learner's communication hook next to DDP without
@@ -15,7 +15,7 @@ import torch.distributed as tdist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mgpu_lab.comm import commlog
+from mgpu_lab.comm.record import record
 
 
 # -- ring_allreduce ----------------------------------------------------------------------
@@ -50,7 +50,7 @@ def run_ring(ring_allreduce, trials: list) -> list:
         out.append(entry)
         log = None
         try:
-            with commlog.record(ring_allreduce, expect_device=x.device if meta else None) as log:
+            with record(ring_allreduce, expect_device=x.device if meta else None) as log:
                 if meta:
                     torch.set_default_device("meta")
                 try:
@@ -129,7 +129,7 @@ def run_hook(hook, dtype_name: str = "float32", steps: int = 2) -> dict:
                 loss.backward()
             else:
                 try:
-                    with commlog.record(hook) as log:
+                    with record(hook) as log:
                         loss.backward()
                 except NotImplementedError:
                     raise
