@@ -10,8 +10,9 @@ the time per step, measured in steps that are not recorded.
 :func:`compare` launches it.
 
 Example:
-    >>> rows = compare(4, width=256, depth=4)          # doctest: +SKIP
-    >>> [r["scheme"] for r in rows[0]]                 # doctest: +SKIP
+    >>> rows = compare(2, width=64, depth=2)   # the lesson runs 4 ranks and a wider model
+    launch: 2 ranks · ...
+    >>> [r["scheme"] for r in rows[0]]
     ['DDP', 'ZeRO-1', 'ZeRO-2', 'FSDP2']
 """
 from __future__ import annotations
