@@ -28,6 +28,7 @@ import torch
 
 from mgpu_lab.data.datasets import synthetic_classification
 from mgpu_lab.failures import hangs
+from ..sim.outcome import outcomes
 
 
 # -- atomic_save -----------------------------------------------------------------------
@@ -248,17 +249,10 @@ def read_log(log_dir: str, attempt: int, rank: int) -> list[dict]:
 # -- first_desync ----------------------------------------------------------------------
 def first_desync_all(first_desync, cases: list) -> list:
     """Probe: ``first_desync(logs)`` for each case: ("ok", result as lists) or ("raised", type, message)."""
-    out = []
-    for logs in cases:
-        try:
-            got = first_desync([[(op, tuple(shape)) for op, shape in log] for log in logs])
-        except NotImplementedError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the check judges each case
-            out.append(("raised", type(exc).__name__, str(exc)[:200]))
-            continue
-        out.append(("ok", _plain(got)))
-    return out
+    def call(logs):
+        return first_desync([[(op, tuple(shape)) for op, shape in log] for log in logs])
+
+    return outcomes(call, [(logs,) for logs in cases], keep=_plain)
 
 
 def _plain(value):
