@@ -23,9 +23,12 @@ import traceback
 from contextlib import contextmanager
 
 from ._answers import grading_folder, save
-from ._registry import Exercise, exercise, exercises, get  # noqa: F401 (lesson modules import them from here)
+from ._registry import Exercise, exercise, exercises, get  # lesson modules import them from here
 from ._result import Case, CheckResult
 from .sim.outcome import outcome
+
+__all__ = ["CALL_TIMEOUT", "CaseFailed", "Exercise", "NotAttempted", "Tester", "check", "exercise", "exercises",
+           "get", "judge"]
 
 # Seconds one call of learner code may take; read at call time, so tests can lower it.
 CALL_TIMEOUT = 60.0

@@ -51,7 +51,8 @@ def classify(path: str) -> str:
     except Exception as exc:  # noqa: BLE001 - any failure to load is a torn file
         return f"torn: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
     for name, ref in (("old", OLD), ("new", NEW)):
-        if isinstance(obj, dict) and obj.get("version") == ref["version"] and torch.equal(obj["weights"], ref["weights"]):
+        if isinstance(obj, dict) and obj.get("version") == ref["version"] \
+                and torch.equal(obj["weights"], ref["weights"]):
             return name
     return "torn: loads, but is neither the old object nor the new one"
 
@@ -194,7 +195,8 @@ def run_resumable(resumable_train, cfg: dict, snapshot_path: str, log_dir: str, 
             os.kill(os.getpid(), signal.SIGKILL)
         x = inputs[0]
         w = torch.cat([p.detach().reshape(-1).double().cpu() for p in module.parameters()])
-        log.write(json.dumps({"f": counts["f"], "x": float(x.detach().double().sum()), "rng": _digest(x.device), "w": [float(w.sum()), float(w.square().sum())]}) + "\n")
+        log.write(json.dumps({"f": counts["f"], "x": float(x.detach().double().sum()), "rng": _digest(x.device),
+                              "w": [float(w.sum()), float(w.square().sum())]}) + "\n")
 
     def model_fn():
         model = check_model()
