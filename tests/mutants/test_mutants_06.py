@@ -4,7 +4,7 @@ Every mutant is a solution cell of ``solutions/06_model_parallel.ipynb`` with on
 learner bug put in; its check must fail with a message that names the bug. Most
 of them are bugs that change no number on a CPU (a tensor left on the wrong
 device): the checks see them through the virtual GPUs of
-``mgpu_lab/course/checks/sim/placement.py``. Every variant is a correct answer
+``mgpu_lab/course/checks/sim/devices.py``. Every variant is a correct answer
 written differently; it must get full marks.
 """
 from __future__ import annotations

@@ -23,8 +23,12 @@ import traceback
 from contextlib import contextmanager
 
 from ._answers import grading_folder, save
-from ._registry import Exercise, exercise, exercises, get  # noqa: F401 (lesson modules import them from here)
+from ._registry import Exercise, exercise, exercises, get  # lesson modules import them from here
 from ._result import Case, CheckResult
+from .sim.outcome import outcome
+
+__all__ = ["CALL_TIMEOUT", "CaseFailed", "Exercise", "NotAttempted", "Tester", "check", "exercise", "exercises",
+           "get", "run_checker"]
 
 # Seconds one call of learner code may take; read at call time, so tests can lower it.
 CALL_TIMEOUT = 60.0
@@ -129,8 +133,8 @@ class Tester:
         Args:
             prepare: ``(function, args)`` run first in that process, e.g. to
                 simulate GPUs; must be importable (module level).
-            catch: return ``("ok", value)`` or ``("raised", type name, message)``
-                instead of failing the case when ``fn`` raises.
+            catch: return the call's outcome (:func:`.sim.outcome.outcome`: ``("ok", value)`` or
+                ``("raised", type name, message)``) instead of failing the case when ``fn`` raises.
             timeout: seconds before the call counts as hung (default ``CALL_TIMEOUT``).
         """
         self._skip_if_hung()
@@ -192,14 +196,7 @@ class Tester:
 def _harness(fn, args, kwargs, prepare, catch):
     if prepare is not None:
         prepare[0](*prepare[1])
-    if not catch:
-        return fn(*args, **kwargs)
-    try:
-        return ("ok", fn(*args, **kwargs))
-    except NotImplementedError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - the checker judges the exception
-        return ("raised", type(exc).__name__, str(exc))
+    return outcome(fn, *args, **kwargs) if catch else fn(*args, **kwargs)
 
 
 def _error_text(exc) -> str:

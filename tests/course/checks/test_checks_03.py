@@ -16,7 +16,6 @@ from torch import nn
 
 from checking import solutions_from
 from mgpu_lab.course.checks import check, exercises
-from mgpu_lab.course.checks.l03.ranks import Placed, place, simulated_gpus
 from mgpu_lab.parallel.data_parallel import parallel_apply, replicate
 
 pytestmark = pytest.mark.timeout(180)
@@ -51,26 +50,3 @@ def test_an_error_in_the_answer_is_named_in_every_visible_case():
     assert result.points == 0
     visible = [c for c in result.cases if not c.hidden]
     assert all("RuntimeError: Expected all tensors" in c.got for c in visible), str(result)
-
-
-def test_placed_tensors_move_by_name_and_record_a_mix_of_devices():
-    """The recorder itself: data stays on the CPU, .device says where, autograd goes through."""
-    x = torch.randn(4, 2, requires_grad=True)
-    Placed.moves, Placed.mixes = [], []
-    a, b = place(x, "cpu", "batch").chunk(2)
-    a1, b1 = a.to(torch.device("cuda", 1)), b.cuda()
-    assert (a1.device, b1.device, a1.as_subclass(torch.Tensor).device.type) == (
-        torch.device("cuda", 1), torch.device("cuda", 0), "cpu")
-    torch.cat([a1, b1]).as_subclass(torch.Tensor).sum().backward()
-    assert Placed.moves == [("batch", "cpu", "cuda:1"), ("batch", "cpu", "cuda")]
-    assert Placed.mixes == [("cat", ["cuda:1", "cuda:0"])]
-    assert torch.equal(x.grad, torch.ones(4, 2))
-
-
-def test_simulated_gpus_put_everything_back():
-    import torch.nn.parallel as par
-
-    before = (par.replicate, par.gather, torch.cuda.device, torch.cuda.device_count)
-    with simulated_gpus(3, stub):
-        assert torch.cuda.device_count() == 3 and par.replicate is not before[0]
-    assert (par.replicate, par.gather, torch.cuda.device, torch.cuda.device_count) == before

@@ -17,8 +17,8 @@ from mgpu_lab.parallel import ddp
 from mgpu_lab.course.checks import check, exercises
 from mgpu_lab.course.checks.l04 import checkers, ranks
 from mgpu_lab.course.checks.l04.judges import variant_train
-from mgpu_lab.course.checks.sim import cuda
-from mgpu_lab.course.checks.sim.moved import Moved
+from mgpu_lab.course.checks.sim.cuda import simulated_gpus
+from mgpu_lab.course.checks.sim.devices import Placed, reset
 
 pytestmark = pytest.mark.timeout(300)
 # The answers below travel to the check's processes by value, as notebook
@@ -95,25 +95,19 @@ def test_download_once_that_hangs_fails_in_bounded_time(monkeypatch):
     assert all("did not finish" in c.hint for c in result.cases[1:]), result
 
 
-# -- the probes' machinery, in this process ----------------------------------------------
-def test_virtual_gpus_log_the_moves_and_undo_restores_torch_cuda():
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    before = (torch.cuda.is_available, torch.cuda.device_count, DDP.__init__)
-    Moved.log = []
-    undo = cuda.virtual_gpus(1, 2)
-    try:
+# -- the probe's own pieces, in this process (the simulation layer itself: test_sim.py) -----
+def test_the_probes_model_and_data_log_the_moves_and_the_batches_made():
+    reset()
+    with simulated_gpus(2, local_rank=1):
         assert torch.cuda.is_available() and torch.cuda.device_count() == 2
         model = ranks.placed_model().to("cuda:1")
         x, y = next(iter(torch.utils.data.DataLoader(ranks.Recorded(ranks.check_data(4), "/dev/null"),
                                                      batch_size=4)))
         x = x.to("cuda:1")
         assert x.device.type == "cpu" and model(x).shape == (4, 3)  # the data stays here
-    finally:
-        undo()
-    assert (torch.cuda.is_available, torch.cuda.device_count, DDP.__init__) == before
-    assert Moved.log == [("model", "cuda:1"), ("inputs", "batch made"), ("labels", "batch made"),
-                         ("inputs", "cuda:1")]
+    assert Placed.moves == [("model", "cpu", "cuda:1"), ("inputs", "cpu", "cuda:1")]
+    assert Placed.batches == ["inputs", "labels"]
+    assert list(model.state_dict()) == list(ranks.check_model().state_dict())
 
 
 def test_the_diagnosis_reference_is_the_reference_when_nothing_is_changed():

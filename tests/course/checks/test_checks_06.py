@@ -1,13 +1,12 @@
-"""Checkers of lesson 06 against the solution, a stub, answers that are no mutant of it, and the virtual GPUs.
+"""Checkers of lesson 06 against the solution, a stub, and answers that are no mutant of it.
 
 The wrong answers made by editing the solution (a forgotten ``.to``, a wrong
 weight, ...) are in tests/mutants/test_mutants_06.py; here are the solution
-itself (read from the notebook), the stubs, answers of another shape, and the
-virtual devices (``sim.placement``) the checks rely on, tested in this process.
+itself (read from the notebook), the stubs and answers of another shape. The
+virtual devices the checks rely on are tested in test_sim.py.
 """
 from __future__ import annotations
 
-import copy
 import sys
 from pathlib import Path
 
@@ -18,7 +17,6 @@ from torch import nn
 
 from checking import case_starting, solutions_from
 from mgpu_lab.course.checks import check, exercises
-from mgpu_lab.course.checks.sim.placement import Placed, PlacedLoss, Stage, place, reset, where
 
 pytestmark = pytest.mark.timeout(300)
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -91,31 +89,3 @@ def test_a_step_without_micro_batches_fails_only_the_micro_batch_case():
     result = check("06.pipelined_step", whole_batch)
     assert [c.name for c in result.cases if not c.passed] == [
         "batch 8, n_micro=4: both stages see 4 micro-batches of 2, and no pass over the whole batch"], str(result)
-
-
-# -- the virtual GPUs the checks rely on (sim.placement), in this process -----------------------------
-def test_placed_tensors_keep_their_device_through_chunks_and_arithmetic_and_log_every_move():
-    reset()
-    x = place(torch.arange(8.0).reshape(4, 2), "inputs", "cpu")
-    parts = torch.chunk(x, 2)
-    assert [p.device for p in parts] == [torch.device("cpu")] * 2 and parts[0].tag == "inputs"
-    moved = parts[1].to("cuda:3", non_blocking=True)
-    assert moved.device == torch.device("cuda", 3) and (moved * 2 + 1).device == torch.device("cuda", 3)
-    assert x.cuda().device == torch.device("cuda", 0) and x.to(moved).device == torch.device("cuda", 3)
-    assert Placed.moves == [("inputs", "cpu", "cuda:3"), ("inputs", "cpu", "cuda"), ("inputs", "cpu", "cuda:3")]
-    assert torch.equal(moved.as_subclass(torch.Tensor), torch.tensor([[4.0, 5.0], [6.0, 7.0]]))
-    assert where(torch.ones(1)) == torch.device("cpu") and x.log().device == torch.device("cpu")
-
-
-def test_a_stage_is_placed_by_to_reports_it_in_its_parameters_and_records_its_inputs():
-    reset()
-    stage = Stage(nn.Linear(2, 3), "stage1", "activations")
-    assert stage.to(torch.device("cuda", 2)) is stage and next(stage.parameters()).device == torch.device("cuda", 2)
-    assert next(copy.deepcopy(stage).parameters()).device == torch.device("cuda", 2)
-    out = stage(place(torch.ones(5, 2), "inputs", "cpu"))
-    assert out.device == torch.device("cuda", 2) and out.tag == "activations"
-    assert Stage.log == [("stage1", "to", "cuda:2"), ("stage1", "input", "inputs", "cpu", "cuda:2", 5)]
-    loss = PlacedLoss(nn.CrossEntropyLoss())(out, place(torch.tensor([0, 1, 2, 0, 1]), "labels", "cpu"))
-    assert PlacedLoss.log == [("cuda:2", "cpu", "labels")] and loss.device == torch.device("cuda", 2)
-    loss.backward()
-    assert stage.inner.weight.grad is not None and stage.inner.weight.grad.shape == (3, 2)

@@ -6,7 +6,7 @@ code once, in one fresh process, for all its cases (:mod:`.ranks`):
 - ``pick_device`` runs where ``torch.cuda`` reports a simulated number of GPUs
   (0, 2, 4);
 - ``train_step`` gets ``device=cuda:1`` on a machine without a GPU: the batch
-  tensors record every move (``Moved.virtual_cuda``: the move is logged, the
+  tensors record every move (:mod:`..sim.devices`: the move is logged, the
   data stays on the CPU), so a batch moved to ``"cpu"``, to ``"cuda"`` or not at
   all shows, as does a ``y.to(device)`` whose result was thrown away;
 - ``visible_devices_env`` is judged by real child processes started with the
@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 
 from .._core import exercise
-from .judges import need, outcome_text, raises_naming
+from ..sim.outcome import in_words
+from .judges import need, raises_naming
 from .ranks import run_pick, run_train_step, run_visible
 
 
@@ -66,7 +67,7 @@ def _pick_device(t, pick_device):
                 result = got[(gpus, args)]
                 call = f"pick_device({', '.join(map(repr, args))}) with {gpus} GPU(s)"
                 if result[0] == "raised":
-                    t.fail(hint, repr(want), f"{call}: {outcome_text(result)}")
+                    t.fail(hint, repr(want), f"{call}: {in_words(result, raised='')}")
                 value = result[1]
                 returned.append(value)
                 # Strings name devices too ("cuda:1"); the type is judged once, below.
@@ -86,13 +87,13 @@ def _pick_device(t, pick_device):
             if not raises_naming(got[call], 2):
                 t.fail(f"pick_device({call[1][0]}) with 2 GPUs: valid indices are 0 and 1, so raise ValueError "
                        "and say how many GPUs are visible (2); " + RANGE_HINT,
-                       "ValueError mentioning 2", outcome_text(got[call]))
+                       "ValueError mentioning 2", in_words(got[call], raised=""))
     with t.case("no GPU visible: pick_device(0) raises ValueError naming the count (0)", hidden=True,
                 hint=RANGE_HINT):
         need(t, got)
         if not raises_naming(got[NO_GPU_INDEX[0]], 0):
             t.fail("with no GPU any explicit index is out of range: " + RANGE_HINT,
-                   "ValueError mentioning 0", outcome_text(got[NO_GPU_INDEX[0]]))
+                   "ValueError mentioning 0", in_words(got[NO_GPU_INDEX[0]], raised=""))
 
 
 # -- train_step ----------------------------------------------------------------------
@@ -196,7 +197,7 @@ def _visible(t, visible_devices_env):
             for k, ids in enumerate(these):
                 report = got[at + k]
                 if report["outcome"][0] == "raised":
-                    t.fail("", "a dict of variables", outcome_text(report["outcome"]))
+                    t.fail("", "a dict of variables", in_words(report["outcome"], raised=""))
                 if not report["strings"]:
                     t.fail("return a dict of str to str (a child's environment holds only strings)",
                            "dict[str, str]", report["outcome"][1])
@@ -220,5 +221,5 @@ def _visible(t, visible_devices_env):
             for k, ids in enumerate(bad):
                 result = got[first_bad + k]["outcome"]
                 if result[0] != "raised" or result[1] != "ValueError":
-                    t.fail("", f"ValueError for {ids}", outcome_text(result))
+                    t.fail("", f"ValueError for {ids}", in_words(result, raised=""))
         first_bad += len(bad)

@@ -13,10 +13,6 @@ def raises_naming(result, count: int) -> bool:
             and re.search(rf"(?<![\d-]){count}(?!\d)", result[2]) is not None)
 
 
-def outcome_text(result) -> str:
-    return f"{result[1]}: {result[2]}" if result[0] == "raised" else f"returned {result[1]!r}"
-
-
 def need(t, evidence):
     if evidence is None:
         t.fail(FIRST, got="skipped")

@@ -17,7 +17,7 @@ import sys
 import torch
 
 from ..sim.cuda import simulated_gpus
-from ..sim.moved import Moved, tag as _tag
+from ..sim.devices import place, Placed, PlacedLoss, PlacedModule, reset, UNTAGGED
 from ..sim.outcome import one_thread, outcome
 
 
@@ -40,30 +40,11 @@ def _reference_step(model, x, y, optimizer, loss_fn):
     return loss.item()
 
 
-def _first(args, kwargs, position, name):
-    return args[position] if len(args) > position else kwargs.get(name)
-
-
 def _plain(value):
     """A returned loss as something that travels back to the check: a float, or its repr."""
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return float(value.detach())
     return value if isinstance(value, (int, float)) else repr(value)[:200]
-
-
-def _keep_model_in_place(model, log: list) -> None:
-    """``model.to``/``.cuda`` are logged and leave the model where it is: the model is "already on
-    device", and a real move to a simulated GPU would fail on a machine without one."""
-
-    def to(*args, **kwargs):
-        log.append(str(torch._C._nn._parse_to(*args, **kwargs)[0]))
-        return model
-
-    def cuda(device=None):
-        log.append(str(torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")))
-        return model
-
-    model.to, model.cuda = to, cuda
 
 
 def one_run(train_step, regression: bool, steps: int, device) -> dict:
@@ -84,34 +65,30 @@ def one_run(train_step, regression: bool, steps: int, device) -> dict:
         model, loss_fn = torch.nn.Linear(4, 3), torch.nn.CrossEntropyLoss()
         batches = [(torch.randn(8, 4), torch.randint(0, 3, (8,))) for _ in range(steps)]
     ref, ref_loss_fn = copy.deepcopy(model), copy.deepcopy(loss_fn)
+    # The model stays where it is: it is "already on device", and its .to/.cuda/.cpu are logged.
+    model, loss_fn = PlacedModule(model, name="model"), PlacedLoss(loss_fn)
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
-    unmoved, model_moves = set(), []
-    _keep_model_in_place(model, model_moves)
-    # Moved tensors come back as plain tensors, so a tagged one reaching the
-    # model or the loss was never moved: on a GPU that is the device error.
-    model.register_forward_pre_hook(
-        lambda m, args, kwargs: unmoved.add("inputs") if isinstance(_first(args, kwargs, 0, "input"), Moved)
-        else None, with_kwargs=True)
-    loss_fn.register_forward_pre_hook(
-        lambda m, args, kwargs: unmoved.add("labels") if isinstance(_first(args, kwargs, 1, "target"), Moved)
-        else None, with_kwargs=True)
     losses, ref_losses, same = [], [], []
-    Moved.log = []
+    reset()
     for x, y in batches:
-        losses.append(train_step(model, (_tag(x, "inputs"), _tag(y, "labels")), opt, loss_fn, device))
+        batch = (place(x, "inputs", tracked=False), place(y, "labels", tracked=False))
+        losses.append(train_step(model, batch, opt, loss_fn, device))
         ref_losses.append(_reference_step(ref, x, y, ref_opt, ref_loss_fn))
         same.append(all(torch.allclose(a, b, atol=1e-6) for a, b in zip(model.parameters(), ref.parameters())))
+    # Untracked tensors come back from a move as plain tensors, so a tagged one reaching the model or
+    # the loss was never moved: on a GPU that is the device error.
+    unmoved = {tag for _, tag, *_ in PlacedModule.inputs} | {tag for _, _, tag in PlacedLoss.calls}
     return {"losses": [_plain(v) for v in losses], "ref_losses": ref_losses,
             "types": [type(v).__name__ for v in losses], "device": str(device),
-            "moves": [(what, where) for what, where in Moved.log if where != "None"],
-            "unmoved": sorted(unmoved), "model_moves": model_moves, "same_weights": same}
+            "moves": [(tag, to) for tag, _, to in Placed.moves if tag in ("inputs", "labels")],
+            "unmoved": sorted(unmoved - {UNTAGGED}),
+            "model_moves": [to for who, _, to in Placed.moves if who == "model"], "same_weights": same}
 
 
 def run_train_step(train_step) -> dict:
     """Three steps with ``device=cuda:1`` (simulated GPU) and two of a regression with ``device=cpu``."""
     one_thread()
-    Moved.virtual_cuda = True
     return {"gpu": one_run(train_step, False, 3, torch.device("cuda", 1)),
             "cpu": one_run(train_step, True, 2, torch.device("cpu"))}
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from .._core import exercise
+from ..sim.outcome import in_words
 from .judges import describe_fields, fastest_workers, need
 from .ranks import run_best, run_loaders, run_seeds
 
@@ -61,7 +62,7 @@ def _make_loader(t, make_loader):
         need(t, got)
         result = got[name]
         if result[0] == "raised":
-            t.fail("", "a DataLoader", f"make_loader raised {result[1]}: {result[2]}")
+            t.fail("", "a DataLoader", in_words(result, raised="make_loader raised "))
         if result[1]["type"] != "DataLoader":
             t.fail("return a torch.utils.data.DataLoader", "DataLoader", result[1]["type"])
         return result[1]
@@ -187,7 +188,7 @@ def _best(t, best_num_workers):
             need(t, runs)
             result = runs[i]["outcome"]
             if result[0] == "raised":
-                t.fail("", expected, f"{result[1]}: {result[2]}")
+                t.fail("", expected, in_words(result, raised=""))
             t.equal(result[1], expected)
     first = runs[0]["counts"] if runs else None
     with t.case(f"draws a warm-up batch plus n_batches={N_BATCHES} from every candidate",

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from .._core import exercise
+from ..sim.outcome import in_words
 from .judges import dp, need, chunk_shapes
 from .ranks import run_dps, run_split
 
@@ -49,7 +50,7 @@ def _split(t, split_batch):
             need(t, got)
             result = got[i]
             if result[0] == "raised":
-                t.fail("", "a list of tensors", f"{result[1]}: {result[2]}")
+                t.fail("", "a list of tensors", in_words(result, raised=""))
             if isinstance(result[1], str):
                 t.fail("return a list of tensors", "list of tensors", result[1])
             expected = list(torch.chunk(batch, n, dim=0))
@@ -63,8 +64,7 @@ def _split(t, split_batch):
         need(t, got)
         for result, n in zip(got[len(SPLIT_CASES):], (0, -2)):
             if result[0] != "raised" or result[1] != "ValueError":
-                t.fail("", f"ValueError for n={n}", f"{result[1]}: {result[2]}" if result[0] == "raised" else
-                       f"returned {result[1]!r}")
+                t.fail("", f"ValueError for n={n}", in_words(result, raised=""))
 
 
 # -- data_parallel_forward ----------------------------------------------------------------

@@ -1,6 +1,8 @@
 """Lesson 03's verdicts: the evidence of :mod:`.ranks`, in the words of each case."""
 from __future__ import annotations
 
+from ..sim.outcome import in_words
+
 
 FIRST = "not judged: your code did not finish the first case (see there)"
 
@@ -19,7 +21,7 @@ def dp(t, runs, i):
     need(t, runs)
     result = runs[i]
     if result[0] == "raised":
-        t.fail("", "the gathered output", f"your code raised {result[1]}: {result[2]}")
+        t.fail("", "the gathered output", in_words(result, raised="your code raised "))
     report = result[1]
     if report["type"] != "Tensor":
         t.fail("return the gathered output tensor", "Tensor", report["type"])

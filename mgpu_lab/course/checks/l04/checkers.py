@@ -72,7 +72,7 @@ DDP_SETUP = dict(n=40, world=4, per_node=2, epochs=2, batch=4, lr=0.3)
 @exercise("04.ddp_train", points=6, description="ddp_train(model_fn, dataset, epochs, batch_size, lr): DDP on the "
           "rank's own GPU with a DistributedSampler and set_epoch; ends with the weights of single-process training")
 def _ddp_train(t, ddp_train):
-    """One launch of 4 ranks as 2 simulated nodes x 2 virtual GPUs (``sim.cuda.virtual_gpus``).
+    """One launch of 4 ranks as 2 simulated nodes x 2 virtual GPUs (``sim.cuda``, ``sim.parallel.virtual_ddp``).
 
     Catches: no DistributedSampler (DataLoader shuffle=True: every rank reads
     everything), set_epoch missing, shuffle=False, the model or the inputs or

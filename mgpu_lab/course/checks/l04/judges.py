@@ -153,13 +153,14 @@ def judge_order(t, results, s):
 
 
 def _resolved(moves):
-    """The moves with ``"cuda"`` read as the current device (``torch.cuda.set_device``, else GPU 0)."""
+    """``(who, device)`` of every ``(who, from, to)`` move, ``"cuda"`` read as the current device
+    (``torch.cuda.set_device``, else GPU 0)."""
     current, out = "cuda:0", []
-    for tag, device in moves:
-        if tag == "set_device":
+    for who, _, device in moves:
+        if who == "set_device":
             current = device
         else:  # DDP's device_ids are logged as "None" or "cuda:1,cuda:2"
-            out.append((tag, ",".join(current if d == "cuda" else d for d in device.split(","))))
+            out.append((who, ",".join(current if d == "cuda" else d for d in device.split(","))))
     return out
 
 
@@ -209,8 +210,8 @@ def judge_batches(t, results, s):
     for res in results:
         want, moves = f"cuda:{res['local_rank']}", _resolved(res["moves"])
         for tag, name in (("inputs", "x"), ("labels", "y")):
-            made = sum(1 for tg, d in moves if tg == tag and d == "batch made")
-            moved = [d for tg, d in moves if tg == tag and d != "batch made"]
+            made = res["batches"][tag]
+            moved = [d for tg, d in moves if tg == tag]
             if not made:
                 t.fail("no batch of the dataset passed in was recorded: read it through a DataLoader "
                        "(num_workers=0 in this exercise)", "batches", "none")

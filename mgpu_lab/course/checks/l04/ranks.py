@@ -8,11 +8,12 @@ which rank called the download and what it found on return, each rank's mean.
 They are module-level functions of an importable module, so a rank receives
 them by name and imports this module, which holds no judging.
 
-:func:`virtual_gpus` makes a rank a GPU rank in name on a machine without one:
-``mgpu_lab.dist.device()`` is ``cuda:LOCAL_RANK``, ``torch.cuda`` reports a GPU
-per local rank, and the model, the batches and DDP's ``device_ids`` record
-where they were sent while their data stays on the CPU. So "every rank on
-cuda:0", "the global rank as GPU index" and "labels left behind" show here.
+:func:`run_ddp_train` makes each rank a GPU rank in name on a machine without
+one (:mod:`..sim.cuda`, :mod:`..sim.parallel`): ``mgpu_lab.dist.device()`` is
+``cuda:LOCAL_RANK``, ``torch.cuda`` reports a GPU per local rank, and the model,
+the batches and DDP's ``device_ids`` record where they were sent while their
+data stays on the CPU (:mod:`..sim.devices`). So "every rank on cuda:0", "the
+global rank as GPU index" and "labels left behind" show here.
 """
 from __future__ import annotations
 
@@ -26,30 +27,27 @@ from torch.utils.data import Dataset
 from mgpu_lab import dist as mdist
 from mgpu_lab.data.datasets import synthetic_classification
 from mgpu_lab.data.download import simulate_nodes
-from ..sim.cuda import PlacedNet, Sample, virtual_gpus
-from ..sim.moved import Moved
+from ..sim.cuda import simulated_gpus
+from ..sim.devices import place, Placed, PlacedModule, reset
+from ..sim.outcome import outcomes
+from ..sim.parallel import virtual_ddp
 from ..sim.scenarios import run_scenarios
 
 
 # -- shard_indices -----------------------------------------------------------------------
 def shard_all(shard_indices, combos):
-    """Probe: ``shard_indices(*combo)`` for each combination: ("ok", list) or ("raised", type, message)."""
-    out = []
-    for combo in combos:
-        try:
-            got = shard_indices(*combo)
-            got = got.tolist() if isinstance(got, torch.Tensor) else list(got)
-            out.append(("ok", [int(i) for i in got]))
-        except NotImplementedError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the check judges each combination
-            out.append(("raised", type(exc).__name__, str(exc)))
-    return out
+    """Probe: ``shard_indices(*combo)`` for each combination: ("ok", list of ints) or ("raised", type, message)."""
+    return outcomes(shard_indices, combos, keep=_int_list)
+
+
+def _int_list(got) -> list:
+    return [int(i) for i in (got.tolist() if isinstance(got, torch.Tensor) else list(got))]
 
 
 # -- ddp_train ---------------------------------------------------------------------------
 class Recorded(Dataset):
-    """A data set that appends every index it serves to a file and tags its samples ``inputs``/``labels``."""
+    """A data set that appends every index it serves to a file and tags its samples ``inputs``/``labels``
+    (untracked: a moved copy is a plain tensor; each batch the DataLoader stacks is logged)."""
 
     def __init__(self, inner, log_path: str):
         self.inner, self.log_path = inner, log_path
@@ -61,9 +59,7 @@ class Recorded(Dataset):
         with open(self.log_path, "a") as f:
             f.write(f"{int(i)}\n")
         x, y = self.inner[i]
-        x, y = x.as_subclass(Sample), y.as_subclass(Sample)
-        x.tag, y.tag = "inputs", "labels"
-        return x, y
+        return place(x, "inputs", tracked=False), place(y, "labels", tracked=False)
 
 
 def _layers():
@@ -77,8 +73,8 @@ def check_model():
 
 
 def placed_model():
-    """:func:`check_model`'s network (same weights) that logs where it is moved."""
-    return PlacedNet(*_layers())
+    """:func:`check_model`'s network (same weights, same state_dict keys) that logs where it is moved."""
+    return PlacedModule(*_layers(), name="model")
 
 
 def check_data(n):
@@ -90,14 +86,12 @@ def run_ddp_train(ddp_train, n, epochs, batch_size, lr, log_dir, ranks_per_node)
     """Probe: the learner's ddp_train in this rank of a simulated node of virtual GPUs."""
     node = simulate_nodes(ranks_per_node)
     log = os.path.join(log_dir, f"rank{tdist.get_rank()}.log")
-    Moved.log = []
-    undo = virtual_gpus(mdist.local_rank(), ranks_per_node)
-    try:
+    reset()
+    with simulated_gpus(ranks_per_node, local_rank=mdist.local_rank()), virtual_ddp():
         state = ddp_train(placed_model, Recorded(check_data(n), log), epochs, batch_size, lr)
-    finally:
-        undo()
     seen = [int(line) for line in open(log)] if os.path.exists(log) else []
-    out = {"seen": seen, "moves": list(Moved.log), "node": node, "local_rank": mdist.local_rank(),
+    out = {"seen": seen, "moves": list(Placed.moves), "node": node, "local_rank": mdist.local_rank(),
+           "batches": {tag: Placed.batches.count(tag) for tag in ("inputs", "labels")},
            "rank": tdist.get_rank(), "state": None, "type": type(state).__name__}
     if isinstance(state, dict) and all(isinstance(v, torch.Tensor) for v in state.values()):
         out["state"] = {k.removeprefix("module."): v.detach().cpu().as_subclass(torch.Tensor).clone()

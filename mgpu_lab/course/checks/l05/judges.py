@@ -13,6 +13,7 @@ import torch
 
 from mgpu_lab.data.workload import distributed_sampler_lists, step_imbalance
 from mgpu_lab.launcher.errors import LaunchError
+from ..sim.outcome import in_words
 from .ranks import join_batches, join_model
 
 
@@ -197,7 +198,7 @@ def judge(t, got, cfg, check_balance=True, steps=False, epochs_differ=False, hin
     with ``cfg["shuffle"]`` False every epoch must give the same lists, else ``epochs_differ`` asks for
     a new order in each epoch."""
     if got[0] == "raised":
-        t.fail(hint, "a working sampler", f"your code raised {got[1]}: {got[2]}")
+        t.fail(hint, "a working sampler", in_words(got, raised="your code raised "))
     res, n, world = got[1], len(cfg["costs"]), cfg["num_replicas"]
     if not all(res["is_sampler"]):
         t.fail("subclass torch.utils.data.Sampler", "a torch Sampler", "another type")

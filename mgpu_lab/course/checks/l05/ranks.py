@@ -16,6 +16,8 @@ import operator
 import random
 import torch
 
+from ..sim.outcome import outcome
+
 
 # -- BalancedDistributedSampler -----------------------------------------------------
 def _reseed(value: int) -> None:
@@ -45,15 +47,7 @@ def sampler_lists(cls, cfg: dict) -> dict:
 
 def probe_sampler(cls, configs: list) -> list:
     """Every configuration's lists, or ("raised", type, message) for the ones that raise."""
-    results = []
-    for cfg in configs:
-        try:
-            results.append(("ok", sampler_lists(cls, cfg)))
-        except NotImplementedError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the checker reports it per case
-            results.append(("raised", type(exc).__name__, str(exc)[:300]))
-    return results
+    return [outcome(sampler_lists, cls, cfg) for cfg in configs]
 
 
 def probe_sampler_ranks(cls, costs: list, seed: int, epochs: tuple) -> dict:

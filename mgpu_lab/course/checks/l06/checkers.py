@@ -1,7 +1,7 @@
 """Checks of lesson 06 (model parallelism): TwoStageNet, pipelined_step, bubble_fraction.
 
 Placement is judged on a machine without GPUs by giving the learner's code names
-of GPUs: the stages and tensors of :mod:`..sim.placement` keep their data on the CPU
+of GPUs: the stages and tensors of :mod:`..sim.devices` keep their data on the CPU
 and record where they would be, so "forgot to move the activations" fails here as
 it fails on two GPUs ("Expected all tensors to be on the same device"). What runs
 in the fresh process is :mod:`.ranks` (one launch per check); this module

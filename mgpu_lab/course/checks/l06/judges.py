@@ -1,10 +1,12 @@
-"""Lesson 06's placement verdicts: the evidence of the virtual GPUs (:mod:`..sim.placement`), in words.
+"""Lesson 06's placement verdicts: the evidence of the virtual GPUs (:mod:`..sim.devices`), in words.
 
 :mod:`.checkers` asks these for the cases about devices: where each stage was
 put, and on which device each input, activation and label reached what used it.
 Each names the bug as it shows on two GPUs.
 """
 from __future__ import annotations
+
+from ..sim.outcome import in_words
 
 
 # -- pipelined_step -----------------------------------------------------------------
@@ -65,11 +67,11 @@ class Results(list):
 def judge_value(t, args, got, expected) -> None:
     if got[0] != "ok":
         one = " one stage (n_stages=1) and one micro-batch (n_micro=1) are allowed;" if 1 in args else ""
-        t.fail(f"bubble_fraction{args} must not raise:{one} compute {FORMULA}", repr(expected), _show(got))
+        t.fail(f"bubble_fraction{args} must not raise:{one} compute {FORMULA}", repr(expected), in_words(got))
     if not isinstance(got[1], (int, float)):
-        t.fail("return the fraction, a number", repr(expected), _show(got))
+        t.fail("return the fraction, a number", repr(expected), in_words(got))
     if expected and abs(got[1] - 100 * expected) < 1e-9:
-        t.fail("a fraction in [0, 1), not a percentage: drop the * 100", repr(expected), _show(got))
+        t.fail("a fraction in [0, 1), not a percentage: drop the * 100", repr(expected), in_words(got))
     t.close(got[1], expected, atol=1e-12, rtol=1e-12)
 
 
@@ -78,11 +80,7 @@ def judge_raises(t, results, calls) -> None:
         t.fail("the first case did not finish")
     for args in calls:
         if results[args][:2] != ("raised", "ValueError"):
-            t.fail("", f"bubble_fraction{args!r} raises ValueError", _show(results[args]))
-
-
-def _show(result) -> str:
-    return f"raised {result[1]}: {result[2]}" if result[0] == "raised" else f"returned {result[1]!r}"
+            t.fail("", f"bubble_fraction{args!r} raises ValueError", in_words(results[args]))
 
 
 SAME_DEVICE = "on two GPUs this raises 'Expected all tensors to be on the same device'"

@@ -5,7 +5,7 @@ placed only by its own ``.to`` calls and runs it on a batch on the CPU;
 :func:`run_pipelined` runs the learner's ``pipelined_step`` on several batches
 with the stages on ``cuda:2`` and ``cuda:3`` and names the gradient the answer
 matches; :func:`evaluate` calls a function on many arguments. The devices are
-virtual (:mod:`..sim.placement`): every move and every stage's input device is
+virtual (:mod:`..sim.devices`): every move and every stage's input device is
 recorded, so a forgotten ``.to`` shows here as it would on two GPUs. Each
 function runs all of its configurations in one process (one launch per check)
 and returns plain evidence that :mod:`.checkers` judges in the kernel; an error
@@ -19,10 +19,8 @@ import traceback
 from pathlib import Path
 from torch import nn
 
-from ..sim.placement import place, Placed, PlacedLoss, plain, reset, Stage, where
-
-
-CPU = torch.device("cpu")
+from ..sim.devices import CPU, place, Placed, PlacedLoss, PlacedModule, plain, reset, where
+from ..sim.outcome import in_words, one_thread, outcomes, raised_outcome
 
 
 _LIBRARIES = (str(Path(__file__).resolve().parents[2]), str(Path(torch.__file__).resolve().parent))
@@ -31,17 +29,25 @@ _LIBRARIES = (str(Path(__file__).resolve().parents[2]), str(Path(torch.__file__)
 DEVICES = ("cuda:2", "cuda:3")  # pipelined_step's stages: replica 1 of the lesson's DDP over two-device replicas
 
 
-def _one_thread() -> None:
-    # The models are tiny: with two intra-op threads on a busy 2-core machine each small op waits
-    # for a second thread (measured: 3.0 s against 0.2 s for run_pipelined); one thread is enough.
-    torch.set_num_threads(1)
-
-
 def _raised(exc: Exception) -> str:
     """``Type: message (where in the learner's code)``."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(_LIBRARIES)]
     where_ = f" (line {frames[-1].lineno}, in {frames[-1].name}: {frames[-1].line})" if frames else ""
-    return f"{type(exc).__name__}: {exc}"[:300] + where_
+    return in_words(raised_outcome(exc), raised="") + where_
+
+
+def _stage(inner: nn.Module, name: str, out_tag: str, device=CPU) -> PlacedModule:
+    """``inner`` as a stage on a virtual device: its parameters report the device it is moved to."""
+    return PlacedModule(inner, name=name, out_tag=out_tag, device=device, virtual_parameters=True)
+
+
+def _logs() -> dict:
+    """The logs of one run: ``stage_log`` (``(stage, "to", device)`` for every move of a stage,
+    ``(stage, "input", tag, input device, stage device, batch size)`` for every forward), every
+    move, and the loss's calls."""
+    stages = [(who, "to", to) for who, _, to in Placed.moves if who in ("stage1", "stage2")]
+    inputs = [(m.name, "input", tag, x_on, m_on, size) for m, tag, x_on, m_on, size in PlacedModule.inputs]
+    return {"stage_log": stages + inputs, "moves": list(Placed.moves), "loss_log": list(PlacedLoss.calls)}
 
 
 # -- TwoStageNet --------------------------------------------------------------------
@@ -56,14 +62,14 @@ def _stages(conv: bool):
 
 def run_two_stage(TwoStageNet, configs) -> list[dict]:
     """For each ``(conv, dev1, dev2)``: the learner's net on a batch on the CPU, against the unsplit model."""
-    _one_thread()
+    one_thread()
     return [_two_stage(TwoStageNet, *config) for config in configs]
 
 
 def _two_stage(TwoStageNet, conv: bool, dev1, dev2) -> dict:
     (inner1, inner2), x = _stages(conv)
     ref = nn.Sequential(copy.deepcopy(inner1), copy.deepcopy(inner2))
-    s1, s2 = Stage(inner1, "stage1", "activations"), Stage(inner2, "stage2", "output")
+    s1, s2 = _stage(inner1, "stage1", "activations"), _stage(inner2, "stage2", "output")
     reset()
     out = {"dev1": str(torch.device(dev1)), "dev2": str(torch.device(dev2))}
     try:
@@ -73,14 +79,14 @@ def _two_stage(TwoStageNet, conv: bool, dev1, dev2) -> dict:
             return out
         params = list(net.parameters())
         out["n_params"], out["n_expected"] = len(params), len(list(ref.parameters()))
-        out["placed"] = {m.name: str(m.vdev) for m in net.modules() if isinstance(m, Stage)}
+        out["placed"] = {m.name: str(m.vdev) for m in net.modules() if isinstance(m, PlacedModule)}
         got = net(place(x.clone(), "inputs", CPU))
     except NotImplementedError:
         raise
     except Exception as exc:  # noqa: BLE001 - judged as evidence
-        return {**out, "raised": _raised(exc), "stage_log": list(Stage.log), "moves": list(Placed.moves)}
-    out["stage_log"], out["moves"] = list(Stage.log), list(Placed.moves)
-    out["placed_after"] = {m.name: str(m.vdev) for m in net.modules() if isinstance(m, Stage)}
+        return {**out, "raised": _raised(exc), **_logs()}
+    out.update(_logs())
+    out["placed_after"] = {m.name: str(m.vdev) for m in net.modules() if isinstance(m, PlacedModule)}
     out["output_type"] = "Tensor" if isinstance(got, torch.Tensor) else type(got).__name__
     if not isinstance(got, torch.Tensor):
         return out
@@ -140,7 +146,7 @@ def run_pipelined(pipelined_step, specs) -> list[dict]:
     ``prefill``: the stages' ``.grad`` already hold gradients, as when the caller
     accumulates several steps; the step must add to them.
     """
-    _one_thread()
+    one_thread()
     return [_pipelined(pipelined_step, *spec) for spec in specs]
 
 
@@ -159,7 +165,7 @@ def _pipelined(pipelined_step, batch: int, n_micro: int, regression: bool, prefi
     micro = _micro_grads(copy.deepcopy(r1), copy.deepcopy(r2), x, y, loss_fn, n_micro)
     before = [torch.randn(p.shape, generator=torch.Generator().manual_seed(5 + i)) if prefill else None
               for i, p in enumerate(ref)]
-    stage1, stage2 = Stage(s1, "stage1", "activations", DEVICES[0]), Stage(s2, "stage2", "output", DEVICES[1])
+    stage1, stage2 = _stage(s1, "stage1", "activations", DEVICES[0]), _stage(s2, "stage2", "output", DEVICES[1])
     for p, g in zip(_params(stage1, stage2), before):
         p.grad = None if g is None else g.clone()
     reset()
@@ -171,9 +177,8 @@ def _pipelined(pipelined_step, batch: int, n_micro: int, regression: bool, prefi
     except NotImplementedError:
         raise
     except Exception as exc:  # noqa: BLE001 - judged as evidence
-        return {**out, "raised": _raised(exc), "stage_log": list(Stage.log), "moves": list(Placed.moves),
-                "loss_log": list(PlacedLoss.log), "same": False, "bug": ""}
-    out.update(stage_log=list(Stage.log), moves=list(Placed.moves), loss_log=list(PlacedLoss.log))
+        return {**out, "raised": _raised(exc), **_logs(), "same": False, "bug": ""}
+    out.update(_logs())
     number = isinstance(loss, (int, float, torch.Tensor)) and not isinstance(loss, bool) \
         and torch.as_tensor(plain(loss)).numel() == 1
     out["type"] = "float" if isinstance(loss, float) else type(loss).__name__
@@ -209,14 +214,10 @@ def _name_the_bug(grads, before, ref, micro, n_micro, batch, n_first, setup) -> 
 # -- bubble_fraction ----------------------------------------------------------------
 def evaluate(fn, calls) -> list:
     """``fn(*args)`` for every args tuple: ``("ok", value, is_float)`` or ``("raised", type name, message)``."""
-    out = []
-    for args in calls:
-        try:
-            value = fn(*args)
-            number = isinstance(value, (int, float)) and not isinstance(value, bool)
-            out.append(("ok", value if number else repr(value)[:80], isinstance(value, float)))
-        except NotImplementedError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the check judges the exception
-            out.append(("raised", type(exc).__name__, str(exc)[:200]))
-    return out
+    return [got if got[0] == "raised" else ("ok", *got[1]) for got in outcomes(fn, calls, keep=_number)]
+
+
+def _number(value) -> tuple:
+    """``(value, is_float)`` for a number, ``(repr, False)`` for anything else."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return (value if number else repr(value)[:80]), isinstance(value, float)

@@ -12,8 +12,9 @@ wait rather than fail, so the wrong answers fail within a second, before any run
 from __future__ import annotations
 
 from .._core import exercise
-from .judges import judge_interface, runnable, IFACE_HINT, judge_static, key, parse_torchrun, shown
-from .ranks import failure_text, fast, outcomes, PG_TIMEOUT, run_commands, where
+from ..sim.outcome import in_words, outcomes
+from .judges import judge_interface, runnable, IFACE_HINT, judge_static, key, parse_torchrun
+from .ranks import failure_text, fast, PG_TIMEOUT, run_commands, where
 
 
 RANK_HINT = "the ranks of node n follow those of nodes 0..n-1: global_rank = node_rank * nproc_per_node + local_rank"
@@ -42,7 +43,7 @@ def _global_rank(t, global_rank):
         got = dict(zip(map(key, calls), t.call(outcomes, global_rank, calls)))
         for args, expected in examples:
             if got[key(args)] != ("ok", expected):
-                t.fail(RANK_HINT, f"global_rank{args} == {expected}", shown(got[key(args)]))
+                t.fail(RANK_HINT, f"global_rank{args} == {expected}", in_words(got[key(args)]))
     with t.case("3 nodes x 4 processes: ranks 0..11, each once, node 0's first", hint=RANK_HINT):
         if not got:
             t.fail("the first case did not finish")
@@ -67,7 +68,7 @@ def _global_rank(t, global_rank):
             for args in args_list:
                 outcome = got[key(args)]
                 if outcome[0] != "raised" or outcome[1] != "ValueError":
-                    t.fail(hint, f"global_rank{args!r} raises ValueError", shown(outcome))
+                    t.fail(hint, f"global_rank{args!r} raises ValueError", in_words(outcome))
 
 
 # -- torchrun_command ---------------------------------------------------------------
@@ -103,10 +104,10 @@ def _torchrun_command(t, torchrun_command):
             if outcome[0] == "ok":
                 parsed[i], why = parse_torchrun(outcome[1])
             else:
-                why = shown(outcome)
+                why = in_words(outcome)
             if parsed[i] is None and i < 2:
                 t.fail(why, "['torchrun', '--nnodes=2', ...]", repr(outcome[1])[:300] if outcome[0] == "ok"
-                       else shown(outcome))
+                       else in_words(outcome))
     hint = "--nnodes, --nproc-per-node, --node-rank, --master-addr, --master-port from the arguments, the script last"
     with t.case(f"node 0: --nnodes=2 --nproc-per-node=2 --node-rank=0 --master-addr={STATIC[0]} "
                 f"--master-port={STATIC[1]}, then the script", hint=hint):
@@ -133,7 +134,7 @@ def _torchrun_command(t, torchrun_command):
         with t.case(f"another job: {args[1]} nodes x {args[2]} processes, this is node {args[3]}, master "
                     f"{args[4]}:{args[5]}, script {args[0]}", hidden=hidden_case, hint=belongs):
             if parsed[i] is None:
-                t.fail("", "a command torchrun reads", shown(got[i]) if got else "")
+                t.fail("", "a command torchrun reads", in_words(got[i]) if got else "")
             judge_static(t, parsed[i], *args, belongs)
     with t.case("run for real on 2 simulated nodes: RANK 0..3, LOCAL_RANK 0..1, GROUP_RANK = node, WORLD_SIZE 4, "
                 "all_reduce sum 10 on every rank", hint="the commands must start one job of 2 nodes x 2 processes"):
@@ -151,7 +152,7 @@ def _run_static(t, torchrun_command, script) -> None:
         argvs = [outcome[1] for outcome in got if outcome[0] == "ok" and parse_torchrun(outcome[1])[0]]
         if len(argvs) != 2:
             t.fail("with this cluster's address and port your function gave no command torchrun reads",
-                   "two commands", "; ".join(map(shown, got)))
+                   "two commands", "; ".join(map(in_words, got)))
         env = {"GLOO_SOCKET_IFNAME": cluster.interface, "ALLREDUCE_CHECK_TIMEOUT": str(PG_TIMEOUT)}
         result, reports = run_commands(cluster, [fast(runnable(t, argv)) for argv in argvs], env)
         seen = sorted((int(r["RANK"]), int(r["LOCAL_RANK"]), int(r["GROUP_RANK"]), int(r["WORLD_SIZE"]),
@@ -192,7 +193,7 @@ def _node_env(t, node_env):
             env = outcome[1] if outcome[0] == "ok" else None
             if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
                 t.fail("return a dict of str to str: os.environ takes strings only",
-                       "{'NCCL_SOCKET_IFNAME': ..., 'GLOO_SOCKET_IFNAME': ...}", f"node_env{args}: {shown(outcome)}")
+                       "{'NCCL_SOCKET_IFNAME': ..., 'GLOO_SOCKET_IFNAME': ...}", f"node_env{args}: {in_words(outcome)}")
         judge_interface(t, got[0][1], "eth0")
     with t.case("node_env('ib0'): both name ib0, and no transport is switched off (NCCL keeps InfiniBand)",
                 hint="NCCL_SOCKET_IFNAME picks the interface of NCCL's sockets (its bootstrap, and its data only "
@@ -213,9 +214,9 @@ def _node_env(t, node_env):
             t.fail("the first case did not finish")
         on, off = (got[2][1] if got[2][0] == "ok" else {}), (got[3][1] if got[3][0] == "ok" else {})
         if not isinstance(on, dict) or on.get("NCCL_DEBUG") != "INFO":
-            t.fail("", "NCCL_DEBUG='INFO' with debug=True", shown(got[2]))
+            t.fail("", "NCCL_DEBUG='INFO' with debug=True", in_words(got[2]))
         if not isinstance(off, dict) or off.get("NCCL_DEBUG") in ("INFO", "TRACE"):
-            t.fail("", "no NCCL_DEBUG=INFO with debug=False", shown(got[3]))
+            t.fail("", "no NCCL_DEBUG=INFO with debug=False", in_words(got[3]))
     with t.case("node_env('eth0', True) keeps the interface variables",
                 hint="debug adds to the interface variables, it does not replace them", hidden=True):
         on = got[2][1] if got and got[2][0] == "ok" else {}
@@ -238,7 +239,7 @@ def _run_node_env(t, node_env) -> None:
         got = t.call(outcomes, node_env, [(cluster.interface,)])[0]
         mine = got[1] if got[0] == "ok" else None
         if not isinstance(mine, dict):
-            t.fail("node_env must return a dict", "a dict", shown(got))
+            t.fail("node_env must return a dict", "a dict", in_words(got))
         env = {**{str(k): str(v) for k, v in mine.items() if not t.grading or k in GRADED_ENV},
                "ALLREDUCE_CHECK_TIMEOUT": "3"}
         result, reports = run_commands(cluster, cluster.torchrun(PROBE_SCRIPT, fork=True), env)

@@ -1,7 +1,7 @@
 """What lesson 07's checks use to judge commands: calls in a fresh process, torchrun's parser, real runs.
 
-:func:`outcomes` runs in the check's fresh process (every call of the learner's
-function, each outcome as data); :func:`parse_torchrun` reads a command with
+:func:`..sim.outcome.outcomes` runs in the check's fresh process (every call of the
+learner's function, each outcome as data); :func:`parse_torchrun` reads a command with
 torchrun's own argument parser and :func:`judge_static` compares it with the job
 it should start; :func:`run_commands` runs one command per simulated node.
 """
@@ -43,9 +43,6 @@ def key(args: tuple) -> str:
     return repr(args)  # not the tuple: (True, 0, 2) == (1, 0, 2) as dict keys
 
 
-def shown(outcome) -> str:
-    """An outcome of :func:`outcomes` in words."""
-    return f"raised {outcome[1]}: {outcome[2]}" if outcome[0] == "raised" else f"returned {outcome[1]!r}"
 
 
 def parse_torchrun(argv):

@@ -1,4 +1,14 @@
-""""""
+"""What lesson 07's checks run outside the judging: the learner's commands on simulated nodes.
+
+:func:`run_commands` runs one command per node (each with :data:`FAST`'s forked
+workers, :func:`fast`) and returns what the ranks reported; :func:`failure_text`
+and :func:`where` put a run in words. The learner's functions themselves run in
+a fresh process through :func:`..sim.outcome.outcomes`.
+
+Example:
+    >>> fast(["torchrun", "--nproc-per-node=2", "/abs/train.py"])
+    ['torchrun', '--start-method=fork', '--run-path', '--nproc-per-node=2', '/abs/train.py']
+"""
 from __future__ import annotations
 
 import re
@@ -11,19 +21,6 @@ PG_TIMEOUT = 5  # seconds a rank of the check's script waits for the others
 
 
 FAST = ["--start-method=fork", "--run-path"]  # workers forked from torchrun: seconds less per run, same job
-
-
-def outcomes(fn, calls):
-    """Runs in a fresh process: ``fn(*args)`` for every args tuple, each outcome as data."""
-    out = []
-    for args in calls:
-        try:
-            out.append(("ok", fn(*args)))
-        except NotImplementedError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the checker judges the exception
-            out.append(("raised", type(exc).__name__, str(exc)))
-    return out
 
 
 def run_commands(cluster, argvs, env: dict):

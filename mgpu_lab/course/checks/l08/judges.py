@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from mgpu_lab.sharding import zero
+from ..sim.outcome import in_words
 
 
 def zero_groups(n_measured):
@@ -84,7 +85,7 @@ def judge_raises(t, calls, got):
         if res[0] != "raised" or res[1] != "ValueError":
             t.fail("check stage first (0, 1, 2 or 3) and every size (n_params, world_size, the byte counts) "
                    "for > 0; raise ValueError naming the value", f"{_show(call)} raises ValueError",
-                   f"returned {res[1]!r}" if res[0] == "ok" else f"raised {res[1]}: {res[2]}")
+                   in_words(res))
 
 
 def judge_measured(t, calls, got, held):

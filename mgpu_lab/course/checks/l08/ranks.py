@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from mgpu_lab.comm.record import record
 from mgpu_lab.sharding import distcp, fsdp, zero
+from ..sim.outcome import outcome
 
 
 # -- zero_memory ---------------------------------------------------------------------------
@@ -32,13 +33,11 @@ def evaluate_calls(fn, calls):
     """``fn(*args, **kwargs)`` for each call: ``("ok", value, type name)`` or ``("raised", type, message)``."""
     out = []
     for args, kwargs in calls:
-        try:
-            value = fn(*args, **kwargs)
-            out.append(("ok", value if isinstance(value, (int, float)) else repr(value), type(value).__name__))
-        except NotImplementedError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the checker judges each call
-            out.append(("raised", type(exc).__name__, str(exc)))
+        got = outcome(fn, *args, **kwargs)
+        if got[0] == "ok":
+            value = got[1]
+            got = ("ok", value if isinstance(value, (int, float)) else repr(value), type(value).__name__)
+        out.append(got)
     return out
 
 

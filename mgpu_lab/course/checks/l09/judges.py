@@ -5,6 +5,7 @@ import math
 import torch
 
 from mgpu_lab.comm.ddp_buckets import torch_bucket_assignment
+from ..sim.outcome import in_words
 
 
 def ring_result(t, runs, world, picks, hint):
@@ -78,7 +79,7 @@ def judge_buckets(t, cases, got, hint):
         want = torch_bucket_assignment(sizes, cap)
         call = f"bucket_assignment({sizes}, cap_bytes={cap})"
         if answer[0] != "ok":
-            t.fail(f"{call} raised: {hint}", want, f"{answer[1]}: {answer[2]}")
+            t.fail(f"{call} raised: {hint}", want, in_words(answer, raised=""))
         if [sorted(b) for b in answer[1]] != [sorted(b) for b in want]:
             t.fail(f"{call}: {hint}", want, answer[1])
 

@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mgpu_lab.comm.record import record
+from ..sim.outcome import outcomes
 
 
 # -- ring_allreduce ----------------------------------------------------------------------
@@ -72,16 +73,7 @@ def run_ring(ring_allreduce, trials: list) -> list:
 # -- bucket_assignment -------------------------------------------------------------------
 def call_all(fn, cases: list) -> list:
     """Probe: ``fn(*case)`` for every case: ``("ok", buckets as lists of ints)`` or ``("raised", type, message)``."""
-    out = []
-    for case in cases:
-        try:
-            got = fn(*case)
-            out.append(("ok", [[int(i) for i in bucket] for bucket in got]))
-        except NotImplementedError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the checker judges each case
-            out.append(("raised", type(exc).__name__, str(exc)))
-    return out
+    return outcomes(fn, cases, keep=lambda got: [[int(i) for i in bucket] for bucket in got])
 
 
 # -- bf16_compress_hook ------------------------------------------------------------------

@@ -18,8 +18,10 @@ import random
 from mgpu_lab.launcher import elastic
 from mgpu_lab.launcher.errors import LaunchError, LaunchTimeout
 from .._core import _error_text, CaseFailed, exercise
+from ..sim.outcome import in_words
 from .judges import (count_saves, expected_desync, judge_run, judge_trials, other_filesystem, random_logs,
-                     recorded_logs, shown, AR3, AR4, BAR, BC, CFG, read_logs, resumed_from, RUN_TIMEOUT, STEPS, WORLD)
+                     recorded_logs, AR3, AR4, BAR, BC, CFG, read_logs, resumed_from, RUN_TIMEOUT, STEPS,
+                     WORLD)
 from .ranks import atomic_probe, first_desync_all, HANGS, read_log, run_resumable
 
 
@@ -114,7 +116,7 @@ def _first_desync(t, first_desync):
                 results = t.call(first_desync_all, first_desync, cases)
             outcome = results[[c for c in cases].index(logs)]
             if outcome != ("ok", expected_desync(logs)):
-                t.fail(hint, expected_desync(logs), shown(outcome))
+                t.fail(hint, expected_desync(logs), in_words(outcome))
     with t.case("logs recorded by the flight recorder in real hung runs (gloo, 3 ranks): a skipped all_reduce, "
                 "a shape mismatch, a broadcast against an all_reduce",
                 hint="the same rules on real logs: e.g. the skipping rank's log holds a barrier where the others "
@@ -123,13 +125,13 @@ def _first_desync(t, first_desync):
         got = t.call(first_desync_all, first_desync, [recorded[n] for n in HANGS])
         for name, outcome in zip(HANGS, got):
             if outcome != ("ok", expected_desync(recorded[name])):
-                t.fail(f"hung run '{name}', logs {recorded[name]}", expected_desync(recorded[name]), shown(outcome))
+                t.fail(f"hung run '{name}', logs {recorded[name]}", expected_desync(recorded[name]), in_words(outcome))
     with t.case("300 random logs of 1 to 5 ranks agree with the reference", hidden=True):
         if results is None:
             t.fail("the first case did not finish")
         for logs, outcome in zip(sweep, results[len(FIXED):]):
             if outcome != ("ok", expected_desync(logs)):
-                t.fail(f"logs {logs}", expected_desync(logs), shown(outcome))
+                t.fail(f"logs {logs}", expected_desync(logs), in_words(outcome))
 
 
 ATOMIC = ("a rank killed while writing the snapshot left it torn: write it with atomic_save (a temporary file "

@@ -99,10 +99,6 @@ def expected_desync(logs):
     return None if got is None else [got[0], list(got[1])]
 
 
-def shown(outcome):
-    return f"raised {outcome[1]}: {outcome[2]}" if outcome[0] == "raised" else repr(outcome[1])
-
-
 def reference() -> dict:
     """The uninterrupted run of the library's resumable_train: final weights and each rank's per-step log."""
     if not _reference:

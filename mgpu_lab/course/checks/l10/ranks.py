@@ -28,6 +28,7 @@ import torch
 
 from mgpu_lab.data.datasets import synthetic_classification
 from mgpu_lab.failures import hangs
+from ..sim.outcome import outcomes
 
 
 # -- atomic_save -----------------------------------------------------------------------
@@ -50,7 +51,8 @@ def classify(path: str) -> str:
     except Exception as exc:  # noqa: BLE001 - any failure to load is a torn file
         return f"torn: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
     for name, ref in (("old", OLD), ("new", NEW)):
-        if isinstance(obj, dict) and obj.get("version") == ref["version"] and torch.equal(obj["weights"], ref["weights"]):
+        if isinstance(obj, dict) and obj.get("version") == ref["version"] \
+                and torch.equal(obj["weights"], ref["weights"]):
             return name
     return "torn: loads, but is neither the old object nor the new one"
 
@@ -193,7 +195,8 @@ def run_resumable(resumable_train, cfg: dict, snapshot_path: str, log_dir: str, 
             os.kill(os.getpid(), signal.SIGKILL)
         x = inputs[0]
         w = torch.cat([p.detach().reshape(-1).double().cpu() for p in module.parameters()])
-        log.write(json.dumps({"f": counts["f"], "x": float(x.detach().double().sum()), "rng": _digest(x.device), "w": [float(w.sum()), float(w.square().sum())]}) + "\n")
+        log.write(json.dumps({"f": counts["f"], "x": float(x.detach().double().sum()), "rng": _digest(x.device),
+                              "w": [float(w.sum()), float(w.square().sum())]}) + "\n")
 
     def model_fn():
         model = check_model()
@@ -248,17 +251,10 @@ def read_log(log_dir: str, attempt: int, rank: int) -> list[dict]:
 # -- first_desync ----------------------------------------------------------------------
 def first_desync_all(first_desync, cases: list) -> list:
     """Probe: ``first_desync(logs)`` for each case: ("ok", result as lists) or ("raised", type, message)."""
-    out = []
-    for logs in cases:
-        try:
-            got = first_desync([[(op, tuple(shape)) for op, shape in log] for log in logs])
-        except NotImplementedError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the check judges each case
-            out.append(("raised", type(exc).__name__, str(exc)[:200]))
-            continue
-        out.append(("ok", _plain(got)))
-    return out
+    def call(logs):
+        return first_desync([[(op, tuple(shape)) for op, shape in log] for log in logs])
+
+    return outcomes(call, [(logs,) for logs in cases], keep=_plain)
 
 
 def _plain(value):

@@ -1,4 +1,14 @@
 """Several scenarios of a check in one launch of real ranks, and each rank's evidence per scenario.
+
+In the ranks, :func:`run_scenarios` runs every scenario and saves each rank's
+outcomes as it goes; in the kernel, :func:`launch_scenarios` launches them once
+and hands out the evidence case by case (:class:`Scenarios`), judging what the
+ranks did before a scenario failed.
+
+Example:
+    >>> evidence = Scenarios([[("ok", 1.5), ("ok", 2.0)], [("ok", 1.5), ("raised", "ValueError", "no samples")]])
+    >>> evidence.complete, evidence.get(None, 0)
+    (1, [1.5, 1.5])
 """
 from __future__ import annotations
 
@@ -6,12 +16,14 @@ import os
 import torch
 import torch.distributed as tdist
 
+from .outcome import raised_outcome
+
 
 # -- several scenarios in one launch -----------------------------------------------------
 def run_scenarios(log_dir, one, scenarios) -> list:
     """Run ``one(scenario)`` for each scenario in this rank; save the evidence so far after each.
 
-    A rank that raises in a scenario saves ``("raised", type, message)`` for it and
+    A rank that raises in a scenario saves its outcome (:func:`.outcome.raised_outcome`) and
     raises on (so the launch fails fast); :func:`read_scenarios` then recovers what
     every rank did before, and the checker judges those scenarios all the same.
     """
@@ -22,8 +34,8 @@ def run_scenarios(log_dir, one, scenarios) -> list:
             done.append(("ok", one(scenario)))
         except NotImplementedError:
             raise
-        except Exception as exc:
-            done.append(("raised", type(exc).__name__, str(exc)[:300]))
+        except Exception as exc:  # noqa: BLE001 - saved as this scenario's outcome, then raised on
+            done.append(raised_outcome(exc))
             torch.save(done, path)
             raise
         torch.save(done, path)
