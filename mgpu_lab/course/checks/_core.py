@@ -92,6 +92,10 @@ class Tester:
         except LaunchError as exc:
             if exc.exc_type == "NotImplementedError":
                 raise NotAttempted() from None
+            if exc.exc_type == "ReferenceCalled":  # the message says which reference, and what to do
+                said = str(exc).splitlines()[0].split("ReferenceCalled: ", 1)[-1]
+                self._add(name, False, hidden, got=said, hint="the check judges your own code, not the library's")
+                return
             self._add(name, False, hidden, got=_error_text(exc), hint=hint)
         else:
             self._add(name, True, hidden)
@@ -181,6 +185,8 @@ class Tester:
             shutil.rmtree(self._scratch.pop(), ignore_errors=True)
 
     def _run(self, fn, nprocs, args, kwargs, **options):
+        if self.exercise.references:  # the learner's code runs with tripwires on the references
+            fn, args, kwargs = _armed_call, (self.exercise.references, fn, args, kwargs), {}
         if self._runner is None:
             from mgpu_lab.launcher.launch import run
 
@@ -191,6 +197,17 @@ class Tester:
         if self._hung:
             raise CaseFailed("not run: an earlier case of this check hung; fix that first",
                              got="skipped")
+
+
+def _armed_call(references, fn, args, kwargs):
+    """``fn(*args, **kwargs)`` with tripwires on ``references``; raises if one was called, even if caught."""
+    from . import _references
+
+    with _references.armed(references):
+        out = fn(*args, **kwargs)
+    if _references.calls():
+        _references.called(_references.calls()[0])
+    return out
 
 
 def _harness(fn, args, kwargs, prepare, catch):

@@ -20,33 +20,44 @@ _REGISTRY: dict[str, "Exercise"] = {}
 
 @dataclass(frozen=True)
 class Exercise:
-    """A graded exercise: its id, points (one per case), description and checker."""
+    """A graded exercise: its id, points (one per case), description and checker, and the reference
+    implementations (``"module:function"``) an answer must not call (:mod:`._references`)."""
 
     id: str
     points: int
     description: str
     checker: Callable
+    references: tuple[str, ...] = ()
 
     @property
     def lesson(self) -> str:
         return self.id.split(".", 1)[0]
 
 
-def exercise(exercise_id: str, points: int, description: str):
+def exercise(exercise_id: str, points: int, description: str, references: tuple[str, ...] = ()):
     """Register the decorated function as the checker of ``exercise_id``.
 
+    Args:
+        references: the library's and torch's own versions of what the exercise
+            builds, as ``"module:function"`` (a class: ``"module:Class"``, its
+            ``__init__``); every check of the exercise fails an answer that calls one.
+
     Raises:
-        ValueError: malformed id, non-positive points, or an id registered twice.
+        ValueError: malformed id, non-positive points, a malformed reference, or an id registered twice.
     """
     if not _ID.match(exercise_id):
         raise ValueError(f"exercise id {exercise_id!r} must look like 'NN.name', e.g. '01.pick_device'")
     if points < 1:
         raise ValueError(f"exercise {exercise_id}: points={points} must be >= 1 (one per case)")
+    bad = [r for r in references if not re.fullmatch(r"[\w.]+:[\w.]+", str(r))]
+    if bad or isinstance(references, str):
+        raise ValueError(f"exercise {exercise_id}: references={references!r} must be a tuple of "
+                         "'package.module:function' names")
 
     def register(fn):
         if exercise_id in _REGISTRY and _REGISTRY[exercise_id].checker.__qualname__ != fn.__qualname__:
             raise ValueError(f"exercise {exercise_id} is registered twice")
-        _REGISTRY[exercise_id] = Exercise(exercise_id, points, description, fn)
+        _REGISTRY[exercise_id] = Exercise(exercise_id, points, description, fn, tuple(references))
         return fn
 
     return register

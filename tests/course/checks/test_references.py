@@ -74,3 +74,88 @@ def test_names_that_are_no_python_function_are_refused_with_the_form_to_use(modu
         resolve("builtins:len")
     with pytest.raises(AttributeError):
         resolve("refmod:missing")
+
+
+# -- through a check: the learner's code runs armed, in a fresh process and in real ranks -------------------
+from mgpu_lab import check  # noqa: E402
+from mgpu_lab.course.checks import exercise  # noqa: E402
+
+
+def _in_ranks(encode, value):
+    return encode(value)
+
+
+@exercise("98.encode", points=2, description="encode(x): x as JSON text", references=("json:dumps",))
+def _encode(t, encode):
+    with t.case("encode([1, 2]) is '[1, 2]'", hint="a list in brackets, items joined by ', '"):
+        t.equal(t.call(encode, [1, 2]), "[1, 2]")
+    with t.case("in 2 ranks too"):
+        t.equal(t.ranks(_in_ranks, 2, encode, [3]), ["[3]", "[3]"])
+
+
+def own(x):
+    return "[" + ", ".join(str(v) for v in x) + "]"
+
+
+def calls_the_reference(x):
+    import json as renamed
+
+    return renamed.dumps(x)
+
+
+def hides_the_call(x):
+    from json import dumps
+
+    try:
+        return dumps(x)
+    except Exception:  # noqa: BLE001 - swallowing the tripwire does not help
+        return own(x)
+
+
+def test_an_answer_that_calls_a_reference_fails_every_case_naming_it_and_an_own_answer_passes():
+    assert check("98.encode", own).status == "passed"
+    for answer in (calls_the_reference, hides_the_call):
+        result = check("98.encode", answer)
+        assert [c.passed for c in result.cases] == [False, False], result.cases
+        assert all("your code calls json.dumps" in c.got for c in result.cases), result.cases
+
+
+def test_a_reference_must_be_named_module_colon_function():
+    with pytest.raises(ValueError, match="must be a tuple of 'package.module:function' names"):
+        exercise("98.bad", points=1, description="x", references=("json.dumps",))
+    with pytest.raises(ValueError, match="must be a tuple"):
+        exercise("98.bad", points=1, description="x", references="json:dumps")
+
+
+# -- no answer in sight: a lesson's imports reach none of its exercises' references --------------------------
+import json as _json  # noqa: E402
+import subprocess  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import reach  # noqa: E402  (tests/course/checks/reach.py)
+
+from mgpu_lab.course.checks import exercises  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[3]
+NOTEBOOKS = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
+
+
+def test_the_walk_finds_a_function_through_modules_and_classes_and_not_elsewhere(module):
+    pkg = types.ModuleType("mgpu_lab.fake")
+    pkg.inner = types.ModuleType("mgpu_lab.fake.inner")
+    pkg.inner.Holder = type("Holder", (), {"__module__": "mgpu_lab.fake.inner", "make": staticmethod(module.plain)})
+    outside = types.ModuleType("elsewhere")
+    outside.hidden = module.closure
+    found = reach.reachable({"fake": pkg, "elsewhere": outside}, {"p": module.plain, "c": module.closure})
+    assert found == {"p": "fake.inner.Holder.make"}  # not into modules that are not the package's
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.stem)
+def test_no_reference_of_a_lesson_is_reachable_from_its_notebook_s_imports(notebook):
+    lesson = notebook.name[:2]
+    refs = sorted({r for e in exercises(lesson) for r in e.references if r.startswith("mgpu_lab")})
+    out = subprocess.run([sys.executable, str(Path(reach.__file__)), str(notebook), *refs], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    found = _json.loads(out.stdout.strip().splitlines()[-1])
+    assert not found, f"lesson {lesson}'s imports reach the answers of its exercises: {found}"
