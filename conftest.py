@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 ONE_AT_A_TIME = {
-    "slurm": ["tests/cluster/test_slurm_local.py", "solutions/07_multi_node.ipynb", "mgpu_lab/cluster/slurm_local.py"],
+    "slurm": ["tests/cluster/test_slurm_local.py", "solutions/07_multi_node.ipynb", "mgpu_lab/cluster/slurm_local.py",
+              "tests/course/test_slurm_grade.py"],
     "sandbox-users": ["tests/course/test_grade.py", "tests/course/test_grade_hostile.py",
                       "tests/course/test_batch.py", "tests/course/test_sandbox.py", "mgpu_lab/course/grade.py",
                       "mgpu_lab/course/session.py", "mgpu_lab/course/sandbox.py"],

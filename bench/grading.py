@@ -13,8 +13,16 @@ and whether each graded run gives the same points as the full run. Targets
 (issue "Grading a whole class in an hour"): the course in at most 120 s, and
 ``--jobs 2`` on 2 cores no slower than ``--jobs 1``.
 
-Run: ``.venv/bin/python bench/grading.py [--skip-slow] [--jobs N]``. ``--skip-slow``
-leaves out the two end-to-end runs (nbclient, full run), which take minutes.
+``--slurm`` (root, Linux) adds the class graded as a SLURM job array on this
+machine's local cluster (``mgpu_lab.course.slurm_grade``) with 1 and with 2
+compute nodes, side by side: the simulated nodes share this machine's cores, so
+the ratio shows the array's overhead and what the nodes' sharing leaves, not a
+cluster's speed-up. ``--autograder`` adds the Gradescope bundle's
+``run_autograder`` for one submission (lesson 01's solution), in a folder laid
+out as Gradescope does, with this environment (no ``setup.sh``).
+
+Run: ``.venv/bin/python bench/grading.py [--skip-slow] [--jobs N] [--slurm] [--autograder]``.
+``--skip-slow`` leaves out the two end-to-end runs (nbclient, full run), which take minutes.
 Results also go to ``bench/results/grading.json``.
 """
 from __future__ import annotations
@@ -56,10 +64,54 @@ def graded(paths: list[Path], **kw) -> tuple[float, dict]:
     return seconds, {Path(g.path).name: (g.points, g.max_points, g.completed, g.reason) for g in grades}
 
 
+def slurm_runs(paths: list[Path], tmp: Path) -> list[tuple[str, float]]:
+    """The class as a SLURM array on 1 and on 2 local nodes (each run from scratch)."""
+    from mgpu_lab.cluster import slurm_local
+    from mgpu_lab.course.slurm_grade import Slurm, grade_on_slurm
+
+    rows = []
+    for nodes in (1, 2):
+        state = tmp / f"slurm{nodes}"
+        slurm_local.up(nodes, state=state, echo=False)
+        try:
+            start = time.perf_counter()
+            grades = grade_on_slurm(paths, timeout=900, store=tmp / f"grades{nodes}",
+                                    slurm=Slurm(local=True, state=state))
+            rows.append((f"grade --slurm, {nodes} node(s)", time.perf_counter() - start))
+        finally:
+            slurm_local.down(state, quiet=True)
+        print(f"  grade --slurm on {nodes} node(s): {rows[-1][1]:.0f} s, "
+              f"{sum(g.points for g in grades)}/{sum(g.max_points for g in grades)} points", flush=True)
+    return rows
+
+
+def autograder_run(tmp: Path) -> tuple[str, float]:
+    """run_autograder on lesson 01's solution, in Gradescope's layout, with this environment."""
+    import subprocess
+    import zipfile
+
+    from mgpu_lab.course.autograder import build
+
+    root = tmp / "autograder"
+    with zipfile.ZipFile(build(tmp / "autograder.zip", ["01"])) as zf:
+        zf.extractall(root / "source")
+    (root / "submission").mkdir()
+    shutil.copy(ROOT / "solutions" / "01_devices.ipynb", root / "submission" / "01_devices.ipynb")
+    start = time.perf_counter()
+    subprocess.run(["bash", str(root / "source" / "run_autograder")], check=True, capture_output=True,
+                   env={**os.environ, "AUTOGRADER_ROOT": str(root), "MGPU_LAB_VENV": sys.prefix})
+    seconds = time.perf_counter() - start
+    score = json.loads((root / "results" / "results.json").read_text())["score"]
+    print(f"  run_autograder, one submission (01): {seconds:.0f} s, score {score}", flush=True)
+    return ("run_autograder, 01 solution", seconds)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--skip-slow", action="store_true", help="leave out nbclient and the full run")
     parser.add_argument("--jobs", type=int, default=default_jobs(), help="jobs of the last run")
+    parser.add_argument("--slurm", action="store_true", help="also as a SLURM array on 1 and 2 local nodes (root)")
+    parser.add_argument("--autograder", action="store_true", help="also the Gradescope bundle's run_autograder")
     args = parser.parse_args(argv)
     cores = len(os.sched_getaffinity(0))
     print(f"grading benchmark: {cores} cores, jobs {args.jobs}; one student = the 10 solution notebooks", flush=True)
@@ -80,6 +132,10 @@ def main(argv=None) -> int:
             seconds, points[f"jobs {jobs}"] = graded(paths, jobs=jobs)
             rows.append((f"grade --jobs {jobs}", seconds))
             print(f"  grade --jobs {jobs}: {seconds:.0f} s", flush=True)
+        if args.slurm:
+            rows += slurm_runs(paths, Path(tmp))
+        if args.autograder:
+            rows.append(autograder_run(Path(tmp)))
     base = rows[0][1]
     print(f"\n{'run':32} {'seconds':>8} {'vs first':>9}")
     for name, seconds in rows:

@@ -146,6 +146,12 @@ def _add_grade(subparsers) -> None:
                              "no exercise needs)")
     parser.add_argument("--plot", type=Path, metavar="PNG",
                         help="also draw the class summary (pass rate and most common failure per exercise)")
+    slurm = parser.add_argument_group("on a SLURM cluster", "grade as a job array (a task per submission or per "
+                                      "--chunk), on the nodes; --results must be on a file system they all see")
+    slurm.add_argument("--slurm", action="store_true", help="grade as a SLURM job array (run on the login node)")
+    slurm.add_argument("--partition", help="the partition to submit to (default: the cluster's)")
+    slurm.add_argument("--nodes", type=_jobs, metavar="N", help="tasks grading at once (default: as many as fit)")
+    slurm.add_argument("--chunk", type=_jobs, default=1, metavar="K", help="submissions per task (default: 1)")
     parser.set_defaults(handler=_grade)
 
 
@@ -160,14 +166,17 @@ def _jobs(text: str) -> int:
 
 def _grade(args) -> int:
     from mgpu_lab.course.batch import default_jobs
-    from mgpu_lab.course.grade import grade, report, write_csv, write_json
-    from mgpu_lab.course.gradescope import write_gradescope
-    from mgpu_lab.course.summary import plot, summarize, table
+    from mgpu_lab.course.grade import grade
 
     missing = [str(p) for p in args.paths if not p.is_file()]
     if missing:
         print(f"mgpu-lab grade: no such notebook: {', '.join(missing)}", file=sys.stderr)
         return 2
+    if args.slurm:
+        grades = _grade_on_slurm(args)
+        if grades is None:
+            return 1
+        return _report(args, grades)
     from mgpu_lab.course.isolation import slot_user
 
     jobs = args.jobs or min(default_jobs(), len(args.paths))
@@ -178,6 +187,26 @@ def _grade(args) -> int:
           file=sys.stderr, flush=True)
     grades = grade(args.paths, timeout=args.timeout, jobs=jobs, store=args.results, force=args.force,
                    all_cells=args.all_cells, progress=True)
+    return _report(args, grades)
+
+
+def _grade_on_slurm(args):
+    from mgpu_lab.course.slurm_grade import grade_on_slurm
+
+    try:
+        return grade_on_slurm(args.paths, timeout=args.timeout, store=args.results, force=args.force,
+                              all_cells=args.all_cells, partition=args.partition, parallel=args.nodes,
+                              chunk=args.chunk, progress=True)
+    except RuntimeError as err:
+        print(f"mgpu-lab grade --slurm: {err}", file=sys.stderr)
+        return None
+
+
+def _report(args, grades) -> int:
+    from mgpu_lab.course.grade import report, write_csv, write_json
+    from mgpu_lab.course.gradescope import write_gradescope
+    from mgpu_lab.course.summary import plot, summarize, table
+
     print(report(grades))
     rows = summarize(grades)
     if len(grades) > 1:
@@ -190,6 +219,30 @@ def _grade(args) -> int:
         write_csv(grades, args.csv)
     if args.gradescope:
         write_gradescope(grades, args.gradescope)
+    return 0
+
+
+def _add_autograder(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "autograder", help="write a Gradescope autograder bundle (autograder.zip) for some lessons",
+        description="Write the zip to upload as a Gradescope programming assignment's autograder: setup.sh "
+                    "installs Python's packages and this course, run_autograder grades every notebook of a "
+                    "submission as `mgpu-lab grade` does (a sandbox per notebook) and writes results.json.")
+    parser.add_argument("lessons", nargs="*", metavar="LESSON", help="the assignment's lessons, e.g. 04 (default: all)")
+    parser.add_argument("--out", type=Path, default=Path("autograder.zip"), help="default: autograder.zip")
+    parser.set_defaults(handler=_autograder)
+
+
+def _autograder(args) -> int:
+    from mgpu_lab.course.autograder import build
+
+    try:
+        out = build(args.out, args.lessons)
+    except ValueError as err:
+        print(f"mgpu-lab autograder: {err}", file=sys.stderr)
+        return 2
+    print(f"{out}: upload it as the autograder of a Gradescope programming assignment "
+          f"(lessons {', '.join(args.lessons) or 'all'}; students upload their NN_*.ipynb notebooks)")
     return 0
 
 
@@ -254,6 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_assign(subparsers)
     _add_refresh(subparsers)
     _add_grade(subparsers)
+    _add_autograder(subparsers)
     _add_slurm(subparsers)
     return parser
 

@@ -1,0 +1,166 @@
+"""The Gradescope autograder (mgpu_lab.course.autograder): the bundle, and run_autograder in Gradescope's layout.
+
+Gradescope unzips the bundle into ``/autograder/source``, runs ``setup.sh`` once and
+``run_autograder`` per submission, with the submission in ``/autograder/submission``
+and ``submission_metadata.json`` beside it; it reads ``/autograder/results/results.json``.
+These tests lay a folder out the same way (``AUTOGRADER_ROOT``), run the bundle's
+own scripts, and validate every results file against Gradescope's specification.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from mgpu_lab.course.autograder import build, results_for
+from mgpu_lab.course.grade import ExerciseGrade, NotebookGrade
+from submissions import CHECK_PICK_DEVICE, notebook
+
+ROOT = Path(__file__).resolve().parents[2]
+VISIBILITY = {"enum": ["hidden", "after_due_date", "after_published", "visible"]}
+# Gradescope's "Autograder Specifications": the fields of results.json this course writes, and their types.
+RESULTS_SCHEMA = {
+    "type": "object",
+    "required": ["score", "tests"],
+    "properties": {
+        "score": {"type": "number"}, "execution_time": {"type": "number"}, "output": {"type": "string"},
+        "visibility": VISIBILITY, "stdout_visibility": VISIBILITY,
+        "tests": {"type": "array", "items": {
+            "type": "object", "required": ["score", "max_score", "name"], "additionalProperties": False,
+            "properties": {"score": {"type": "number"}, "max_score": {"type": "number"}, "name": {"type": "string"},
+                           "output": {"type": "string"}, "visibility": VISIBILITY,
+                           "status": {"enum": ["passed", "failed"]}, "number": {"type": "string"},
+                           "tags": {"type": "array", "items": {"type": "string"}}}}},
+    },
+}
+
+
+def test_the_bundle_has_gradescope_s_layout_for_the_chosen_lessons_only(tmp_path):
+    out = build(tmp_path / "autograder.zip", ["4", "01"])
+    with zipfile.ZipFile(out) as zf:
+        names = set(zf.namelist())
+        modes = {i.filename: i.external_attr >> 16 for i in zf.infolist()}
+        assert zf.read("lessons.txt").decode().split() == ["01", "04"]
+    for script in ("setup.sh", "run_autograder"):  # at the root, executable
+        assert script in names and modes[script] & stat.S_IXUSR, script
+    assert {"pyproject.toml", "constraints.txt", "README.md", "mgpu_lab/__init__.py",
+            "mgpu_lab/course/autograder.py", "mgpu_lab/course/checks/l04/checkers.py"} <= names
+    lessons = {n.split("/")[1][:2] for n in names if n.startswith(("solutions/", "notebooks/"))}
+    assert lessons == {"01", "04"}
+    with pytest.raises(ValueError, match=r"\['42'\]: not lessons of this course; give some of 01, 02"):
+        build(tmp_path / "x.zip", ["42"])
+
+
+def _grade(path: str, points: list[tuple[int, int]], hidden_last: bool = False) -> NotebookGrade:
+    exercises = []
+    for k, (got, of) in enumerate(points):
+        cases = [{"name": f"case {i}", "passed": i < got, "hidden": hidden_last and i == of - 1,
+                  "expected": "4", "got": "5", "hint": "the likely bug"} for i in range(of)]
+        exercises.append(ExerciseGrade(f"01.ex{k}", got, of, "passed" if got == of else "failed", "", cases))
+    return NotebookGrade(path, exercises)
+
+
+def test_results_follow_gradescope_s_specification_and_a_missing_lesson_scores_zero_with_the_reason():
+    results = results_for({"01": _grade("01_x.ipynb", [(2, 2), (1, 3)], hidden_last=True)}, ["01", "02"], [],
+                          "Ada Lovelace")
+    jsonschema.validate(results, RESULTS_SCHEMA)
+    assert results["score"] == 3 and results["output"].startswith("Ada Lovelace: 3/")
+    hidden = [t for t in results["tests"] if "hidden case" in t["name"]]
+    assert hidden and all(t["visibility"] == "after_published" and t["output"] == "" for t in hidden)
+    missing = [t for t in results["tests"] if t["name"].startswith("02.")]
+    assert missing and all(t["score"] == 0 and "no notebook of lesson 02" in t["output"] for t in missing)
+    assert {t["status"] for t in results["tests"]} == {"passed", "failed"}
+
+
+# -- run_autograder, as Gradescope runs it -------------------------------------------------------------------
+def _layout(tmp_path: Path, lessons: list[str], files: dict[str, bytes | Path], name: str = "Ada Lovelace") -> Path:
+    """``tmp_path/autograder`` as Gradescope lays it out: source/ (the unzipped bundle), run_autograder,
+    submission/ and submission_metadata.json."""
+    root = tmp_path / "autograder"
+    (root / "source").mkdir(parents=True)
+    with zipfile.ZipFile(build(tmp_path / "autograder.zip", lessons)) as zf:
+        zf.extractall(root / "source")
+    for script in ("setup.sh", "run_autograder"):
+        (root / "source" / script).chmod(0o755)
+    shutil.copy(root / "source" / "run_autograder", root / "run_autograder")
+    (root / "submission").mkdir()
+    for rel, data in files.items():
+        target = root / "submission" / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data.read_bytes() if isinstance(data, Path) else data)
+    (root / "submission_metadata.json").write_text(json.dumps({"users": [{"name": name, "email": "a@b.c"}]}))
+    return root
+
+
+def _run_autograder(root: Path, venv: str, timeout: float = 600) -> dict:
+    env = {**os.environ, "AUTOGRADER_ROOT": str(root), "MGPU_LAB_VENV": venv}
+    proc = subprocess.run([str(root / "run_autograder")], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((root / "results" / "results.json").read_text())
+    jsonschema.validate(results, RESULTS_SCHEMA)
+    return results
+
+
+THIS_VENV = str(Path(sys.executable).parent.parent)  # the quick path: the test environment's own
+
+
+@pytest.mark.slow
+def test_a_student_copy_scores_zero_and_a_hostile_or_broken_submission_is_contained_with_the_reason(tmp_path):
+    forged = tmp_path / "autograder" / "results" / "results.json"
+    hostile = notebook(tmp_path, "01_devices.ipynb",
+                       f"import json, os\nos.makedirs({str(forged.parent)!r}, exist_ok=True)\n"
+                       f"json.dump({{'score': 1000, 'tests': []}}, open({str(forged)!r}, 'w'))",
+                       "def pick_device(index=None):\n    return 'cuda:0'\n" + CHECK_PICK_DEVICE)
+    root = _layout(tmp_path, ["01"], {"01_devices.ipynb": hostile})
+    results = _run_autograder(root, THIS_VENV)
+    assert results["score"] == 0 and results["output"].startswith("Ada Lovelace: 0/18"), results["output"]
+
+    copy = _layout(tmp_path / "copy", ["01"], {"work/01_devices.ipynb": ROOT / "notebooks" / "01_devices.ipynb",
+                                              "notes.ipynb": b"this is not a notebook"})
+    results = _run_autograder(copy, THIS_VENV)
+    assert results["score"] == 0 and all(t["name"].endswith("not attempted") for t in results["tests"]), results
+    assert "notes.ipynb: not a notebook of this assignment" not in results["output"]  # the one lesson takes it...
+    assert "lesson 01 has another notebook" in results["output"]  # ...unless the lesson has one already
+
+    broken = _layout(tmp_path / "broken", ["01", "02"], {"02_data_loading.ipynb": b"{not json"})
+    results = _run_autograder(broken, THIS_VENV)
+    assert results["score"] == 0 and "lesson 01: no notebook submitted" in results["output"], results["output"]
+    assert "could not be read" in results["output"], results["output"]
+    assert {t["name"].split(".")[0] for t in results["tests"]} == {"01", "02"}
+
+
+def test_a_submission_without_a_notebook_gets_results_that_say_so(tmp_path):
+    from mgpu_lab.course import autograder
+
+    root = _layout(tmp_path, ["01", "02"], {"README.txt": b"I forgot"})
+    results = autograder.run(root)
+    assert json.loads((root / "results" / "results.json").read_text()) == results
+    jsonschema.validate(results, RESULTS_SCHEMA)
+    assert results["score"] == 0 and "holds no notebook" in results["output"]
+    assert {t["name"].split(".")[0] for t in results["tests"]} == {"01", "02"}
+
+
+@pytest.mark.slow
+def test_setup_sh_makes_a_fresh_environment_in_which_run_autograder_gives_a_solution_full_marks(tmp_path):
+    # The real setup.sh, into a fresh virtual environment: pip takes the pinned wheels from its cache where
+    # it has them. The CPU-only index is skipped (MGPU_LAB_TORCH_INDEX=""): this machine reaches PyPI only.
+    root = _layout(tmp_path, ["01"], {"my notebook.ipynb": ROOT / "solutions" / "01_devices.ipynb"})
+    venv = tmp_path / "venv"
+    env = {**os.environ, "MGPU_LAB_VENV": str(venv), "MGPU_LAB_TORCH_INDEX": "", "PYTHON": sys.executable}
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.run(["bash", str(root / "source" / "setup.sh")], env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert f"mgpu_lab {root / 'source' / 'mgpu_lab' / '__init__.py'}" in proc.stdout, proc.stdout[-2000:]
+    results = _run_autograder(root, str(venv))
+    assert results["score"] == 18 and results["output"].startswith("Ada Lovelace: 18/18"), results["output"]
+    assert all(t["status"] == "passed" for t in results["tests"])

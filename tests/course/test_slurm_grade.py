@@ -1,0 +1,87 @@
+"""Grading as a SLURM job array (mgpu_lab.course.slurm_grade) on the project's local SLURM cluster.
+
+Two compute nodes (network namespaces, real slurmctld and slurmd), a class of
+three notebooks: the array's points equal a local run's; a cancelled task costs
+only its submission, which a re-run (and only it) grades.
+"""
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from mgpu_lab.cluster import slurm_local
+from mgpu_lab.course.grade import grade
+from mgpu_lab.course.slurm_grade import Slurm, array_script, grade_on_slurm
+from submissions import CHECK_PICK_DEVICE, PICK_DEVICE, notebook
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_array_script_asks_for_one_node_per_task_and_runs_the_task_entry(tmp_path):
+    text = array_script(tmp_path / "job", tasks=4, timeout=300, parallel=2)
+    assert "#SBATCH --array=0-3%2" in text and "#SBATCH --nodes=1" in text and "--partition" not in text
+    assert "#SBATCH --time=20" in text  # 2 x 300 s + 600 s, in minutes
+    assert f"-m mgpu_lab.course.slurm_grade {tmp_path / 'job'} \"$SLURM_ARRAY_TASK_ID\"" in text
+    with pytest.raises(ValueError, match="chunk=0"):
+        grade_on_slurm([], chunk=0, slurm=object())
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    problem = slurm_local.problem()
+    if problem:
+        pytest.skip(f"no local SLURM cluster here: {problem}")
+    state = tmp_path_factory.mktemp("slurm") / "state"
+    c = slurm_local.up(2, state=state, echo=False)
+    yield c
+    slurm_local.down(state, quiet=True)
+
+
+def _cancel_when_running(slurm: Slurm, task: int, done: list) -> None:
+    """Cancel array task ``task`` of the grading job while it is still pending."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        out = slurm.run(["squeue", "-h", "-r", "-n", "mgpu-lab-grade", "-o", "%F %K %T"], check=False).stdout
+        rows = [line.split() for line in out.splitlines() if line.strip()]
+        if any(r[2] == "RUNNING" for r in rows) and any(r[1] == str(task) and r[2] == "PENDING" for r in rows):
+            slurm.run(["scancel", f"{rows[0][0]}_{task}"])
+            done.append(task)
+            return
+        time.sleep(0.3)
+
+
+@pytest.mark.root
+@pytest.mark.slow
+def test_a_class_graded_across_two_nodes_scores_as_a_local_run_and_a_re_run_grades_a_cancelled_task(
+        cluster, tmp_path):
+    paths = [tmp_path / "01_solution.ipynb", tmp_path / "01_student.ipynb"]
+    shutil.copy(ROOT / "solutions" / "01_devices.ipynb", paths[0])
+    shutil.copy(ROOT / "notebooks" / "01_devices.ipynb", paths[1])
+    paths.append(notebook(tmp_path, "01_pick.ipynb", PICK_DEVICE, CHECK_PICK_DEVICE))
+    slurm = Slurm(local=True, state=cluster.state)
+    store = tmp_path / "grades"
+
+    cancelled: list = []
+    watcher = threading.Thread(target=_cancel_when_running, args=(slurm, 2, cancelled))
+    watcher.start()
+    first = grade_on_slurm(paths, timeout=300, store=store, parallel=1, slurm=slurm)
+    watcher.join()
+    assert cancelled == [2]
+    assert [g.completed for g in first] == [True, True, False]
+    assert "its SLURM task" in first[2].reason and "was cancelled before it started" in first[2].reason, first[2].reason
+    assert [g.points for g in first[:2]] == [18, 0]
+
+    before = set((store / "slurm").iterdir())
+    again = grade_on_slurm(paths, timeout=300, store=store, slurm=slurm)
+    new_jobs = set((store / "slurm").iterdir()) - before
+    assert len(new_jobs) == 1
+    plan = (new_jobs.pop() / "plan.json").read_text()
+    assert "01_pick.ipynb" in plan and "01_solution" not in plan  # only what was missing went out again
+
+    local = grade(paths, timeout=300, jobs=2)
+    assert [g.points for g in again] == [g.points for g in local] == [18, 0, 6]
+    assert [[e.status for e in g.exercises] for g in again] == [[e.status for e in g.exercises] for g in local]
