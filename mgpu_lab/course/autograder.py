@@ -59,16 +59,17 @@ fi
 "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install --quiet --upgrade pip
 INDEX="${MGPU_LAB_TORCH_INDEX-https://download.pytorch.org/whl/cpu}"
-if [ -n "$INDEX" ] && [ "$(uname -m)" = x86_64 ] \
-        && "$VENV/bin/python" -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)" "$INDEX/torch/" \
-        2>/dev/null; then
+REACHABLE="import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)"
+if [ -n "$INDEX" ] && [ "$(uname -m)" = x86_64 ] && "$VENV/bin/python" -c "$REACHABLE" "$INDEX/torch/" 2>/dev/null
+then
     echo "setup.sh: CPU-only torch from $INDEX"
     "$VENV/bin/python" -m pip install --quiet --extra-index-url "$INDEX" -c "$SRC/constraints.txt" torch torchvision
 else
     echo "setup.sh: torch from the default index"
 fi
 "$VENV/bin/python" -m pip install --quiet -c "$SRC/constraints.txt" -e "$SRC"
-cd / && "$VENV/bin/python" -c "import mgpu_lab, torch; print('setup.sh: mgpu_lab', mgpu_lab.__file__, 'torch', torch.__version__)"
+cd / && "$VENV/bin/python" -c \
+    "import mgpu_lab, torch; print('setup.sh: mgpu_lab', mgpu_lab.__file__, 'torch', torch.__version__)"
 """
 
 RUN_AUTOGRADER = r"""#!/usr/bin/env bash
