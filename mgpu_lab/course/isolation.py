@@ -10,8 +10,8 @@ are no namespaces. Where an NVIDIA driver is loaded there is no address-space
 limit: CUDA reserves more address space than any such limit would allow.
 
 Example:
-    >>> protections().describe()   # as root: 'sandbox: user nobody; own PID, network (loopback only), ...'
-    'sandbox: ...'
+    >>> print(protections().describe())   # as root: sandbox: user nobody; own PID, network (loopback only), ...
+    sandbox: ...
 """
 from __future__ import annotations
 
