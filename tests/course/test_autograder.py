@@ -21,10 +21,12 @@ import jsonschema
 import pytest
 
 from mgpu_lab.course.autograder import build, results_for
+from mgpu_lab.course.checks import exercises
 from mgpu_lab.course.grade import ExerciseGrade, NotebookGrade
 from submissions import CHECK_PICK_DEVICE, notebook
 
 ROOT = Path(__file__).resolve().parents[2]
+LESSON_01 = sum(e.points for e in exercises("01"))  # what lesson 01's solution scores
 VISIBILITY = {"enum": ["hidden", "after_due_date", "after_published", "visible"]}
 # Gradescope's "Autograder Specifications": the fields of results.json this course writes, and their types.
 RESULTS_SCHEMA = {
@@ -122,7 +124,7 @@ def test_a_student_copy_scores_zero_and_a_hostile_or_broken_submission_is_contai
                        "def pick_device(index=None):\n    return 'cuda:0'\n" + CHECK_PICK_DEVICE)
     root = _layout(tmp_path, ["01"], {"01_devices.ipynb": hostile})
     results = _run_autograder(root, THIS_VENV)
-    assert results["score"] == 0 and results["output"].startswith("Ada Lovelace: 0/18"), results["output"]
+    assert results["score"] == 0 and results["output"].startswith(f"Ada Lovelace: 0/{LESSON_01}"), results["output"]
 
     copy = _layout(tmp_path / "copy", ["01"], {"work/01_devices.ipynb": ROOT / "notebooks" / "01_devices.ipynb",
                                               "notes.ipynb": b"this is not a notebook"})
@@ -162,5 +164,6 @@ def test_setup_sh_makes_a_fresh_environment_in_which_run_autograder_gives_a_solu
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert f"mgpu_lab {root / 'source' / 'mgpu_lab' / '__init__.py'}" in proc.stdout, proc.stdout[-2000:]
     results = _run_autograder(root, str(venv))
-    assert results["score"] == 18 and results["output"].startswith("Ada Lovelace: 18/18"), results["output"]
+    assert results["score"] == LESSON_01, results["output"]
+    assert results["output"].startswith(f"Ada Lovelace: {LESSON_01}/{LESSON_01}"), results["output"]
     assert all(t["status"] == "passed" for t in results["tests"])
