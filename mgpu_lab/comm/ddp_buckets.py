@@ -4,18 +4,15 @@ DDP does not all-reduce gradient by gradient: it groups the parameters into
 buckets of about ``bucket_cap_mb`` and all-reduces a bucket as soon as every
 gradient in it is ready, while backward goes on with the earlier layers.
 
-- :func:`torch_bucket_assignment`: PyTorch's own bucketing of parameters of given
-  sizes, as DDP rebuilds it after the first iteration (gradient-ready order, which
-  for a model run in registration order is the reverse of it);
 - :func:`bucket_probe` and :func:`named_buckets`: the buckets a real DDP forms, seen
   from a communication hook, iteration by iteration;
 - :func:`overlap_probe` and :func:`plot_overlap`: when each layer's backward and each
   bucket's all-reduce ran, from hooks, on every rank;
 - :func:`step_time_probe`: the time of a training step for several bucket caps.
 
-Example:
-    >>> torch_bucket_assignment([400, 400, 400], cap_bytes=800)
-    [[2, 1], [0]]
+PyTorch's own bucketing of parameters of given sizes is
+:func:`mgpu_lab.comm.bucketing.torch_bucket_assignment`, kept out of lesson 09's
+imports: the lesson's ``09.MiniDDP`` builds the buckets itself.
 """
 from __future__ import annotations
 
@@ -28,39 +25,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-__all__ = ["torch_bucket_assignment", "SizedModel", "bucket_probe", "named_buckets", "mlp",
+__all__ = ["SizedModel", "bucket_probe", "named_buckets", "mlp",
            "overlap_probe", "plot_overlap", "step_time_probe"]
-
-
-def torch_bucket_assignment(param_bytes: list[int], cap_bytes: int) -> list[list[int]]:
-    """The buckets PyTorch forms for parameters of these sizes, as DDP rebuilds them.
-
-    Calls ``torch.distributed._compute_bucket_assignment_by_size``, the function
-    DDP's reducer uses, with the parameters in gradient-ready order (the reverse of
-    registration order) and one cap, which is what DDP does from the second
-    iteration on when ``bucket_cap_mb`` is given (the first iteration puts
-    everything in one bucket; without ``bucket_cap_mb`` the first bucket's cap is
-    1 MiB and the others' 25 MiB).
-
-    Args:
-        param_bytes: bytes of each parameter, in registration order.
-        cap_bytes: the bucket cap in bytes (``bucket_cap_mb * 2**20``).
-
-    Returns:
-        Buckets in the order they are all-reduced; each a list of parameter indices.
-
-    Raises:
-        ValueError: a size or the cap that is not a positive int.
-    """
-    for name, value in [("cap_bytes", cap_bytes)] + [(f"param_bytes[{i}]", b) for i, b in enumerate(param_bytes)]:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r} must be a positive int (bytes)")
-    if not param_bytes:
-        return []  # no parameters, no buckets (the C++ function asserts on an empty list)
-    order = list(reversed(range(len(param_bytes))))
-    tensors = [torch.empty(param_bytes[i], dtype=torch.uint8) for i in order]
-    buckets, _ = tdist._compute_bucket_assignment_by_size(tensors, [cap_bytes], [False] * len(order), order)
-    return [list(b) for b in buckets]
 
 
 class SizedModel(nn.Module):

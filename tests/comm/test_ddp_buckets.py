@@ -9,7 +9,7 @@ import pytest
 
 from mgpu_lab import launch
 from mgpu_lab.comm import ddp_buckets
-from mgpu_lab.comm.ddp_buckets import torch_bucket_assignment
+from mgpu_lab.comm.bucketing import torch_bucket_assignment
 
 matplotlib.use("Agg")
 pytestmark = pytest.mark.timeout(180)
