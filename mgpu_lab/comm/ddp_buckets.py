@@ -8,7 +8,8 @@ gradient in it is ready, while backward goes on with the earlier layers.
   from a communication hook, iteration by iteration;
 - :func:`overlap_probe` and :func:`plot_overlap`: when each layer's backward and each
   bucket's all-reduce ran, from hooks, on every rank;
-- :func:`step_time_probe`: the time of a training step for several bucket caps.
+- :func:`step_time_probe`: the time of a training step for several bucket caps;
+- :func:`side_by_side_probe`: a DDP of your own (lesson 09's MiniDDP) trained next to DDP.
 
 PyTorch's own bucketing of parameters of given sizes is
 :func:`mgpu_lab.comm.bucketing.torch_bucket_assignment`, kept out of lesson 09's
@@ -26,7 +27,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 __all__ = ["SizedModel", "bucket_probe", "named_buckets", "mlp",
-           "overlap_probe", "plot_overlap", "step_time_probe"]
+           "overlap_probe", "plot_overlap", "step_time_probe", "side_by_side_probe"]
 
 
 class SizedModel(nn.Module):
@@ -196,4 +197,45 @@ def step_time_probe(model_fn, caps_mb: list[float], batch: int = 64, steps: int 
                 times.append(time.perf_counter() - t0)
         out[cap] = {"seconds": statistics.median(times), "buckets": ddp._get_ddp_logging_data().get(
             "rebuilt_bucket_sizes", "")}
+    return out
+
+
+def side_by_side_probe(wrapper, model_fn, cap_mb: float, batch: int = 32, steps: int = 4, lr: float = 0.05) -> dict:
+    """In a rank: SGD with ``wrapper(model, cap_bytes)`` (lesson 09's MiniDDP) next to DDP, same start, same data.
+
+    ``wrapper`` must offer ``finish_gradient_sync()``, called after each backward. Each
+    rank trains on its own batches; the all-reduces of the wrapper's steps are recorded.
+
+    Returns:
+        ``{"losses": {"DDP": [...], "yours": [...]}`` (this rank's), ``"largest weight difference"``
+        after the last step, ``"all-reduces per step"`` and ``"bytes per all-reduce"`` (last step)}.
+    """
+    from mgpu_lab.comm.record import record
+
+    rank = tdist.get_rank()
+    theirs, mine = model_fn(), model_fn()
+    ddp, wrapped = DDP(theirs, bucket_cap_mb=cap_mb), wrapper(mine, int(cap_mb * 2**20))
+    inputs = next(theirs.parameters()).shape[1]
+    g = torch.Generator().manual_seed(1000 + rank)
+    data = [(torch.randn(batch, inputs, generator=g), torch.randint(0, 10, (batch,), generator=g))
+            for _ in range(steps)]
+    out = {"losses": {"DDP": [], "yours": []}, "all-reduces per step": [], "bytes per all-reduce": []}
+    for name, model, run in (("DDP", theirs, ddp), ("yours", mine, wrapped)):
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        for x, y in data:
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(run(x), y)
+            with record() as log:
+                loss.backward()
+                if name == "yours":
+                    run.finish_gradient_sync()
+            if name == "yours":
+                sizes = [e["bytes"] for e in log.events if e["op"] == "all_reduce"]
+                out["all-reduces per step"].append(len(sizes))
+                out["bytes per all-reduce"] = sizes
+            opt.step()
+            out["losses"][name].append(round(loss.item(), 6))
+    with torch.no_grad():
+        out["largest weight difference"] = max(float((a - b).abs().max())
+                                               for a, b in zip(theirs.parameters(), mine.parameters()))
     return out

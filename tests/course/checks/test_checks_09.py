@@ -57,6 +57,27 @@ class ddp_inside(nn.Module):
     def finish_gradient_sync(self):
         pass
 ''', "ddp_inside")
+ANSWERS["torch_buckets"] = _by_value("""
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class torch_buckets(nn.Module):
+    \"\"\"MiniDDP whose buckets come from DDP's own C++ bucketing.\"\"\"
+
+    def __init__(self, module, bucket_cap_bytes):
+        super().__init__()
+        self.module = module
+        params = [p for p in module.parameters() if p.requires_grad][::-1]
+        self.buckets, _ = dist._compute_bucket_assignment_by_size(params, [bucket_cap_bytes])
+
+    def forward(self, *args):
+        return self.module(*args)
+
+    def finish_gradient_sync(self):
+        pass
+""", "torch_buckets")
 ANSWERS["torch_hook"] = _by_value('''
 def torch_hook(state, bucket):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -67,6 +88,7 @@ def torch_hook(state, bucket):
 @pytest.mark.parametrize("exercise, answer, says", [
     ("09.ring_allreduce", "library_ring", "mgpu_lab.comm.ring.ring_allreduce"),
     ("09.MiniDDP", "ddp_inside", "torch.nn.parallel.DistributedDataParallel"),
+    ("09.MiniDDP", "torch_buckets", "torch.distributed._compute_bucket_assignment_by_size"),
     ("09.error_feedback_hook", "torch_hook", "default_hooks.bf16_compress_hook"),
 ])
 def test_an_answer_that_calls_a_reference_fails_every_case_naming_it(exercise, answer, says):
