@@ -1,12 +1,12 @@
-"""The collectives, seen on real ranks, and a ring all-reduce built from send and recv.
+"""The collectives, seen on real ranks, and what a ring all-reduce built from send and recv sends.
 
 - :func:`show_all` runs broadcast, reduce, all_reduce, all_gather, reduce_scatter,
   all_to_all and a send/recv ring in every rank and returns each rank's tensor
   before and after; :func:`plot_collectives` draws them as grids.
-- :func:`ring_allreduce` is the sum over ranks by a reduce-scatter phase and an
-  all-gather phase around a ring, with ``isend``/``irecv`` only;
-  :func:`ring_trace` runs it on values ``10**rank`` and keeps every step, so the
-  digits of each chunk say which ranks it already holds; :func:`plot_ring` draws it.
+- :func:`ring_trace` runs a ring all-reduce built from send/recv (lesson 09's exercise:
+  the learner's, passed in; the library's reference, :mod:`mgpu_lab.comm.ring`, stays out
+  of the lesson's imports) on values ``(chunk + 1) * 10**rank`` and decodes every message
+  it sends: which chunk, summed over which ranks; :func:`plot_ring` draws the messages.
 
 Example:
     >>> from mgpu_lab import launch
@@ -24,7 +24,7 @@ import torch.distributed as tdist
 
 from mgpu_lab.core import compat
 
-__all__ = ["show_all", "plot_collectives", "ring_allreduce", "ring_trace", "plot_ring", "OPS"]
+__all__ = ["show_all", "plot_collectives", "ring_trace", "plot_ring", "OPS"]
 
 compat.install()  # reduce_scatter_single on torch < 2.13
 
@@ -109,67 +109,50 @@ def plot_collectives(results: list[dict], ops=OPS):
     return fig
 
 
-def ring_allreduce(tensor: torch.Tensor, trace: list | None = None) -> torch.Tensor:
-    """The sum of ``tensor`` over all ranks, by isend/irecv around a ring.
+def ring_trace(ring_allreduce, elements_per_chunk: int = 1) -> dict:
+    """In a rank: every message ``ring_allreduce`` sends, decoded into the chunk and the ranks it carries.
 
-    The flat tensor is cut into ``world_size`` chunks (``tensor_split``: any size
-    works). Reduce-scatter: in ``W - 1`` steps every rank passes one chunk to its
-    right neighbour and adds the chunk coming from its left, so that rank ``r``
-    ends with the full sum of chunk ``r + 1``. All-gather: ``W - 1`` more steps
-    pass the finished chunks around. Each rank sends ``2 (W - 1) / W`` of the tensor.
+    Rank ``r`` starts with ``(c + 1) * 10**r`` in every element of chunk ``c`` (``world_size``
+    chunks of ``elements_per_chunk``), so a message holding chunk ``c`` summed over ranks
+    ``S`` holds ``(c + 1) * sum(10**s for s in S)``: its nonzero digits name the ranks and
+    their value the chunk (for up to 9 ranks). :func:`plot_ring` draws the messages.
 
     Args:
-        tensor: this rank's tensor (any shape, on this rank's device).
-        trace: when a list, this rank's chunks are appended to it after every step.
+        ring_allreduce: a ring all-reduce ``fn(tensor) -> tensor`` (lesson 09's exercise).
+        elements_per_chunk: elements of each chunk.
 
     Returns:
-        A new tensor of the same shape: the element-wise sum over ranks.
-    """
-    rank, world = tdist.get_rank(), tdist.get_world_size()
-    flat = tensor.detach().reshape(-1).clone()
-    chunks = list(flat.tensor_split(world))  # views into flat
-    right, left = (rank + 1) % world, (rank - 1) % world
-    if trace is not None:
-        trace.append([c.tolist() for c in chunks])
-    for step in range(world - 1):  # reduce-scatter
-        send_i, recv_i = (rank - step) % world, (rank - step - 1) % world
-        incoming = torch.empty_like(chunks[recv_i])
-        reqs = [tdist.isend(chunks[send_i], right), tdist.irecv(incoming, left)]
-        for req in reqs:
-            req.wait()
-        chunks[recv_i] += incoming
-        if trace is not None:
-            trace.append([c.tolist() for c in chunks])
-    for step in range(world - 1):  # all-gather: pass the finished chunks on
-        send_i, recv_i = (rank + 1 - step) % world, (rank - step) % world
-        reqs = [tdist.isend(chunks[send_i], right), tdist.irecv(chunks[recv_i], left)]
-        for req in reqs:
-            req.wait()
-        if trace is not None:
-            trace.append([c.tolist() for c in chunks])
-    return flat.view_as(tensor)
-
-
-def ring_trace(elements_per_chunk: int = 1) -> dict:
-    """Rank r's chunks after every step of :func:`ring_allreduce` on values ``10**r``.
-
-    A chunk holding ``1101`` (10**0 + 10**2 + 10**3) has the values of ranks 0, 2
-    and 3 added up; :func:`plot_ring` labels it ``023``.
-    Returns ``{"steps": [[chunk values, ...] per step], "sent": bytes this rank sent,
-    "bytes": the tensor's bytes, "same": equal to dist.all_reduce}``.
+        ``{"messages": [(chunk or None, ranks as "023", "all" or "?") per send, in order],
+        "sent": bytes this rank sent, "bytes": the tensor's bytes, "same": equal to
+        dist.all_reduce}``.
     """
     from mgpu_lab.comm.record import record
 
     rank, world = tdist.get_rank(), tdist.get_world_size()
-    x = torch.full((world * elements_per_chunk,), float(10 ** rank), device=_device())
-    steps = []
-    with record() as log:
-        got = ring_allreduce(x, steps)
+    if world > 9:
+        raise ValueError(f"ring_trace decodes one digit per rank: at most 9 ranks, got world_size={world}")
+    chunk = torch.arange(world, device=_device()).repeat_interleave(elements_per_chunk)
+    x = (chunk + 1).to(torch.float64) * 10 ** rank
     expected = x.clone()
     tdist.all_reduce(expected)
-    sent = sum(e["bytes"] for e in log.events if e["op"] == "send")
-    return {"steps": steps, "sent": sent, "bytes": x.numel() * x.element_size(),
-            "same": bool(torch.equal(got, expected))}
+    with record(ring_allreduce, keep_inputs=True) as log:
+        got = ring_allreduce(x.clone())
+    sends = [e for e in log.events if e["op"] == "send"]
+    return {"messages": [_decode(e.get("input"), world) for e in sends], "sent": sum(e["bytes"] for e in sends),
+            "bytes": x.numel() * x.element_size(),
+            "same": isinstance(got, torch.Tensor) and bool(torch.equal(got.cpu(), expected.cpu()))}
+
+
+def _decode(message, world: int) -> tuple:
+    """A sent tensor -> ``(chunk, ranks)``; ``(None, "?")`` when it is not one chunk's partial sum."""
+    values = set(message.reshape(-1).tolist()) if message is not None else set()
+    if len(values) != 1 or not float(next(iter(values))).is_integer():
+        return None, "?"
+    digits = f"{int(next(iter(values))):0{world}d}"[::-1]
+    nonzero = {d for d in digits if d != "0"}
+    if len(digits) != world or len(nonzero) != 1:
+        return None, "?"
+    return int(nonzero.pop()) - 1, _ranks_in(int("".join("1" if d != "0" else "0" for d in digits[::-1])), world)
 
 
 def _ranks_in(value: int, world: int) -> str:
@@ -180,22 +163,30 @@ def _ranks_in(value: int, world: int) -> str:
 
 
 def plot_ring(traces: list[dict]):
-    """Draw every rank's chunks after each step of the ring (one panel per step)."""
+    """Draw what every rank sent in each message of the ring (one column per message; green: a full sum).
+
+    Each cell reads ``c2`` (the chunk) over ``013`` (the ranks whose values it holds).
+    With ``2(W - 1)`` messages per rank the columns are titled RS 1... (reduce-scatter) and AG 1...
+    (all-gather).
+    """
     import matplotlib.pyplot as plt
     import numpy as np
 
-    world, steps = len(traces), len(traces[0]["steps"])
-    fig, axes = plt.subplots(1, steps, figsize=(1.45 * steps, 0.42 * world + 0.9), sharey=True)
-    for s, ax in enumerate(np.ravel(axes)):
-        grid = np.array([[chunk[0] for chunk in traces[r]["steps"][s]] for r in range(world)])
-        done = grid == int("1" * world)
-        ax.imshow(done, cmap="Greens", vmin=0, vmax=1.6, aspect="auto")
-        for (r, c), value in np.ndenumerate(grid):
-            ax.text(c, r, _ranks_in(int(value), world), ha="center", va="center", fontsize=8)
-        ax.set_xticks(range(world), [f"c{c}" for c in range(world)], fontsize=7)
-        ax.set_yticks(range(world), [f"rank {r}" for r in range(world)], fontsize=7)
-        ax.tick_params(length=0)
-        phase = "start" if s == 0 else (f"RS {s}" if s < world else f"AG {s - world + 1}")
-        ax.set_title(phase, fontsize=9)
+    world = len(traces)
+    steps = max(len(t["messages"]) for t in traces)
+    fig, ax = plt.subplots(figsize=(1.0 * steps + 1.2, 0.5 * world + 1.0))
+    done = np.zeros((world, steps))
+    for r, trace in enumerate(traces):
+        for s, (chunk, ranks) in enumerate(trace["messages"]):
+            done[r, s] = 1.0 if ranks == "all" else 0.35
+            ax.text(s, r, f"c{chunk}\n{ranks}" if chunk is not None else "?", ha="center", va="center",
+                    fontsize=8)
+    ax.imshow(done, cmap="Greens", vmin=0, vmax=1.6, aspect="auto")
+    ring = steps == 2 * (world - 1) and all(len(t["messages"]) == steps for t in traces)
+    names = [f"RS {s + 1}" if s < world - 1 else f"AG {s - world + 2}" for s in range(steps)] if ring else \
+        [f"send {s + 1}" for s in range(steps)]
+    ax.set_xticks(range(steps), names, fontsize=8)
+    ax.set_yticks(range(world), [f"rank {r}" for r in range(world)], fontsize=8)
+    ax.tick_params(length=0)
     fig.tight_layout()
     return fig

@@ -54,24 +54,26 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_ops(sizes=SIZES, reps: int = 5, ops=("all_reduce",)) -> dict:
+def time_ops(sizes=SIZES, reps: int = 5, ops=("all_reduce",), ring=None) -> dict:
     """In every rank: the median seconds of one call of each op for each size (bytes).
 
     Each measurement starts after a barrier, so the ranks start together; on a GPU
     the clock stops after ``cuda.synchronize``. ``ops`` may hold ``"all_reduce"``
-    and ``"ring"`` (:func:`mgpu_lab.comm.collectives.ring_allreduce`). One untimed call
-    per size comes first (connection set-up, allocation).
+    and ``"ring"``: the function ``ring(tensor)`` given (lesson 09's ring all-reduce, the
+    learner's in the notebook). One untimed call per size comes first (connection
+    set-up, allocation).
 
     Returns:
         ``{op: [seconds per size], "device": str, "backend": str, "world_size": int}``.
     """
     from mgpu_lab import dist as mdist
-    from mgpu_lab.comm.collectives import ring_allreduce
 
-    calls = {"all_reduce": tdist.all_reduce, "ring": ring_allreduce}
+    calls = {"all_reduce": tdist.all_reduce, "ring": ring}
     unknown = [op for op in ops if op not in calls]
     if unknown:
         raise ValueError(f"time_ops: unknown ops {unknown}; use 'all_reduce' and/or 'ring'")
+    if "ring" in ops and not callable(ring):
+        raise ValueError(f"time_ops: op 'ring' needs the ring function, ring=..., got ring={ring!r}")
     backend = tdist.get_backend()
     device = mdist.device() if backend == "nccl" else torch.device("cpu")
     out = {"device": str(device), "backend": backend, "world_size": tdist.get_world_size()}

@@ -4,18 +4,16 @@ DDP does not all-reduce gradient by gradient: it groups the parameters into
 buckets of about ``bucket_cap_mb`` and all-reduces a bucket as soon as every
 gradient in it is ready, while backward goes on with the earlier layers.
 
-- :func:`torch_bucket_assignment`: PyTorch's own bucketing of parameters of given
-  sizes, as DDP rebuilds it after the first iteration (gradient-ready order, which
-  for a model run in registration order is the reverse of it);
 - :func:`bucket_probe` and :func:`named_buckets`: the buckets a real DDP forms, seen
   from a communication hook, iteration by iteration;
 - :func:`overlap_probe` and :func:`plot_overlap`: when each layer's backward and each
   bucket's all-reduce ran, from hooks, on every rank;
-- :func:`step_time_probe`: the time of a training step for several bucket caps.
+- :func:`step_time_probe`: the time of a training step for several bucket caps;
+- :func:`side_by_side_probe`: a DDP of your own (lesson 09's MiniDDP) trained next to DDP.
 
-Example:
-    >>> torch_bucket_assignment([400, 400, 400], cap_bytes=800)
-    [[2, 1], [0]]
+PyTorch's own bucketing of parameters of given sizes is
+:func:`mgpu_lab.comm.bucketing.torch_bucket_assignment`, kept out of lesson 09's
+imports: the lesson's ``09.MiniDDP`` builds the buckets itself.
 """
 from __future__ import annotations
 
@@ -28,39 +26,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-__all__ = ["torch_bucket_assignment", "SizedModel", "bucket_probe", "named_buckets", "mlp",
-           "overlap_probe", "plot_overlap", "step_time_probe"]
-
-
-def torch_bucket_assignment(param_bytes: list[int], cap_bytes: int) -> list[list[int]]:
-    """The buckets PyTorch forms for parameters of these sizes, as DDP rebuilds them.
-
-    Calls ``torch.distributed._compute_bucket_assignment_by_size``, the function
-    DDP's reducer uses, with the parameters in gradient-ready order (the reverse of
-    registration order) and one cap, which is what DDP does from the second
-    iteration on when ``bucket_cap_mb`` is given (the first iteration puts
-    everything in one bucket; without ``bucket_cap_mb`` the first bucket's cap is
-    1 MiB and the others' 25 MiB).
-
-    Args:
-        param_bytes: bytes of each parameter, in registration order.
-        cap_bytes: the bucket cap in bytes (``bucket_cap_mb * 2**20``).
-
-    Returns:
-        Buckets in the order they are all-reduced; each a list of parameter indices.
-
-    Raises:
-        ValueError: a size or the cap that is not a positive int.
-    """
-    for name, value in [("cap_bytes", cap_bytes)] + [(f"param_bytes[{i}]", b) for i, b in enumerate(param_bytes)]:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r} must be a positive int (bytes)")
-    if not param_bytes:
-        return []  # no parameters, no buckets (the C++ function asserts on an empty list)
-    order = list(reversed(range(len(param_bytes))))
-    tensors = [torch.empty(param_bytes[i], dtype=torch.uint8) for i in order]
-    buckets, _ = tdist._compute_bucket_assignment_by_size(tensors, [cap_bytes], [False] * len(order), order)
-    return [list(b) for b in buckets]
+__all__ = ["SizedModel", "bucket_probe", "named_buckets", "mlp",
+           "overlap_probe", "plot_overlap", "step_time_probe", "side_by_side_probe"]
 
 
 class SizedModel(nn.Module):
@@ -230,4 +197,45 @@ def step_time_probe(model_fn, caps_mb: list[float], batch: int = 64, steps: int 
                 times.append(time.perf_counter() - t0)
         out[cap] = {"seconds": statistics.median(times), "buckets": ddp._get_ddp_logging_data().get(
             "rebuilt_bucket_sizes", "")}
+    return out
+
+
+def side_by_side_probe(wrapper, model_fn, cap_mb: float, batch: int = 32, steps: int = 4, lr: float = 0.05) -> dict:
+    """In a rank: SGD with ``wrapper(model, cap_bytes)`` (lesson 09's MiniDDP) next to DDP, same start, same data.
+
+    ``wrapper`` must offer ``finish_gradient_sync()``, called after each backward. Each
+    rank trains on its own batches; the all-reduces of the wrapper's steps are recorded.
+
+    Returns:
+        ``{"losses": {"DDP": [...], "yours": [...]}`` (this rank's), ``"largest weight difference"``
+        after the last step, ``"all-reduces per step"`` and ``"bytes per all-reduce"`` (last step)}.
+    """
+    from mgpu_lab.comm.record import record
+
+    rank = tdist.get_rank()
+    theirs, mine = model_fn(), model_fn()
+    ddp, wrapped = DDP(theirs, bucket_cap_mb=cap_mb), wrapper(mine, int(cap_mb * 2**20))
+    inputs = next(theirs.parameters()).shape[1]
+    g = torch.Generator().manual_seed(1000 + rank)
+    data = [(torch.randn(batch, inputs, generator=g), torch.randint(0, 10, (batch,), generator=g))
+            for _ in range(steps)]
+    out = {"losses": {"DDP": [], "yours": []}, "all-reduces per step": [], "bytes per all-reduce": []}
+    for name, model, run in (("DDP", theirs, ddp), ("yours", mine, wrapped)):
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        for x, y in data:
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(run(x), y)
+            with record() as log:
+                loss.backward()
+                if name == "yours":
+                    run.finish_gradient_sync()
+            if name == "yours":
+                sizes = [e["bytes"] for e in log.events if e["op"] == "all_reduce"]
+                out["all-reduces per step"].append(len(sizes))
+                out["bytes per all-reduce"] = sizes
+            opt.step()
+            out["losses"][name].append(round(loss.item(), 6))
+    with torch.no_grad():
+        out["largest weight difference"] = max(float((a - b).abs().max())
+                                               for a, b in zip(theirs.parameters(), mine.parameters()))
     return out

@@ -2,9 +2,11 @@
 
 - :func:`hooks_probe`: the same training with DDP's plain all-reduce, bfloat16
   compression and PowerSGD: losses, accuracy, bytes all-reduced per step;
-- :func:`compile_probe`: ``torch.compile`` of a DDP model with a backend that counts
-  the graphs it is handed: TorchDynamo's DDPOptimizer cuts the forward graph at
-  DDP's bucket boundaries, so that each bucket's all-reduce can start in backward;
+- :func:`compile_probe`: a DDP model compiled two ways, with a backend that counts the
+  graphs it is handed: ``torch.compile(DDP(model))`` hands it none (TorchDynamo skips
+  DDP's own frame); ``model.compile()`` before wrapping hands it one graph per bucket of
+  TorchDynamo's DDPOptimizer, which computes its own buckets (a 1 MiB first one), so
+  that each bucket's all-reduce can start in backward;
 - :func:`throughput_probe`: samples per second of a DDP training step, for the
   scaling table (1, 2, 4 ranks against the ideal).
 
@@ -27,7 +29,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-__all__ = ["hooks_probe", "Net", "compile_probe", "throughput_probe", "single_process_throughput"]
+__all__ = ["hooks_probe", "compile_probe", "throughput_probe", "single_process_throughput"]
 
 
 def _data(n: int, features: int, classes: int, seed: int):
@@ -44,14 +46,15 @@ def _model(features: int, width: int, classes: int) -> nn.Module:
 
 
 def hooks_probe(steps: int = 40, batch: int = 32, lr: float = 0.1, features: int = 32, width: int = 64,
-                classes: int = 8) -> dict:
+                classes: int = 8, extra: dict | None = None) -> dict:
     """In a rank: one training run per communication hook, from the same weights on the same data.
 
     ``fp32`` is torch's ``allreduce_hook`` (what DDP does without a hook, but through
     ``dist.all_reduce``, so its bytes can be counted), ``bf16`` torch's ``bf16_compress_hook``,
     ``powerSGD`` a rank-1 PowerSGD (plain all-reduce for the first 2 steps, as
-    PowerSGD must; error feedback on). Each rank trains on its own ``batch`` samples
-    per step. Bytes are those handed to all-reduce in one step after the start.
+    PowerSGD must; error feedback on). ``extra`` adds hooks by name, each registered with
+    a fresh dict as its state (lesson 09's error-feedback hook). Each rank trains on its
+    own ``batch`` samples per step. Bytes are those handed to all-reduce in one step after the start.
 
     Returns:
         ``{name: {"losses": [...], "accuracy": float, "bytes per step": int,
@@ -67,6 +70,7 @@ def hooks_probe(steps: int = 40, batch: int = 32, lr: float = 0.1, features: int
         "bf16": (None, default_hooks.bf16_compress_hook),
         "powerSGD": (powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2,
                                                  min_compression_rate=2), powerSGD_hook.powerSGD_hook),
+        **{name: ({}, hook) for name, hook in (extra or {}).items()},
     }
     out = {}
     for name, hook in hooks.items():
@@ -99,54 +103,67 @@ def hooks_probe(steps: int = 40, batch: int = 32, lr: float = 0.1, features: int
     return out
 
 
-class Net(nn.Module):
-    """An MLP defined here, outside torch, so that TorchDynamo traces its forward."""
-
-    def __init__(self, width: int = 512, depth: int = 4):
-        super().__init__()
-        torch.manual_seed(0)
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = torch.relu(layer(x))
-        return x
-
-
-def compile_probe(cap_mb: float, width: int = 512, depth: int = 4) -> dict:
-    """In a rank: ``torch.compile(DDP(Net()))`` with a backend that counts the graphs it gets.
-
-    The backend runs each graph as it is (no code generation), so this measures only
-    how TorchDynamo cut the model. Returns the graph count, the number of buckets
-    DDP all-reduced, and whether the gradients equal those of the uncompiled DDP.
-    """
-    import logging
-
-    torch._logging.set_logs(dynamo=logging.ERROR)  # not the warning that DDP's record_function is ignored
-    graphs = []
+def _counted(model, ddp_wrap, how: str, cap_mb: float, x) -> dict:
+    """Compile ``model`` ``how`` with a backend that counts graphs; two steps; DDP's buckets and gradients."""
+    graphs: list = []
 
     def counting_backend(gm, example_inputs):
-        graphs.append(sum(1 for node in gm.graph.nodes if node.op == "call_module" or node.op == "call_function"))
+        graphs.append(sum(1 for node in gm.graph.nodes if node.op in ("call_module", "call_function")))
         return gm.forward
 
-    x = torch.randn(8, width) + tdist.get_rank()
-    eager, compiled_model = DDP(Net(width, depth), bucket_cap_mb=cap_mb), DDP(Net(width, depth), bucket_cap_mb=cap_mb)
-    compiled = torch.compile(compiled_model, backend=counting_backend)
+    torch._dynamo.reset()
+    if how == "compiled first":
+        model.compile(backend=counting_backend)
+    ddp = ddp_wrap(model, bucket_cap_mb=cap_mb)
+    run = torch.compile(ddp, backend=counting_backend) if how == "wrapped first" else ddp
     buckets: list = []
 
     def hook(state, bucket):
-        buckets.append(bucket.index())
+        buckets.append(bucket.buffer().numel() * bucket.buffer().element_size() / 2**20)
         return default_hooks.allreduce_hook(state, bucket)
 
-    compiled_model.register_comm_hook(None, hook)
-    for _ in range(2):
-        buckets.clear()
-        for ddp in (eager, compiled):
+    ddp.register_comm_hook(None, hook)
+    try:
+        for _ in range(2):  # DDP rebuilds its buckets after the first iteration: keep the second's
+            buckets.clear()
             ddp.zero_grad()
-            ddp(x).square().mean().backward()
-    same = all(torch.allclose(a.grad, b.grad, atol=1e-6)
-               for a, b in zip(eager.module.parameters(), compiled_model.module.parameters()))
-    return {"graphs": len(graphs), "ops per graph": graphs, "buckets": len(buckets), "same gradients": same}
+            run(x).square().mean().backward()
+    except Exception as exc:  # noqa: BLE001 - DDPOptimizer's AssertionError is what this shows
+        return {"graphs": f"{type(exc).__name__}: {exc}", "buckets": None, "grads": None}
+    return {"graphs": graphs, "buckets": [round(b, 3) for b in buckets],
+            "grads": [p.grad.clone() for p in model.parameters()]}
+
+
+def compile_probe(cap_mb: float, width: int = 512, depth: int = 4) -> dict:
+    """In a rank: the graphs TorchDynamo hands a backend for a DDP model, compiled two ways.
+
+    ``"wrapped first"``: ``torch.compile(DDP(model))``. The frame compiled is DDP's
+    ``forward``, torch's own code, which TorchDynamo skips (it inlines into it only code
+    that is not torch's): the backend gets no graph, and the model runs uncompiled.
+    ``"compiled first"``: ``model.compile()``, then ``DDP(model)``: TorchDynamo traces the
+    model's own ``forward``, and its DDPOptimizer cuts the graph into buckets it computes
+    itself, by DDP's rule, with a first bucket of 1 MiB and the others of ``cap_mb``
+    (an AssertionError when ``cap_mb`` is below 1). The backend runs each graph as it is
+    (no code generation). The model is :func:`mgpu_lab.comm.ddp_buckets.mlp`.
+
+    Returns:
+        Per way ``{"graphs": operations per graph (or the error), "buckets": DDP's buckets
+        in MiB}``, and ``"same gradients"``: both ways' gradients equal uncompiled DDP's.
+    """
+    import logging
+
+    from mgpu_lab.comm.ddp_buckets import mlp
+
+    torch._logging.set_logs(dynamo=logging.ERROR)  # not the warning that DDP's record_function is ignored
+    x = torch.randn(8, width) + tdist.get_rank()
+    eager = _counted(mlp(width, depth), DDP, "eager", cap_mb, x)
+    out = {how: _counted(mlp(width, depth), DDP, how, cap_mb, x) for how in ("wrapped first", "compiled first")}
+    same = all(run["grads"] is not None and all(torch.allclose(a, b, atol=1e-6)
+                                                for a, b in zip(run["grads"], eager["grads"]))
+               for run in out.values())
+    for run in out.values():
+        run.pop("grads")
+    return {**out, "same gradients": same}
 
 
 def throughput_probe(model_fn, batch: int = 64, steps: int = 8) -> dict:

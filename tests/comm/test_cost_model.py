@@ -8,6 +8,7 @@ import pytest
 
 from mgpu_lab import launch
 from mgpu_lab.comm import cost_model
+from mgpu_lab.comm.ring import ring_allreduce
 
 matplotlib.use("Agg")
 pytestmark = pytest.mark.timeout(120)
@@ -38,11 +39,13 @@ def test_bus_factor_is_nccl_tests_definition():
 def test_time_ops_refuses_an_unknown_op_before_touching_the_process_group():
     with pytest.raises(ValueError, match="unknown ops \\['tree'\\]"):
         cost_model.time_ops([1024], 1, ("tree",))
+    with pytest.raises(ValueError, match="op 'ring' needs the ring function"):
+        cost_model.time_ops([1024], 1, ("ring",))
 
 
 def test_timing_in_two_ranks_gives_a_table_and_a_plot():
     sizes = [4096, 1 << 20]
-    result = launch(cost_model.time_ops, 2, sizes, 2, ("all_reduce", "ring"))[0]
+    result = launch(cost_model.time_ops, 2, sizes, 2, ("all_reduce", "ring"), ring_allreduce)[0]
     assert result["world_size"] == 2 and result["backend"] == "gloo" and result["device"] == "cpu"
     assert all(t > 0 for t in result["all_reduce"] + result["ring"]) and len(result["ring"]) == 2
     table = cost_model.table(sizes, result).splitlines()

@@ -6,10 +6,11 @@ import random
 
 import matplotlib
 import pytest
+import torch
 
 from mgpu_lab import launch
 from mgpu_lab.comm import ddp_buckets
-from mgpu_lab.comm.ddp_buckets import torch_bucket_assignment
+from mgpu_lab.comm.bucketing import torch_bucket_assignment
 
 matplotlib.use("Agg")
 pytestmark = pytest.mark.timeout(180)
@@ -42,7 +43,26 @@ def _all(cases):
     return {"buckets": [ddp_buckets.bucket_probe(sizes, cap, 2) for sizes, cap in cases],
             "named": ddp_buckets.named_buckets(model_fn, 0.02),
             "overlap": ddp_buckets.overlap_probe(model_fn, 0.02, 16, 2),
-            "steps": ddp_buckets.step_time_probe(model_fn, [0.02, 25], 16, 2)}
+            "steps": ddp_buckets.step_time_probe(model_fn, [0.02, 25], 16, 2),
+            "side by side": ddp_buckets.side_by_side_probe(_AtTheEnd, model_fn, 0.02, 8, 3)}
+
+
+class _AtTheEnd(torch.nn.Module):
+    """The plainest data parallelism: every gradient all-reduced on its own, after backward."""
+
+    def __init__(self, module, cap_bytes):
+        super().__init__()
+        self.module = module
+        for p in module.parameters():
+            torch.distributed.broadcast(p.detach(), 0)
+
+    def forward(self, x):
+        return self.module(x)
+
+    def finish_gradient_sync(self):
+        for p in self.module.parameters():
+            torch.distributed.all_reduce(p.grad)
+            p.grad /= torch.distributed.get_world_size()
 
 
 @pytest.fixture(scope="module")
@@ -79,3 +99,11 @@ def test_step_times_come_with_ddps_own_bucket_sizes(two):
     steps = two[0]["steps"]
     assert steps[0.02]["seconds"] > 0 and steps[25]["seconds"] > 0
     assert len(steps[0.02]["buckets"].split(",")) > 1 and len(steps[25]["buckets"].split(",")) == 1
+
+
+def test_a_home_made_ddp_trains_side_by_side_with_ddp(two):
+    for res in two:
+        side = res["side by side"]
+        assert side["losses"]["DDP"] == pytest.approx(side["losses"]["yours"], abs=1e-5)
+        assert side["largest weight difference"] < 1e-5
+        assert side["all-reduces per step"] == [8, 8, 8]  # 4 layers, weight and bias each: one per gradient

@@ -43,9 +43,16 @@ def test_throughput_counts_every_ranks_samples(two):
     assert two[0]["throughput"]["cpu share"] == two[1]["throughput"]["cpu share"]  # the min
 
 
-def test_compile_cuts_one_graph_per_bucket_and_keeps_the_gradients(two):
-    compiled = two[0]["compiled"]
-    assert compiled == {"graphs": 2, "ops per graph": [2, 2], "buckets": 2, "same gradients": True}
+def test_compile_of_ddp_gets_no_graph_and_compile_before_wrapping_one_per_bucket(two):
+    compiled = two[0]["compiled"]  # mlp(512, 2): two 1 MiB layers and a classifier, cap 1 MiB: 2 buckets
+    assert compiled["wrapped first"] == {"graphs": [], "buckets": [1.022, 1.002]}
+    assert compiled["compiled first"] == {"graphs": [2, 3], "buckets": [1.022, 1.002]}
+    assert compiled["same gradients"] is True
+
+
+def test_ddpoptimizer_refuses_a_cap_below_its_own_1_mib_first_bucket():
+    compiled = launch(ddp_hooks.compile_probe, 2, 0.5, 64, 1)[0]
+    assert compiled["compiled first"]["graphs"].startswith("AssertionError: First bucket should be smaller")
 
 
 def test_single_process_throughput_needs_cuda_and_says_so():

@@ -5,7 +5,7 @@ import functools
 
 import pytest
 
-from mutation import ExerciseMutants, Mutant, Variant, mutant_tests, prelude, replace
+from mutation import ExerciseMutants, Mutant, Variant, mutant_tests, prelude, replace, sub
 
 pytestmark = pytest.mark.timeout(600)
 NOTEBOOK = "09_inside_ddp.ipynb"
@@ -93,89 +93,192 @@ def ring_allreduce(tensor):
 '''),
 ])
 
-BUCKETS = ExerciseMutants("09.bucket_assignment", NOTEBOOK, ("bucket_assignment",), mutants=[
-    Mutant("fills the buckets from the first parameter",
-           replace("reversed(range(len(param_bytes)))", "range(len(param_bytes))"), expect="reverse order"),
-    Mutant("closes only when the size is over the cap, not at it",
-           replace("if size >= cap_bytes:", "if size > cap_bytes:"), expect="size >= cap_bytes"),
-    Mutant("keeps every bucket under the cap (closes before adding)",
-           replace("        current.append(i)\n        size += param_bytes[i]\n        if size >= cap_bytes:"
-                   "  # closed once it reaches the cap, the crossing parameter included\n"
-                   "            buckets.append(current)\n            current, size = [], 0\n",
-                   "        if current and size + param_bytes[i] > cap_bytes:\n"
-                   "            buckets.append(current)\n            current, size = [], 0\n"
-                   "        current.append(i)\n        size += param_bytes[i]\n"),
-           expect="don't close it before adding"),
-    Mutant("drops the last, not yet full bucket",
-           replace("    if current:\n        buckets.append(current)\n", ""), expect="don't drop it"),
-    Mutant("returns the buckets first-parameters-first",
-           replace("    return buckets", "    return buckets[::-1]"), expect="bucket 0 is the one holding the last"),
-    Mutant("always appends the open bucket, even an empty one",
-           replace("    if current:\n        buckets.append(current)\n", "    buckets.append(current)\n"),
-           expect="not [[]]"),
-    Mutant("never starts a new bucket list (keeps appending to the closed one)",
-           replace("            current, size = [], 0\n", "            size = 0\n"), expect="reach cap_bytes"),
+MINI = ExerciseMutants("09.MiniDDP", NOTEBOOK, ("MiniDDP",), mutants=[
+    Mutant("all-reduces every bucket in finish_gradient_sync, after backward",
+           (replace("self._pending.append((i, flat, dist.all_reduce(flat, async_op=True)))",
+                    "self._pending.append((i, flat, None))"),
+            replace("work.wait()", "dist.all_reduce(flat)")),
+           expect="while backward goes on"),
+    Mutant("a blocking all-reduce in the hook",
+           (replace("dist.all_reduce(flat, async_op=True)", "dist.all_reduce(flat)"), replace("work.wait()", "pass")),
+           expect=("blocking", "asynchronously")),
+    Mutant("sums instead of averaging", replace(".div_(dist.get_world_size())", ""), expect="world_size times"),
+    Mutant("fills the buckets from the first parameter", replace("for p in reversed(params):", "for p in params:"),
+           expect="filled from the first parameter"),
+    Mutant("closes a bucket only above the cap, not at it",
+           replace("if size >= bucket_cap_bytes:", "if size > bucket_cap_bytes:"), expect="exactly at the cap"),
+    Mutant("one all-reduce per parameter, no buckets",
+           replace("if size >= bucket_cap_bytes:", "if True:"), expect="one all-reduce per parameter"),
+    Mutant("never resets what counts the ready gradients",
+           replace("        self._ready = [0] * len(self._buckets)\n        ### END SOLUTION",
+                   "        ### END SOLUTION"),
+           expect="start over every step"),
+    Mutant("never copies the average back into .grad",
+           replace("p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))", "pass"), expect="still its own"),
+    Mutant("no broadcast: every rank keeps its own initial weights",
+           replace("                dist.broadcast(tensor, src=0)  # every rank starts from rank 0's weights",
+                   "                pass"), expect="rank 0's parameters"),
+    Mutant("puts parameters that require no gradient in a bucket",
+           replace("params = [p for p in module.parameters() if p.requires_grad]",
+                   "params = list(module.parameters())"),
+           expect="requires no gradient"),
 ], variants=[
-    Variant("a queue of indices, buckets sorted ascending", '''
-def bucket_assignment(param_bytes, cap_bytes):
-    order = list(range(len(param_bytes)))[::-1]
-    out = []
-    while order:
-        bucket, total = [], 0
-        while order and total < cap_bytes:
-            i = order.pop(0)
-            bucket.append(i)
-            total += param_bytes[i]
-        out.append(sorted(bucket))
-    return out
+    Variant("gradients copied into a flat buffer per bucket as they arrive, views back at the end", '''
+class MiniDDP(nn.Module):
+    def __init__(self, module, bucket_cap_bytes):
+        super().__init__()
+        self.module = module
+        for t in list(module.state_dict().values()):
+            dist.broadcast(t, 0)
+        trainable = [p for p in module.parameters() if p.requires_grad][::-1]
+        groups, cur, filled = [], [], 0
+        for p in trainable:
+            cur.append(p)
+            filled += p.nbytes
+            if filled >= bucket_cap_bytes:
+                groups.append(cur)
+                cur, filled = [], 0
+        groups += [cur] if cur else []
+        self.groups = groups
+        self.buffers_ = [torch.zeros(sum(p.numel() for p in g), dtype=g[0].dtype) for g in groups]
+        self.where = {}
+        for b, g in enumerate(groups):
+            offset = 0
+            for p in g:
+                self.where[id(p)] = (b, offset)
+                offset += p.numel()
+        self.missing = [len(g) for g in groups]
+        self.works = {}
+        for p in trainable:
+            p.register_post_accumulate_grad_hook(self.on_grad)
+
+    def on_grad(self, p):
+        b, offset = self.where[id(p)]
+        self.buffers_[b][offset:offset + p.numel()].copy_(p.grad.reshape(-1))
+        self.missing[b] -= 1
+        if self.missing[b] == 0:
+            self.works[b] = dist.all_reduce(self.buffers_[b], async_op=True)
+
+    def forward(self, x):
+        return self.module(x)
+
+    def finish_gradient_sync(self):
+        world = dist.get_world_size()
+        for b in sorted(self.works):
+            self.works[b].wait()
+            for p in self.groups[b]:
+                _, offset = self.where[id(p)]
+                p.grad = (self.buffers_[b][offset:offset + p.numel()] / world).view_as(p).clone()
+        self.works = {}
+        self.missing = [len(g) for g in self.groups]
 '''),
-    Variant("a flag for a new bucket, tuples returned", '''
-def bucket_assignment(param_bytes, cap_bytes):
-    buckets, start_new, filled = [], True, 0
-    for i in range(len(param_bytes) - 1, -1, -1):
-        if start_new:
-            buckets.append([])
-            filled = 0
-        buckets[-1].append(i)
-        filled += param_bytes[i]
-        start_new = filled >= cap_bytes
-    return [tuple(b) for b in buckets]
+    Variant("torch's flatten helpers, a set of ready parameters, divided after the wait", '''
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+
+class MiniDDP(nn.Module):
+    def __init__(self, module, bucket_cap_bytes):
+        super().__init__()
+        self.module = module
+        with torch.no_grad():
+            for p in module.parameters():
+                dist.broadcast(p.data, src=0)
+            for b in module.buffers():
+                dist.broadcast(b, src=0)
+        order = [p for p in reversed(list(module.parameters())) if p.requires_grad]
+        self.buckets = []
+        while order:
+            bucket, size = [], 0
+            while order and size < bucket_cap_bytes:
+                p = order.pop(0)
+                bucket.append(p)
+                size += p.numel() * p.element_size()
+            self.buckets.append(bucket)
+        self.ready, self.inflight = set(), []
+        for p in module.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(lambda param: self._ready(param))
+
+    def _ready(self, param):
+        self.ready.add(id(param))
+        for bucket in self.buckets:
+            ids = {id(q) for q in bucket}
+            if id(param) in ids and ids <= self.ready:
+                flat = _flatten_dense_tensors([q.grad for q in bucket])
+                self.inflight.append((bucket, flat, dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)))
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def finish_gradient_sync(self):
+        for bucket, flat, work in self.inflight:
+            work.wait()
+            flat /= dist.get_world_size()
+            for q, g in zip(bucket, _unflatten_dense_tensors(flat, [q.grad for q in bucket])):
+                q.grad.copy_(g)
+        self.inflight, self.ready = [], set()
 '''),
 ])
 
-HOOK = ExerciseMutants("09.bf16_compress_hook", NOTEBOOK, ("bf16_compress_hook",), mutants=[
-    Mutant("sums instead of averaging", replace(".div_(group.size())", ""), expect="divide by the world size"),
-    Mutant("sends float32 (no compression)", replace("buffer.to(torch.bfloat16)", "buffer.clone()"),
-           expect="all_reduce of torch.float32"),
+HOOK = ExerciseMutants("09.error_feedback_hook", NOTEBOOK, ("error_feedback_hook",), mutants=[
+    Mutant("keeps the residual but never adds it back (plain bf16)",
+           replace("        wanted += residual\n", "        pass\n"), expect="no better than plain bf16"),
+    Mutant("subtracts the residual instead of adding it", replace("wanted += residual", "wanted -= residual"),
+           expect="wrong sign"),
+    Mutant("the residual measured against the all-reduced average",
+           (sub(r"^    state\[bucket.index\(\)\] = wanted - compressed.*\n", ""),
+            replace("        return buffer.copy_(fut.value()[0])",
+                    "        state[bucket.index()] = wanted - fut.value()[0].to(wanted.dtype)\n"
+                    "        return buffer.copy_(fut.value()[0])")),
+           expect="not the difference from the all-reduced average"),
+    Mutant("adds the residual kept under an index whatever its size (buckets rebuilt)",
+           replace("if residual is not None and residual.shape == wanted.shape:", "if residual is not None:"),
+           expect="rebuilds its buckets"),
+    Mutant("sums instead of averaging", replace("wanted = buffer / dist.get_world_size()", "wanted = buffer.clone()"),
+           expect="world_size times"),
     Mutant("returns the bfloat16 tensor", replace("return buffer.copy_(fut.value()[0])", "return fut.value()[0]"),
-           expect=("bucket's dtype", "torch.bfloat16")),
-    Mutant("returns fut.value(), a list", replace("return buffer.copy_(fut.value()[0])", "return fut.value()"),
-           expect="fut.value()[0]"),
-    Mutant("casts back to float32, not to the bucket's dtype",
-           replace("return buffer.copy_(fut.value()[0])", "return fut.value()[0].float()"),
-           expect=("bucket's own dtype", "float64")),
-    Mutant("blocking all_reduce, returns a tensor instead of a future",
-           replace("return dist.all_reduce(compressed, group=group, async_op=True).get_future().then(decompress)",
-                   "dist.all_reduce(compressed, group=group)\n    return buffer.copy_(compressed)"),
-           expect="return the future"),
-    Mutant("takes state for the group even when it is None",
-           replace("group = state if state is not None else dist.group.WORLD", "group = state"),
-           expect=("none for the default group", "nonetype")),
+           expect=("bucket's dtype and shape", "torch.bfloat16")),
+    Mutant("one residual for all buckets",
+           (replace("state.get(bucket.index())", "state.get('residual')"),
+            replace("state[bucket.index()] = wanted", "state['residual'] = wanted")),
+           expect="under bucket.index()"),
+    Mutant("sends float32 (no compression)",
+           replace("compressed = wanted.to(torch.bfloat16)", "compressed = wanted.clone()"),
+           expect="all_reduce of torch.float32"),
 ], variants=[
-    Variant("torch's own bf16_compress_hook",
-            "from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook\n"),
-    Variant("a blocking all-reduce, divided afterwards, in a completed Future", '''
-def bf16_compress_hook(state, bucket):
+    Variant("residual in the gradient's own units, divided after the all-reduce", '''
+def error_feedback_hook(state, bucket):
+    grad = bucket.buffer()
+    key = bucket.index()
+    if key in state and state[key].numel() == grad.numel():
+        corrected = grad + state[key]
+    else:
+        corrected = grad.clone()
+    low = corrected.bfloat16()
+    state[key] = corrected - low.float()
+    world = dist.get_world_size()
+
+    def back(fut):
+        return (fut.value()[0].to(grad.dtype) / world).reshape(grad.shape)
+
+    return dist.all_reduce(low, async_op=True).get_future().then(back)
+'''),
+    Variant("the group's size, a residual reset by pop, torch.sub", '''
+def error_feedback_hook(state, bucket):
     buffer = bucket.buffer()
-    low = buffer.to(torch.bfloat16)
-    dist.all_reduce(low, group=state)
-    fut = torch.futures.Future()
-    fut.set_result(low.to(buffer.dtype) / dist.get_world_size(state))
-    return fut
+    group = dist.group.WORLD
+    old = state.pop(bucket.index(), None)
+    x = buffer.div(group.size())
+    if old is not None and old.shape == x.shape:
+        x.add_(old)
+    sent = x.to(torch.bfloat16)
+    state[bucket.index()] = torch.sub(x, sent.to(x.dtype))
+    work = dist.all_reduce(sent, group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0].to(buffer.dtype))
 '''),
 ])
 
-SPECS = [RING, BUCKETS, HOOK]
+SPECS = [RING, MINI, HOOK]
 
 
 @functools.cache

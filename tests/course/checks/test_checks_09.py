@@ -1,8 +1,6 @@
-"""Lesson 09's checkers against the solutions, stubs, the library's versions and the wrong answers
-only a recorded run can see (tests/mutants/test_mutants_09.py has the named mutants)."""
+"""Lesson 09's checkers against stubs, answers that call a reference, trivially wrong answers and the
+wrong answers only a recorded run can see (tests/mutants/test_mutants_09.py has the named mutants)."""
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 
@@ -10,8 +8,7 @@ from checking import case_starting
 from mgpu_lab.course.checks import check, exercises
 
 pytestmark = pytest.mark.timeout(300)
-NOTEBOOK = Path(__file__).resolve().parents[3] / "solutions" / "09_inside_ddp.ipynb"
-NAMES = ("ring_allreduce", "bucket_assignment", "bf16_compress_hook")
+NAMES = ("ring_allreduce", "MiniDDP", "error_feedback_hook")
 
 
 def _by_value(source: str, name: str):
@@ -28,7 +25,7 @@ ANSWERS = {"stub": _by_value("def stub(*args, **kwargs):\n    raise NotImplement
 
 def test_lesson_09_registers_its_three_exercises_with_one_point_per_case():
     got = {e.id: e.points for e in exercises("09")}
-    assert got == {"09.bf16_compress_hook": 5, "09.bucket_assignment": 7, "09.ring_allreduce": 8}
+    assert got == {"09.ring_allreduce": 8, "09.MiniDDP": 6, "09.error_feedback_hook": 6}
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -36,15 +33,118 @@ def test_a_stub_is_not_attempted(name):
     assert check(f"09.{name}", ANSWERS["stub"]).status == "not attempted"
 
 
-def test_the_library_versions_pass():
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+ANSWERS["library_ring"] = _by_value('''
+def library_ring(tensor):
+    from mgpu_lab.comm.ring import ring_allreduce as mine   # the library's reference, under another name
+    return mine(tensor)
+''', "library_ring")
+ANSWERS["ddp_inside"] = _by_value('''
+import torch
+from torch import nn
 
-    from mgpu_lab.comm.collectives import ring_allreduce
-    from mgpu_lab.comm.ddp_buckets import torch_bucket_assignment
 
-    assert check("09.ring_allreduce", ring_allreduce).passed
-    assert check("09.bucket_assignment", torch_bucket_assignment).passed
-    assert check("09.bf16_compress_hook", bf16_compress_hook).passed  # torch's own hook
+class ddp_inside(nn.Module):
+    """MiniDDP that is torch's DDP underneath."""
+
+    def __init__(self, module, bucket_cap_bytes):
+        super().__init__()
+        from torch.nn.parallel import DistributedDataParallel
+        self.ddp = DistributedDataParallel(module, bucket_cap_mb=bucket_cap_bytes / 2**20)
+
+    def forward(self, *args):
+        return self.ddp(*args)
+
+    def finish_gradient_sync(self):
+        pass
+''', "ddp_inside")
+ANSWERS["torch_buckets"] = _by_value("""
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class torch_buckets(nn.Module):
+    \"\"\"MiniDDP whose buckets come from DDP's own C++ bucketing.\"\"\"
+
+    def __init__(self, module, bucket_cap_bytes):
+        super().__init__()
+        self.module = module
+        params = [p for p in module.parameters() if p.requires_grad][::-1]
+        self.buckets, _ = dist._compute_bucket_assignment_by_size(params, [bucket_cap_bytes])
+
+    def forward(self, *args):
+        return self.module(*args)
+
+    def finish_gradient_sync(self):
+        pass
+""", "torch_buckets")
+ANSWERS["torch_hook"] = _by_value('''
+def torch_hook(state, bucket):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    return default_hooks.bf16_compress_hook(None, bucket)
+''', "torch_hook")
+
+
+@pytest.mark.parametrize("exercise, answer, says", [
+    ("09.ring_allreduce", "library_ring", "mgpu_lab.comm.ring.ring_allreduce"),
+    ("09.MiniDDP", "ddp_inside", "torch.nn.parallel.DistributedDataParallel"),
+    ("09.MiniDDP", "torch_buckets", "torch.distributed._compute_bucket_assignment_by_size"),
+    ("09.error_feedback_hook", "torch_hook", "default_hooks.bf16_compress_hook"),
+])
+def test_an_answer_that_calls_a_reference_fails_every_case_naming_it(exercise, answer, says):
+    result = check(exercise, ANSWERS[answer])
+    assert result.points == 0, result
+    assert says in str(result), result
+
+
+# -- trivially wrong answers pass no case that names a behaviour they lack ---------------------------------
+ANSWERS["ring_nothing"] = _by_value('''
+def ring_nothing(tensor):
+    return tensor.clone()
+''', "ring_nothing")
+ANSWERS["mini_nothing"] = _by_value('''
+from torch import nn
+
+
+class mini_nothing(nn.Module):
+    def __init__(self, module, bucket_cap_bytes):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args):
+        return self.module(*args)
+
+    def finish_gradient_sync(self):
+        pass
+''', "mini_nothing")
+ANSWERS["hook_nothing"] = _by_value('''
+import torch
+
+
+def hook_nothing(state, bucket):
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+''', "hook_nothing")
+
+
+def test_a_ring_that_sends_nothing_passes_no_case():
+    result = check("09.ring_allreduce", ANSWERS["ring_nothing"])
+    assert result.points == 0, result
+    assert "nothing sent" in case_starting(result, "only point-to-point").got
+
+
+def test_a_minddp_that_does_nothing_passes_no_case():
+    result = check("09.MiniDDP", ANSWERS["mini_nothing"])
+    assert result.points == 0, result
+
+
+def test_a_hook_that_does_not_communicate_passes_only_the_shape_of_its_value():
+    result = check("09.error_feedback_hook", ANSWERS["hook_nothing"])
+    assert [c.name for c in result.cases if c.passed] == [
+        "the future's value is one tensor of the bucket's dtype (float32) and shape"], result
+    assert "0 all-reduces" in result.cases[0].got
+    assert "all_reduce of nothing" in case_starting(result, "20 steps").got
 
 
 ANSWERS["everyone_to_everyone"] = _by_value('''

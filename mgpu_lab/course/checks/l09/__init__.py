@@ -1,4 +1,4 @@
-"""Checks of lesson 09 (inside DDP): 09.ring_allreduce, 09.bucket_assignment, 09.bf16_compress_hook.
+"""Checks of lesson 09 (inside DDP): 09.ring_allreduce, 09.MiniDDP, 09.error_feedback_hook.
 
 Every lesson's checks have the same three modules: ``checkers`` (the exercises,
 registered with their cases and hints), ``ranks`` (what runs in the check's fresh

@@ -3,12 +3,19 @@
 - :func:`run_ring`: the learner's ``ring_allreduce`` on several tensors, each call
   recorded with :mod:`mgpu_lab.comm.record` (every send/recv and collective, its peer
   and bytes), next to ``dist.all_reduce``'s answer computed before any of it runs;
-- :func:`call_all`: the learner's ``bucket_assignment`` on many inputs, in one process;
-- :func:`run_hook`: DDP with the learner's communication hook next to DDP without
-  one, from the same weights on the same data: both gradients, the dtypes handed to
-  all_reduce inside the hook, and the dtype and shape of what the hook's future returns.
+- :func:`run_mini_ddp`: the learner's ``MiniDDP`` next to torch's DDP, from different
+  weights on each rank, on the same data, for a few SGD steps: the weights after
+  construction, both gradients per step, and every collective of the learner's backward
+  and ``finish_gradient_sync`` in order, with a mark where backward reached the first
+  layer and where it returned;
+- :func:`run_feedback`: DDP with the learner's error-feedback hook next to DDP without
+  one (different data per rank), then 20 steps on the same data on both ranks with the
+  learner's hook, plain bf16 compression and no compression: gradients, what the hook
+  all-reduced and returned, the residuals it kept in ``state``.
 """
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as tdist
@@ -16,7 +23,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mgpu_lab.comm.record import record
-from ..sim.outcome import outcomes
+from .. import _references
 
 
 # -- ring_allreduce ----------------------------------------------------------------------
@@ -70,65 +77,259 @@ def run_ring(ring_allreduce, trials: list) -> list:
     return out
 
 
-# -- bucket_assignment -------------------------------------------------------------------
-def call_all(fn, cases: list) -> list:
-    """Probe: ``fn(*case)`` for every case: ``("ok", buckets as lists of ints)`` or ``("raised", type, message)``."""
-    return outcomes(fn, cases, keep=lambda got: [[int(i) for i in bucket] for bucket in got])
+# -- MiniDDP ------------------------------------------------------------------------------
+CAP = 1088  # bytes: Net's buckets are 1360, 1088 (exactly at the cap) and 576 bytes
 
 
-# -- bf16_compress_hook ------------------------------------------------------------------
-def hook_model(dtype: torch.dtype) -> nn.Module:
-    """Three layers, the same weights on every rank and in both DDPs."""
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)).to(dtype)
+class _Mark(torch.autograd.Function):
+    """Identity; its backward notes, in the open recording, that backward has reached the first layer."""
+
+    log = None
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if _Mark.log is not None:
+            _Mark.log.events.append({"op": "mark", "at": "first layer"})
+        return grad
 
 
-def run_hook(hook, dtype_name: str = "float32", steps: int = 2) -> dict:
-    """Probe: gradients of DDP with ``hook`` and without, per step; what went through the hook.
+class Net(nn.Module):
+    """Four Linear layers of unequal sizes; optionally a frozen parameter registered last.
 
-    ``bucket_cap_mb`` is small so that the model's gradients fill several buckets.
+    Parameter bytes in registration order: 512, 64, 1024, 64, 1024, 64, 256, 16.
     """
-    dtype = getattr(torch, dtype_name)
+
+    def __init__(self, seed: int, frozen: bool = False):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.l0, self.l1, self.l2, self.l3 = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+        if frozen:
+            self.scale = nn.Parameter(torch.full((4,), 0.5), requires_grad=False)
+
+    def forward(self, x):
+        h = _Mark.apply(torch.tanh(self.l0(x)))
+        out = self.l3(torch.tanh(self.l2(torch.tanh(self.l1(h)))))
+        return out * self.scale if hasattr(self, "scale") else out
+
+
+def _error(exc) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:400]
+
+
+def _grads(model) -> list:
+    return [None if p.grad is None else p.grad.detach().clone() for p in model.parameters() if p.requires_grad]
+
+
+@contextmanager
+def _async_spy(flags: list):
+    """Note ``async_op`` of every ``dist.all_reduce`` call while the block runs (inside a recording)."""
+    inner = tdist.all_reduce
+
+    def spy(tensor, op=tdist.ReduceOp.SUM, group=None, async_op=False):
+        flags.append(bool(async_op))
+        return inner(tensor, op=op, group=group, async_op=async_op)
+
+    tdist.all_reduce = spy
+    try:
+        yield
+    finally:
+        tdist.all_reduce = inner
+
+
+def _local_grads(model, x) -> list:
+    """This rank's own gradients (no averaging), from copies of the parameters that carry no hooks."""
+    named = {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in model.named_parameters()}
+    loss = torch.func.functional_call(model, named, (x,)).square().mean()
+    leaves = [p for p in named.values() if p.requires_grad]
+    return list(torch.autograd.grad(loss, leaves))
+
+
+def _mini_steps(mini, model, ref, steps: int, out: dict) -> None:
     rank = tdist.get_rank()
-    plain, hooked = DDP(hook_model(dtype), bucket_cap_mb=0.002), DDP(hook_model(dtype), bucket_cap_mb=0.002)
-    returned: list = []
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(steps):
+        x = torch.randn(6, 8, generator=torch.Generator().manual_seed(31 * rank + step))
+        ref_opt.zero_grad()
+        ref(x).square().mean().backward()
+        entry = {"ref": _grads(ref.module), "events": [], "async": [], "local": _local_grads(model, x)}
+        out["steps"].append(entry)
+        opt.zero_grad()
+        loss = mini(x).square().mean()
+        with record() as log, _async_spy(entry["async"]):
+            _Mark.log = log
+            try:
+                loss.backward()
+                log.events.append({"op": "mark", "at": "backward returned"})
+                mini.finish_gradient_sync()
+            finally:
+                _Mark.log = None
+        entry["events"] = [e for e in log.events if e["op"] != "barrier"]
+        entry["mini"] = _grads(model)
+        opt.step()
+        ref_opt.step()
+
+
+@contextmanager
+def _no_torch_bucketing():
+    """``torch.distributed._compute_bucket_assignment_by_size`` (C++, DDP's bucketing) as a tripwire meanwhile.
+
+    A C++ function cannot carry the code-object tripwire of :mod:`.._references`, so the
+    attribute an answer would reach it by is swapped for one while the learner's code runs.
+    """
+    name = "torch.distributed:_compute_bucket_assignment_by_size"
+    original = getattr(tdist, "_compute_bucket_assignment_by_size", None)
+
+    def tripwire(*args, **kwargs):
+        _references.called(name)
+
+    if original is not None:
+        tdist._compute_bucket_assignment_by_size = tripwire
+    try:
+        yield
+    finally:
+        if original is not None:
+            tdist._compute_bucket_assignment_by_size = original
+
+
+def run_mini_ddp(mini_cls, frozen: bool = False, steps: int = 3) -> dict:
+    """Probe: ``mini_cls(Net(1 + rank), CAP)`` against ``DDP(Net(1 + rank), bucket_cap_mb=CAP / 2**20)``.
+
+    Both start from weights that differ between ranks (DDP broadcasts rank 0's); every step
+    feeds each rank its own batch. ``frozen`` adds a parameter that requires no gradient.
+    """
+    rank = tdist.get_rank()
+    out = {"error": None, "start": None, "steps": [], "sizes": None}
+    with _references.allowed():
+        ref = DDP(Net(1 + rank, frozen), bucket_cap_mb=CAP / 2**20)
+    model = Net(1 + rank, frozen)
+    out["sizes"] = [p.numel() * p.element_size() for p in model.parameters() if p.requires_grad]
+    try:
+        with _no_torch_bucketing():
+            mini = mini_cls(model, CAP)
+        out["start"] = [p.detach().clone() for p in model.parameters()]
+        out["rank0"] = [p.detach().clone() for p in Net(1, frozen).parameters()]
+        with _no_torch_bucketing():
+            _mini_steps(mini, model, ref, steps, out)
+    except NotImplementedError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the checker judges it
+        out["error"] = _error(exc)
+    return out
+
+
+def run_mini_both(mini_cls) -> dict:
+    """Probe: :func:`run_mini_ddp` without and with a frozen parameter, in the same ranks."""
+    return {"plain": run_mini_ddp(mini_cls), "frozen": run_mini_ddp(mini_cls, frozen=True, steps=2)}
+
+
+# -- error_feedback_hook -------------------------------------------------------------------
+def hook_model() -> nn.Module:
+    """Three layers, the same weights on every rank and in every DDP."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def plain_bf16(state, bucket):
+    """The check's yardstick: bf16 compression without error feedback."""
+    buffer = bucket.buffer()
+    low = buffer.to(torch.bfloat16).div_(tdist.get_world_size())
+    return tdist.all_reduce(low, async_op=True).get_future().then(lambda fut: buffer.copy_(fut.value()[0]))
+
+
+def _watched(hook, seen: list):
+    """``hook`` wrapped: note each bucket (index, size, largest gradient) and what the future returns."""
 
     def watched(state, bucket):
         buffer = bucket.buffer()
+        want = {"index": bucket.index(), "numel": buffer.numel(), "buffer_dtype": str(buffer.dtype),
+                "buffer_shape": list(buffer.shape), "largest": float(buffer.abs().max())}
         fut = hook(state, bucket)
         if not isinstance(fut, torch._C.Future):  # what .then() returns is the C class, not torch.futures.Future
-            returned.append({"type": type(fut).__name__})
+            seen.append({**want, "type": type(fut).__name__})
             return fut
-        want = {"buffer_dtype": str(buffer.dtype), "buffer_shape": list(buffer.shape)}
 
         def note(f):
             value = f.value()
-            returned.append({**want, **_describe(value)})
+            seen.append({**want, **_describe(value)})
             return value
 
         return fut.then(note)
 
-    hooked.register_comm_hook(None, watched)
+    return watched
+
+
+def _train_hooked(hook, state, batches, watch=None) -> tuple:
+    """DDP with ``hook`` (None: DDP's own all-reduce) on ``batches``; gradients per step, events."""
+    ddp = DDP(hook_model(), bucket_cap_mb=0.002)
+    if hook is not None:
+        ddp.register_comm_hook(state, hook if watch is None else _watched(hook, watch))
+    grads, events = [], []
+    for x in batches:
+        ddp.zero_grad()
+        loss = ddp(x).square().mean()
+        with record(hook) if hook is not None else _nothing() as log:
+            loss.backward()
+        events += [e for e in (log.events if log else []) if e["op"] != "barrier"]
+        grads.append([p.grad.detach().clone() for p in ddp.module.parameters()])
+    return grads, events
+
+
+@contextmanager
+def _nothing():
+    yield None
+
+
+def _residuals(state) -> dict:
+    return {k: {"type": type(v).__name__, "numel": v.numel() if isinstance(v, torch.Tensor) else None,
+                "dtype": str(v.dtype) if isinstance(v, torch.Tensor) else None,
+                "largest": float(v.detach().abs().max()) if isinstance(v, torch.Tensor) and v.numel() else 0.0}
+            for k, v in state.items()}
+
+
+def run_feedback(hook, steps: int = 3, long: int = 20) -> dict:
+    """Probe: the learner's hook on DDP (a dict as its state) against DDP without a hook, then 20 steps.
+
+    First ``steps`` steps with a different batch on each rank: both gradients per step, the
+    events, what the hook returned, the residuals it kept. Then ``long`` steps with the same
+    batch on both ranks (so that the all-reduce's own bf16 sum is exact): the summed
+    gradients with no compression, plain bf16 compression and the learner's hook.
+    """
+    rank = tdist.get_rank()
+    out = {"error": None, "state_type": None}
     g = torch.Generator().manual_seed(100 + rank)
-    out = {"steps": [], "error": None, "events": [], "returned": returned}
-    for _ in range(steps):
-        x = torch.randn(8, 16, generator=g).to(dtype)
-        step = {}
-        for name, ddp in (("plain", plain), ("hooked", hooked)):
-            ddp.zero_grad()
-            loss = ddp(x).square().mean()
-            if name == "plain":
-                loss.backward()
-            else:
-                try:
-                    with record(hook) as log:
-                        loss.backward()
-                except NotImplementedError:
-                    raise
-                except Exception as exc:  # noqa: BLE001 - DDP refused the hook's answer, or the hook raised
-                    out["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:400]
-                    return out
-                out["events"] += [e for e in log.events if e["op"] != "barrier"]
-            step[name] = [p.grad.detach().clone() for p in ddp.module.parameters()]
-        out["steps"].append(step)
+    batches = [torch.randn(8, 16, generator=g) for _ in range(steps)]
+    exact, _ = _train_hooked(None, None, batches)
+    state, seen = {}, []
+    out.update(exact=exact, seen=seen)
+    try:
+        out["hooked"], out["events"] = _train_hooked(hook, state, batches, seen)
+    except NotImplementedError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - DDP refused the hook's answer, or the hook raised
+        out["error"] = _error(exc)
+        return out
+    out["residuals"] = _residuals({k: v for k, v in state.items() if isinstance(k, int)})
+    out["keys"] = sorted(map(repr, state))
+    g = torch.Generator().manual_seed(7)  # the same on both ranks
+    same = [torch.randn(8, 16, generator=g) * (1 + torch.rand(8, 1, generator=g)) for _ in range(long)]
+    sums = {}
+    for name, fn in (("exact", None), ("plain", plain_bf16), ("hooked", hook)):
+        try:
+            grads, events = _train_hooked(fn, {}, same, [] if fn is not None else None)
+        except NotImplementedError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - judged by the checker
+            out["long_error"] = _error(exc)
+            return out
+        if name == "hooked":
+            out["long_sent"] = [e["dtype"] for e in events if e["op"] == "all_reduce"]
+        sums[name] = torch.cat([torch.stack([gr[i] for gr in grads]).sum(0).reshape(-1)
+                                for i in range(len(grads[0]))])
+    out["long"] = {"plain": float((sums["plain"] - sums["exact"]).norm()),
+                   "hooked": float((sums["hooked"] - sums["exact"]).norm()),
+                   "norm": float(sums["exact"].norm())}
     return out
