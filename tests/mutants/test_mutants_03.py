@@ -37,8 +37,8 @@ REPLICATE = ExerciseMutants("03.replicate", NOTEBOOK, ("replicate",), mutants=[
     Mutant("the model itself moved to each device",
            replace("    for device in devices:\n", "    for device in devices:\n        module.to(device)\n"),
            ("the model is left as it was", "the model's inp.weight is now on cuda:2")),
-    Mutant("device names from indices (cuda:i)", replace("for device in devices:",
-                                                         "for i, _ in enumerate(devices):\n        device = f'cuda:{i}'"),
+    Mutant("device names from indices (cuda:i)",
+           replace("for device in devices:", "for i, _ in enumerate(devices):\n        device = f'cuda:{i}'"),
            "replica 1: parameter inp.weight on cuda:1"),
 ], variants=[
     Variant("torch's own module copy hook, object.__setattr__", '''
