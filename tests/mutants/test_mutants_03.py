@@ -73,6 +73,38 @@ def replicate(module, devices):
         replicas.append(replica)
     return replicas
 '''),
+    Variant("a broadcast Function: copies forward, gradients brought back and added in backward", '''
+class Broadcast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, devices, *params):
+        ctx.sources, ctx.n = [p.device for p in params], len(params)
+        return tuple(p.to(d) for d in devices for p in params)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        sums = []
+        for i, source in enumerate(ctx.sources):
+            mine = [g.to(source) for g in grads[i::ctx.n] if g is not None]
+            sums.append(sum(mine) if mine else None)
+        return (None, *sums)
+
+
+def replicate(module, devices):
+    import copy
+    params = [p for m in module.modules() for p in m._parameters.values() if p is not None]
+    copies, n, replicas = Broadcast.apply(list(devices), *params), len(params), []
+    for k, device in enumerate(devices):
+        mine = dict(zip(map(id, params), copies[k * n:(k + 1) * n]))
+        new = {m: copy.copy(m) for m in module.modules()}
+        for old, rep in new.items():
+            rep._modules = {a: None if b is None else new[b] for a, b in old._modules.items()}
+            rep._buffers = {a: None if b is None else b.to(device) for a, b in old._buffers.items()}
+            rep._parameters = {}
+            for a, p in old._parameters.items():
+                setattr(rep, a, None if p is None else mine[id(p)])
+        replicas.append(new[module])
+    return replicas
+'''),
 ])
 
 DP = ExerciseMutants("03.data_parallel_forward", NOTEBOOK, ("data_parallel_forward",), mutants=[

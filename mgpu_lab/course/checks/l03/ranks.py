@@ -6,7 +6,9 @@ parameters are :class:`SimParameter` leaves whose data stays on the CPU, which s
 they are on ``cuda:0`` and whose ``.to(device)`` gives a differentiable copy that
 says it is on ``device`` (:class:`..sim.devices.Placed`); its buffers are Placed
 tensors. Everything computed from them knows its (simulated) device, and an
-operation given tensors of two devices is recorded, as a GPU would refuse it. Every
+operation given tensors of two devices is recorded, as a GPU would refuse it;
+during backward a gradient sent to a GPU stays where it is (:func:`gradients_stay`),
+so an answer whose own backward adds the gradients on the first device runs. Every
 forward of the model or of a replica of it is recorded: the replica, the chunk's
 device, the replica's device, the chunk's size. :func:`run_replicate` judges
 ``replicate(model, devices)``, :func:`run_dps` ``data_parallel_forward(model, batch,
@@ -16,10 +18,11 @@ from __future__ import annotations
 
 import copy
 import torch
+from contextlib import contextmanager
 from torch import nn
 
 from ..sim.cuda import simulated_gpus
-from ..sim.devices import Placed, place, plain, reset, resolve, tag_of, where
+from ..sim.devices import Placed, parse_move, place, plain, reset, resolve, tag_of, where
 from ..sim.outcome import one_thread, outcome
 
 
@@ -101,6 +104,33 @@ def models(device="cuda:0") -> tuple[Probe, Probe]:
             module._buffers[key] = sim_buffer(b.clone(), device)
     Probe.calls = []
     return model, twin
+
+
+@contextmanager
+def gradients_stay():
+    """Inside the block (a backward), a plain tensor sent to a GPU stays where it is.
+
+    Gradients are plain tensors (the simulation tracks what the forward computes): an
+    answer whose backward brings them to the model's device (``grad.to(source)``, as
+    a broadcast's reduce-add does) would otherwise ask the real CUDA for it.
+    """
+    to, cuda = torch.Tensor.to, torch.Tensor.cuda
+
+    def stay_to(self, *args, **kwargs):
+        if not isinstance(self, Placed):
+            device, dtype = parse_move("to", *args, **kwargs)
+            if device is not None and device.type == "cuda":
+                return self if dtype is None else to(self, dtype)
+        return to(self, *args, **kwargs)
+
+    def stay_cuda(self, *args, **kwargs):
+        return cuda(self, *args, **kwargs) if isinstance(self, Placed) else self
+
+    torch.Tensor.to, torch.Tensor.cuda = stay_to, stay_cuda
+    try:
+        yield
+    finally:
+        torch.Tensor.to, torch.Tensor.cuda = to, cuda
 
 
 def _tensors(model: nn.Module):
@@ -206,7 +236,8 @@ def replicate_report(replicate, n_gpus: int, devices: list) -> dict:
     weights = [torch.randn(o.shape) for o in outs]
     if not all(plain(o).requires_grad for o in outs):
         return {**report, "grads": "missing"}
-    sum((plain(o) * w).sum() for o, w in zip(outs, weights)).backward()
+    with gradients_stay():
+        sum((plain(o) * w).sum() for o, w in zip(outs, weights)).backward()
     return {**report, **_grads(model, twin, xs, weights)}
 
 
@@ -244,7 +275,8 @@ def run_dp(data_parallel_forward, n_devices: int, batch_size: int) -> dict:
                    "expected": expected.detach().clone(), "grads": "no graph"})
     if out.requires_grad and out.shape == expected.shape:
         weights = torch.randn(expected.shape)
-        (out * weights).sum().backward()
+        with gradients_stay():
+            (out * weights).sum().backward()
         report.update(_grads(model, twin, [batch], [weights]))
     return report
 
