@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import json
+import os
 import queue
 import subprocess
 import sys
@@ -86,6 +87,8 @@ class SubsetJobs:
         threads: CPU threads per child (also ``OMP_NUM_THREADS``).
         timeout: Seconds any wait (start-up, one :meth:`train` call) may take.
         echo: Print what the children print, each line prefixed ``[name]``.
+        gpu_env: ``gpu_env(ids)`` -> the variables that make a child see GPUs ``ids`` (lesson 01
+            passes the learner's own); default :func:`mgpu_lab.devices.visible.child_env`'s.
 
     Raises:
         ValueError: For unknown names or bad GPU ids, before any child starts.
@@ -105,14 +108,17 @@ class SubsetJobs:
     """
 
     def __init__(self, jobs: Mapping[str, Sequence[int]], threads: int = 1, timeout: float = 120.0,
-                 echo: bool = True):
+                 echo: bool = True, gpu_env=None):
         from mgpu_lab.devices.visible import child_env
 
         unknown = [name for name in jobs if name not in LEARNING_RATES]
         if unknown or not jobs:
             raise ValueError(f"jobs={dict(jobs)!r}: name each job one of {sorted(LEARNING_RATES)}, "
                              "e.g. {'A': [0, 1], 'B': [2, 3]}")
-        envs = {name: child_env(list(ids)) for name, ids in jobs.items()}  # validates every id first
+        if gpu_env is None:
+            envs = {name: child_env(list(ids)) for name, ids in jobs.items()}  # validates every id first
+        else:
+            envs = {name: {**os.environ, **gpu_env(list(ids))} for name, ids in jobs.items()}
         self.jobs = {name: tuple(ids) for name, ids in jobs.items()}
         self.timeout, self.echo = timeout, echo
         self.startup_s: dict[str, float] = {}

@@ -1,4 +1,8 @@
-"""nn.DataParallel step by step, on whatever devices exist, with a per-device timeline.
+"""nn.DataParallel step by step, on whatever devices exist: the reference of lesson 03's exercises.
+
+Lesson 03's learners build ``replicate`` and the forward themselves, so its notebook
+does not import this module (its helpers are in :mod:`mgpu_lab.parallel.dp_tools`);
+the checks, the tests, the benchmarks and later lessons may.
 
 ``nn.DataParallel`` runs one training step in one process like this:
 
@@ -29,78 +33,19 @@ Example:
 """
 from __future__ import annotations
 
-import threading
-import time
-from contextlib import contextmanager, nullcontext
-
 import torch
 from torch import nn
 
+from mgpu_lab.parallel.dp_tools import (_devices, _lane, _span, cpu_threads, default_devices, parallel_apply,
+                                        time_steps, train_step)
 from mgpu_lab.parallel.timeline import Timeline
 
 __all__ = ["default_devices", "cpu_threads", "scatter", "replicate", "parallel_apply", "gather",
            "StepByStepDataParallel", "train_step", "time_steps"]
 
 
-def default_devices(n_cpu: int = 2) -> list[torch.device]:
-    """Every visible GPU when there are at least two; else ``n_cpu`` CPU "devices"."""
-    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if n >= 2:
-        return [torch.device("cuda", i) for i in range(n)]
-    return [torch.device("cpu")] * n_cpu
-
-
-@contextmanager
-def cpu_threads(n: int = 1):
-    """Run the block with ``n`` intra-op CPU threads, then restore the previous number.
-
-    With CPU "devices", ``cpu_threads(1)`` gives each replica one core, as each
-    GPU is one device; the plain model then also computes on one core.
-
-    Example:
-        >>> with cpu_threads(1):
-        ...     torch.get_num_threads()
-        1
-    """
-    if n < 1:
-        raise ValueError(f"n={n}: use at least one thread")
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-def _devices(devices) -> list[torch.device]:
-    devices = [torch.device(d) for d in devices]
-    if not devices:
-        raise ValueError("devices is empty: pass at least one device, e.g. ['cpu', 'cpu'] or ['cuda:0', 'cuda:1']")
-    return devices
-
-
 def _all_cuda(devices) -> bool:
     return all(d.type == "cuda" for d in devices)
-
-
-@contextmanager
-def _span(timeline: Timeline | None, lane: str | None, phase: str, device: torch.device):
-    """A span of ``timeline`` timed on the host, ending when ``device``'s work does; nothing without one.
-
-    Host time, not CUDA events: DataParallel's phases run in several threads and
-    copy between GPUs on streams of their own, and the lesson shows wall time.
-    """
-    if timeline is None:
-        yield
-        return
-    with timeline.span(lane, phase):
-        yield
-        _sync(device)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def scatter(batch: torch.Tensor, devices) -> list[torch.Tensor]:
@@ -152,45 +97,6 @@ def replicate(model: nn.Module, devices) -> list[nn.Module]:
     return replicas
 
 
-def _lane(i: int, device: torch.device) -> str:
-    return f"{device} (replica {i})" if device.type == "cpu" else str(device)
-
-
-def parallel_apply(replicas, inputs, devices=None, timeline: Timeline | None = None) -> list:
-    """Run ``replicas[i](inputs[i])`` in one thread per replica; outputs in replica order.
-
-    The threads share one Python interpreter: only one of them runs Python
-    code at a time (the GIL); they overlap only inside PyTorch's kernels.
-
-    Raises:
-        RuntimeError: a replica raised; the message names it.
-    """
-    if len(replicas) != len(inputs):
-        raise ValueError(f"{len(replicas)} replicas but {len(inputs)} inputs: give one input per replica")
-    devices = _devices(devices) if devices is not None else [next(r.parameters()).device for r in replicas]
-    grad = torch.is_grad_enabled()
-    results: list = [None] * len(replicas)
-
-    def work(i):
-        device = devices[i]
-        try:
-            with torch.set_grad_enabled(grad), (torch.cuda.device(device) if device.type == "cuda" else nullcontext()):
-                with _span(timeline, _lane(i, device), "forward", device):
-                    results[i] = replicas[i](inputs[i])
-        except Exception as exc:  # noqa: BLE001 - re-raised in the caller's thread below
-            results[i] = exc
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(replicas))]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    for i, out in enumerate(results):
-        if isinstance(out, Exception):
-            raise RuntimeError(f"replica {i} on {devices[i]} raised {type(out).__name__}: {out}") from out
-    return results
-
-
 def gather(outputs, device) -> torch.Tensor:
     """Concatenate the outputs along dim 0 on ``device`` (each moved there first)."""
     device = torch.device(device)
@@ -231,33 +137,3 @@ class StepByStepDataParallel(nn.Module):
         outputs = parallel_apply(replicas, chunks, self.devices[: len(chunks)], self.timeline)
         with self._span(0, "gather"):
             return gather(outputs, self.devices[0])
-
-
-def train_step(model, batch, target, loss_fn, optimizer, timeline: Timeline | None = None) -> float:
-    """One optimisation step; with a timeline, loss+backward and the optimizer step are recorded
-    across every lane (backward runs through all replicas)."""
-    optimizer.zero_grad(set_to_none=True)
-    out = model(batch)
-    device = out.device
-    with _span(timeline, None, "loss+backward", device):
-        loss = loss_fn(out, target.to(device))
-        loss.backward()
-    with _span(timeline, None, "optimizer", device):
-        optimizer.step()
-    return loss.item()
-
-
-def time_steps(model, batch, target, steps: int = 10, warmup: int = 2, lr: float = 0.01) -> float:
-    """Seconds per SGD training step of ``model`` (plain, DataParallel or step-by-step) on one batch."""
-    params = list(model.parameters())
-    device = params[0].device
-    optimizer = torch.optim.SGD(params, lr=lr)
-    loss_fn = nn.CrossEntropyLoss()
-    for _ in range(warmup):
-        train_step(model, batch, target, loss_fn, optimizer)
-    _sync(device)
-    start = time.perf_counter()
-    for _ in range(steps):
-        train_step(model, batch, target, loss_fn, optimizer)
-    _sync(device)
-    return (time.perf_counter() - start) / steps

@@ -58,7 +58,7 @@ class Timeline:
     """
 
     #: Colours of lesson 03's DataParallel phases; other labels: F... blue, B... orange.
-    PHASES = {"scatter": "tab:orange", "replicate": "tab:red", "forward": "tab:blue",
+    PHASES = {"scatter": "tab:orange", "replicate": "tab:red", "scatter+replicate": "tab:red", "forward": "tab:blue",
               "gather": "tab:purple", "loss+backward": "tab:green", "optimizer": "tab:gray"}
 
     def __init__(self, spans=()):

@@ -97,7 +97,7 @@ def test_student_01_a_right_and_a_wrong_answer_typed_in_the_editor(lab, page):
     assert "01.pick_device: 6/6 passed" in good.inner_text()
     assert bad.locator(".mgpu-check-failed").count() == 1
     text = bad.inner_text()
-    assert "visible_devices_env([3, 1])" in text and "keep the order" in text  # the case and its hint
+    assert "visible_devices_env([3, 1])" in text and "keeps the order" in text  # the case that names it
 
 
 def test_lesson_04_launch_cells_show_every_rank_and_the_explorer_responds(lab, page):

@@ -102,3 +102,11 @@ def test_a_child_given_gpu_0_trains_on_its_cuda_0():
         runs = running.train(steps=10)
     assert (runs["A"].visible, runs["A"].gpu_count, runs["A"].device) == ("0", 1, "cuda:0")
     assert (runs["B"].gpu_count, runs["B"].device) == (0, "cpu")  # a GPU past the last one: CPU
+
+
+def test_a_gpu_env_function_of_the_caller_gives_each_child_its_variables():
+    def mine(ids):  # as lesson 01's learner writes it, and passes it
+        return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, ids)), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+
+    with SubsetJobs({"A": [3]}, echo=False, gpu_env=mine) as running:
+        assert running.train(steps=5)["A"].visible == "3"

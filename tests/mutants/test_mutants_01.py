@@ -6,6 +6,8 @@ Every variant is a correct answer written differently; it must get full marks.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -13,29 +15,34 @@ from mutation import ExerciseMutants, Mutant, Variant, drop_statement, mutant_te
 
 pytestmark = pytest.mark.timeout(300)
 NOTEBOOK = "01_devices.ipynb"
-NAMESPACE = {"torch": torch}
+NAMESPACE = {"torch": torch, "os": os}
 
 PICK = ExerciseMutants("01.pick_device", NOTEBOOK, ("pick_device",), mutants=[
     Mutant("index ignored, always cuda:0",
-           replace('return torch.device("cuda", index)', 'return torch.device("cuda", 0)'), "use the index"),
+           replace('return torch.device("cuda", index)', 'return torch.device("cuda", 0)'), "the index you are given"),
     Mutant("no CPU fallback",
            replace('torch.device("cuda", 0) if count else torch.device("cpu")', 'torch.device("cuda", 0)'),
-           "torch.device('cpu')"),
+           "falls back to the cpu"),
     Mutant("torch.device('cuda') without an index for None",
-           replace('torch.device("cuda", 0) if count', 'torch.device("cuda") if count'), "first visible gpu"),
+           replace('torch.device("cuda", 0) if count', 'torch.device("cuda") if count'), "first gpu this process sees"),
     Mutant("strings instead of devices",
            (replace('return torch.device("cuda", index)', 'return f"cuda:{index}"'),
             replace('torch.device("cuda", 0) if count else torch.device("cpu")', '"cuda:0" if count else "cpu"')),
-           ("torch.device", "str 'cpu'")),
+           ("a torch.device", "str 'cpu'")),
+    Mutant("the physical id of CUDA_VISIBLE_DEVICES, not this process's numbering",
+           replace('    return torch.device("cuda", index)',
+                   '    import os\n    visible = os.environ.get("CUDA_VISIBLE_DEVICES")\n'
+                   '    return torch.device("cuda", int(visible.split(",")[index]) if visible else index)'),
+           ("physical gpu 3 is its cuda:0", "cuda:3")),
     Mutant("index == count allowed (off by one)", replace("index < count", "index <= count"),
-           ("pick_device(2)", "valid indices are 0 and 1")),
+           "pick_device(2) with 2 gpu(s)"),
     Mutant("negative index allowed", replace("0 <= index < count", "index < count"), "pick_device(-1)"),
     Mutant("IndexError instead of ValueError", replace("raise ValueError", "raise IndexError"),
            ("valueerror", "indexerror")),
     Mutant("message does not name the visible count",
-           replace("{count} GPU(s) are visible", "too few GPUs are visible"), ("pick_device(7)", "mentioning 2")),
+           replace("{count} GPU(s) are visible", "too few GPUs are visible"), ("pick_device(2)", "mentioning 2")),
     Mutant("explicit index without GPUs falls back to the CPU",
-           replace("if index is None:", "if index is None or not count:"), "no gpu visible: pick_device(0)"),
+           replace("if index is None:", "if index is None or not count:"), "pick_device(0) with 0 gpu(s)"),
 ], variants=[
     Variant("CPU branch first, f-string device", '''
 def pick_device(index=None):
@@ -73,17 +80,20 @@ STEP = ExerciseMutants("01.train_step", NOTEBOOK, ("train_step",), mutants=[
            ("which means cuda:0", "['cuda']")),
     Mutant("moved labels thrown away",
            replace("inputs, labels = inputs.to(device), labels.to(device)",
-                   "inputs = inputs.to(device)\n    labels.to(device)"), "returns a new tensor"),
-    Mutant("model moved to 'cuda' (cuda:0)", replace("    optimizer.zero_grad()", '    model.to("cuda")\n    optimizer.zero_grad()'),
+                   "inputs = inputs.to(device)\n    labels.to(device)"), "returns a moved copy"),
+    Mutant("model moved to 'cuda' (cuda:0)",
+           replace("    optimizer.zero_grad()", '    model.to("cuda")\n    optimizer.zero_grad()'),
            ("model moved to ['cuda']",)),
-    Mutant("no zero_grad", drop_statement("zero_grad"), "zero_grad"),
-    Mutant("no optimizer.step()", drop_statement("optimizer.step"), ("optimizer.step()", "different weights")),
+    Mutant("no zero_grad", drop_statement("zero_grad"), "gradients accumulate"),
+    Mutant("no optimizer.step()", drop_statement("optimizer.step"), "different weights"),
     Mutant("zero_grad between backward and step",
-           (drop_statement("zero_grad"), replace("    optimizer.step()", "    optimizer.zero_grad()\n    optimizer.step()")),
-           "in this order"),
+           (drop_statement("zero_grad"),
+            replace("    optimizer.step()", "    optimizer.zero_grad()\n    optimizer.step()")),
+           "applied by the optimizer once"),
     Mutant("the loss tensor returned", replace("return loss.item()", "return loss"), ("float", "tensor")),
-    Mutant("loss recomputed after the step", replace("return loss.item()", "return loss_fn(model(inputs), labels).item()"),
-           "before optimizer.step()"),
+    Mutant("loss recomputed after the step",
+           replace("return loss.item()", "return loss_fn(model(inputs), labels).item()"),
+           "computed after the weights changed"),
 ], variants=[
     Variant("generator of moves, non_blocking, float()", '''
 def train_step(model, batch, optimizer, loss_fn, device):
@@ -108,41 +118,66 @@ def train_step(model, batch, optimizer, loss_fn, device):
 '''),
 ])
 
+JOIN = '",".join(str(gpu) for gpu in ids)'
 VISIBLE = ExerciseMutants("01.visible_devices_env", NOTEBOOK, ("visible_devices_env",), mutants=[
-    Mutant("ids sorted", replace("str(gpu) for gpu in ids)", "str(gpu) for gpu in sorted(ids))"), "keep the order"),
-    Mutant("spaces after the commas", replace('",".join', '", ".join'), ("no spaces", "'2, 3'")),
-    Mutant("a list instead of a string", replace('",".join(str(gpu) for gpu in ids)', "ids"), "dict of str to str"),
-    Mutant("only the first GPU", replace("for gpu in ids)", "for gpu in ids[:1])"), ("'2,3'", "'2'")),
-    Mutant("the whole environment returned", replace("return {", 'return {**__import__("os").environ, '),
-           "set only cuda_visible_devices"),
+    Mutant("ids sorted", replace("str(gpu) for gpu in ids)", "str(gpu) for gpu in sorted(ids))"), "keeps the order"),
+    Mutant("spaces after the commas", replace(JOIN, JOIN.replace('","', '", "')), "'2, 3'"),
+    Mutant("a list instead of a string", replace(JOIN, "ids"), "strings only"),
+    Mutant("this process's own CUDA_VISIBLE_DEVICES ignored",
+           replace('",".join(entries[gpu] for gpu in ids)', JOIN), ("the ids themselves", "'2,0'")),
+    Mutant("the child always reads in PCI bus order",
+           replace('os.environ.get("CUDA_DEVICE_ORDER", "FASTEST_FIRST")', '"PCI_BUS_ID"'),
+           ("another order", "cuda_device_order pci_bus_id")),
+    Mutant("no CUDA_DEVICE_ORDER from a process that sees every GPU",
+           replace(', "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}', "}"), "nvidia-smi"),
     Mutant("os.environ of this process set",
-           replace("    return {", '    import os\n    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, ids))\n'
-                                  "    return {"), ("os.environ", "cuda_visible_devices")),
-    Mutant("duplicate ids accepted", replace("if repeated:", "if False:"), "no id twice"),
-    Mutant("negative ids accepted", replace(" or gpu < 0", ""), "int >= 0"),
-    Mutant("bools accepted as ids", replace("isinstance(gpu, bool) or ", ""), "(not ints)"),
+           replace("    if entries is None:\n",
+                   '    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, ids))\n    if entries is None:\n'),
+           ("os.environ changed", "cuda_visible_devices")),
+    Mutant("duplicate ids accepted", replace("if repeated:", "if False:"), "valueerror for [1, 1]"),
+    Mutant("ids past this process's subset accepted", replace("if entries is not None and gpu >= len(entries):",
+                                                             "if False:"),
+           "[3] with this process on 5,2,7"),
+    Mutant("the parent's entries parsed as ints",
+           replace("entries[gpu] for gpu in ids", "str(int(entries[gpu])) for gpu in ids"), "uuid"),
+    Mutant("the whole environment returned",
+           replace('return {"CUDA_VISIBLE_DEVICES": ",".join(str(gpu)',
+                   'return {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(str(gpu)'),
+           "only cuda_visible_devices and cuda_device_order"),
 ], variants=[
-    Variant("set() for duplicates, map(str)", '''
+    Variant("set() for duplicates, the parent's order inherited", '''
 def visible_devices_env(ids):
+    import os
     if len(set(ids)) != len(ids):
         raise ValueError(f"duplicate GPU ids in {ids}")
+    parent = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if parent is None:
+        for i in ids:
+            if type(i) is not int or i < 0:
+                raise ValueError(f"bad GPU id {i!r} in {ids}")
+        return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, ids)), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    mine = parent.replace(" ", "").split(",")
     for i in ids:
-        if type(i) is not int or i < 0:
-            raise ValueError(f"bad GPU id {i!r} in {ids}")
-    return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, ids))}
+        if type(i) is not int or not 0 <= i < len(mine):
+            raise ValueError(f"GPU id {i!r}: this process sees {len(mine)} GPUs ({parent})")
+    return {"CUDA_VISIBLE_DEVICES": ",".join(mine[i] for i in ids)}
 '''),
     Variant("one pass with a seen list, dict built step by step", '''
 def visible_devices_env(ids):
+    import os
     seen = []
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    pool = listed.split(",") if listed is not None else None
     for i in ids:
-        if not isinstance(i, int) or isinstance(i, bool):
-            raise ValueError(f"{i!r} is not an int GPU index")
-        if i < 0 or i in seen:
-            raise ValueError(f"GPU id {i} is negative or repeated in {ids}")
+        if not isinstance(i, int) or isinstance(i, bool) or i < 0 or i in seen:
+            raise ValueError(f"GPU id {i!r} is not a new index >= 0 in {ids}")
+        if pool is not None and i >= len(pool):
+            raise ValueError(f"GPU id {i} but this process sees only {len(pool)} GPU(s)")
         seen.append(i)
     env = {}
-    env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-    env["CUDA_VISIBLE_DEVICES"] = ",".join(f"{i}" for i in seen)
+    order = os.environ.get("CUDA_DEVICE_ORDER", "FASTEST_FIRST") if pool is not None else "PCI_BUS_ID"
+    env["CUDA_DEVICE_ORDER"] = order
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(pool[i].strip() if pool is not None else f"{i}" for i in seen)
     return env
 '''),
 ])

@@ -35,7 +35,7 @@ def stub(*args, **kwargs):
     raise NotImplementedError("write this function")
 
 
-SOLUTION = solutions_from(NOTEBOOK, ("pick_device", "train_step", "visible_devices_env"), {"torch": torch})
+SOLUTION = solutions_from(NOTEBOOK, ("pick_device", "train_step", "visible_devices_env"), {"torch": torch, "os": os})
 
 # -- registry ---------------------------------------------------------------------------
 def test_lesson_01_has_exactly_the_issue_s_exercises():
@@ -75,3 +75,48 @@ def test_an_answer_that_kills_its_process_fails_and_this_process_survives():
     assert result.points == 0 and result.status == "failed"
     assert "died" in result.cases[0].got and "exit code 3" in result.cases[0].got
     assert check("01.train_step", SOLUTION["train_step"]).passed  # and checks still work afterwards
+
+
+# -- trivially wrong answers and the library's own versions ---------------------------------------
+def returns_none(*args):
+    return None
+
+
+def does_nothing_but_returns_a_float(model, batch, optimizer, loss_fn, device):
+    return 0.0
+
+
+def library_visible_devices_env(ids):
+    from mgpu_lab.devices.visible import visible_devices_env
+
+    return visible_devices_env(ids)
+
+
+def library_train_step(model, batch, optimizer, loss_fn, device):
+    from mgpu_lab.parallel.dp_tools import train_step
+
+    inputs, labels = batch
+    return train_step(model, inputs.to(device), labels.to(device), loss_fn, optimizer)
+
+
+@pytest.mark.parametrize("exercise_id", IDS)
+def test_an_answer_that_returns_nothing_passes_no_case(exercise_id):
+    result = check(exercise_id, returns_none)
+    # pick_device: None is neither a device nor an error; train_step and visible_devices_env: nothing done.
+    passed = [c.name for c in result.cases if c.passed]
+    if exercise_id == "01.visible_devices_env":  # it changes no os.environ: that case names a thing it does not do
+        assert passed == ["leaves this process's own os.environ unchanged (the variables are for the child)"], passed
+    else:
+        assert passed == [], passed
+
+
+def test_a_step_that_does_nothing_passes_only_the_type_of_its_result():
+    result = check("01.train_step", does_nothing_but_returns_a_float)
+    assert result.points == 0, str(result)
+
+
+@pytest.mark.parametrize("exercise_id, answer", [("01.visible_devices_env", library_visible_devices_env),
+                                                 ("01.train_step", library_train_step)])
+def test_an_answer_that_calls_the_library_s_version_fails_naming_it(exercise_id, answer):
+    result = check(exercise_id, answer)
+    assert result.points == 0 and "your code calls mgpu_lab." in result.cases[0].got, str(result)

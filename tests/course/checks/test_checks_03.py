@@ -1,4 +1,4 @@
-"""Checkers of lesson 03 against the solution, a stub, and an answer that raises.
+"""Checkers of lesson 03 against a stub, answers that raise, trivially wrong answers and the references.
 
 The right answers are the ones in solutions/03_data_parallel.ipynb, read from
 the notebook itself. The wrong answers each check exists for are the named
@@ -16,15 +16,14 @@ from torch import nn
 
 from checking import solutions_from
 from mgpu_lab.course.checks import check, exercises
-from mgpu_lab.parallel.data_parallel import parallel_apply, replicate
+from mgpu_lab.parallel.dp_tools import parallel_apply
 
 pytestmark = pytest.mark.timeout(180)
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 NOTEBOOK = Path(__file__).resolve().parents[3] / "solutions" / "03_data_parallel.ipynb"
-POINTS = {"03.data_parallel_forward": 7, "03.split_batch": 6}
-NAMES = {"03.data_parallel_forward": "data_parallel_forward", "03.split_batch": "split_batch"}
-SOLUTION = solutions_from(NOTEBOOK, ("split_batch", "data_parallel_forward"),
-                          {"torch": torch, "nn": nn, "replicate": replicate, "parallel_apply": parallel_apply})
+POINTS = {"03.data_parallel_forward": 7, "03.replicate": 6}
+SOLUTION = solutions_from(NOTEBOOK, ("replicate", "data_parallel_forward"),
+                          {"torch": torch, "nn": nn, "parallel_apply": parallel_apply})
 
 
 def stub(*args, **kwargs):
@@ -33,6 +32,28 @@ def stub(*args, **kwargs):
 
 def dp_raises(model, batch, devices):
     raise RuntimeError("Expected all tensors to be on the same device")
+
+
+def returns_none(*args):
+    return None
+
+
+def the_model_for_every_device(module, devices):
+    return [module for _ in devices]
+
+
+def torch_replicate(module, devices):
+    return torch.nn.parallel.replicate(module, devices)
+
+
+def library_replicate(module, devices):
+    from mgpu_lab.parallel.data_parallel import replicate
+
+    return replicate(module, devices)
+
+
+def dp_with_torch_pieces(model, batch, devices):
+    return torch.nn.parallel.data_parallel(model, batch, devices)
 
 
 def test_registered():
@@ -50,3 +71,34 @@ def test_an_error_in_the_answer_is_named_in_every_visible_case():
     assert result.points == 0
     visible = [c for c in result.cases if not c.hidden]
     assert all("RuntimeError: Expected all tensors" in c.got for c in visible), str(result)
+
+
+@pytest.mark.parametrize("exercise_id", list(POINTS))
+def test_an_answer_that_returns_nothing_passes_no_case(exercise_id):
+    result = check(exercise_id, returns_none)
+    assert result.points == 0, str(result)
+
+
+def test_the_model_itself_as_every_replica_passes_only_what_it_does_not_lack():
+    result = check("03.replicate", the_model_for_every_device)
+    passed = {c.name.split(":")[0] for c in result.cases if c.passed}
+    # It computes what the model computes, gradients reach the model, the model is unchanged; nothing else.
+    assert result.points == 3, str(result)
+    assert not any(c.passed for c in result.cases if "devices[i]" in c.name or "of its own" in c.name), passed
+
+
+@pytest.mark.parametrize("answer", [torch_replicate, library_replicate])
+def test_calling_a_reference_replicate_fails_naming_it(answer):
+    result = check("03.replicate", answer)
+    assert result.points == 0 and "your code calls" in result.cases[0].got, str(result)
+
+
+def test_calling_torch_s_data_parallel_fails_naming_it():
+    result = check("03.data_parallel_forward", dp_with_torch_pieces)
+    assert result.points == 0 and "your code calls torch.nn.parallel" in result.cases[0].got, str(result)
+
+
+def test_the_solution_gets_full_marks():
+    for exercise_id, name in (("03.replicate", "replicate"), ("03.data_parallel_forward", "data_parallel_forward")):
+        result = check(exercise_id, SOLUTION[name])
+        assert result.points == result.max_points, str(result)

@@ -4,13 +4,14 @@ The GPU branches are judged on any machine, and each check runs the learner's
 code once, in one fresh process, for all its cases (:mod:`.ranks`):
 
 - ``pick_device`` runs where ``torch.cuda`` reports a simulated number of GPUs
-  (0, 2, 4);
+  (0, 1, 2, 4), once with ``CUDA_VISIBLE_DEVICES=3`` set in the process;
 - ``train_step`` gets ``device=cuda:1`` on a machine without a GPU: the batch
   tensors record every move (:mod:`..sim.devices`: the move is logged, the
   data stays on the CPU), so a batch moved to ``"cpu"``, to ``"cuda"`` or not at
   all shows, as does a ``y.to(device)`` whose result was thrown away;
 - ``visible_devices_env`` is judged by real child processes started with the
-  environment it returns.
+  environment it returns, while the check's process runs on all GPUs or on a
+  subset of its own (``CUDA_VISIBLE_DEVICES=5,2,7``, or GPU UUIDs).
 """
 from __future__ import annotations
 
@@ -22,40 +23,36 @@ from .judges import need, raises_naming
 from .ranks import run_pick, run_train_step, run_visible
 
 
-PICK_HINT = ("return torch.device('cuda', index) (index 0 when None) if torch.cuda.is_available(), "
-             "else torch.device('cpu')")
-
-
-RANGE_HINT = ("check 0 <= index < torch.cuda.device_count() and otherwise "
-              "raise ValueError(f'... {count} GPU(s) visible ...')")
-
-
 # -- pick_device -------------------------------------------------------------------
-PICK_CASES = [  # name, (gpus, args) calls, expected devices, hidden, hint per call
-    ("no GPU visible: pick_device() is cpu", [(0, ())], [torch.device("cpu")], False,
-     ["with no GPU visible (torch.cuda.is_available() is False) return torch.device('cpu')"]),
+FIRST_GPU = ("index None means the first GPU this process sees, cuda:0; a device without an index ('cuda') "
+             "means whichever GPU is current, not a fixed one")
+GIVEN = "the index you are given picks the GPU: pick_device(i) is the i-th GPU this process sees"
+PICK_CASES = [  # name, (gpus, args, CUDA_VISIBLE_DEVICES) calls, expected devices, hidden, hint per call
+    ("no GPU visible: pick_device() is the CPU", [(0, (), None)], [torch.device("cpu")], False,
+     ["with no GPU visible the work falls back to the CPU (and says so): a GPU device there fails at the "
+      "first allocation"]),
     ("2 GPUs visible: pick_device() and pick_device(0) are cuda:0, pick_device(1) is cuda:1",
-     [(2, ()), (2, (0,)), (2, (1,))], [torch.device("cuda", 0), torch.device("cuda", 0), torch.device("cuda", 1)],
-     False, ["index=None means the first visible GPU: torch.device('cuda', 0)",
-             "use the index you were given: torch.device('cuda', index)",
-             "use the index you were given: torch.device('cuda', index)"]),
-    ("4 GPUs visible: pick_device(3) is cuda:3", [(4, (3,))], [torch.device("cuda", 3)], True, [PICK_HINT]),
+     [(2, (), None), (2, (0,), None), (2, (1,), None)],
+     [torch.device("cuda", 0), torch.device("cuda", 0), torch.device("cuda", 1)], False, [FIRST_GPU, GIVEN, GIVEN]),
+    ("started with CUDA_VISIBLE_DEVICES=3 (one GPU visible): pick_device(0) is cuda:0, this process's numbering",
+     [(1, (0,), "3")], [torch.device("cuda", 0)], False,
+     ["a process numbers the GPUs it sees from 0: under CUDA_VISIBLE_DEVICES=3 physical GPU 3 is its cuda:0, "
+      "and cuda:3 does not exist in it"]),
+    ("4 GPUs visible: pick_device(3) is cuda:3", [(4, (3,), None)], [torch.device("cuda", 3)], True, [GIVEN]),
 ]
+BAD_INDEX = [(2, (2,), None), (2, (-1,), None), (2, (7,), None), (0, (0,), None)]
+RANGE_HINT = ("an index that names no GPU of this process is an error the caller must hear about, with the "
+              "number of GPUs it can choose from; a silent fallback hides a wrong index")
 
 
-BAD_INDEX = [(2, (2,)), (2, (-1,)), (2, (7,))]
-
-
-NO_GPU_INDEX = [(0, (0,))]
-
-
-@exercise("01.pick_device", points=6, description="pick_device(index=None): cuda:index with GPUs, cpu without, "
-          "ValueError naming the visible count for a bad index")
+@exercise("01.pick_device", points=6, description="pick_device(index=None): the GPU this process calls "
+          "cuda:index, cuda:0 for None, the CPU without GPUs; ValueError naming the visible count for a bad index")
 def _pick_device(t, pick_device):
     """Catches: the index ignored (always cuda:0), no CPU fallback, ``torch.device('cuda')`` for None,
-    strings instead of devices (one case), an off-by-one or missing negative check, another error
-    type, a message that does not name the visible count, an index accepted when no GPU is visible."""
-    calls = [c for case in PICK_CASES for c in case[1]] + BAD_INDEX + NO_GPU_INDEX
+    the physical id of CUDA_VISIBLE_DEVICES instead of the process's numbering, strings instead of devices
+    (one case), an index out of range accepted (off by one, negative, any index without GPUs) or refused
+    with another error or without the count (one case)."""
+    calls = [c for case in PICK_CASES for c in case[1]] + BAD_INDEX
     got = None
     returned = []
     for i, (name, these, expected, hidden, hints) in enumerate(PICK_CASES):
@@ -63,8 +60,8 @@ def _pick_device(t, pick_device):
             if i == 0:
                 got = dict(zip(calls, t.call(run_pick, pick_device, calls)))
             need(t, got)
-            for (gpus, args), want, hint in zip(these, expected, hints):
-                result = got[(gpus, args)]
+            for (gpus, args, visible), want, hint in zip(these, expected, hints):
+                result = got[(gpus, args, visible)]
                 call = f"pick_device({', '.join(map(repr, args))}) with {gpus} GPU(s)"
                 if result[0] == "raised":
                     t.fail(hint, repr(want), f"{call}: {in_words(result, raised='')}")
@@ -74,54 +71,51 @@ def _pick_device(t, pick_device):
                 if (torch.device(value) if isinstance(value, str) else value) != want:
                     t.fail(hint, f"{call}: {want!r}", f"{call}: {value!r}")
     with t.case("returns a torch.device, not a string",
-                hint="return torch.device('cuda', index) / torch.device('cpu'): a device object, which "
-                     "compares and prints as a device everywhere"):
+                hint="a string names a device but is not one: it does not compare equal to torch.device('cuda', 1) "
+                     "and has no .type or .index"):
         need(t, got)
         wrong = [v for v in returned if not isinstance(v, torch.device)]
         if wrong:
-            t.fail("", "torch.device(...)", f"{type(wrong[0]).__name__} {wrong[0]!r}")
-    with t.case("2 GPUs visible: pick_device(2), pick_device(-1) and pick_device(7) raise ValueError "
-                "naming the count (2)", hint=RANGE_HINT):
+            t.fail("", "a torch.device", f"{type(wrong[0]).__name__} {wrong[0]!r}")
+    with t.case("an index that names no visible GPU raises ValueError naming the count: pick_device(2), (-1) and "
+                "(7) with 2 GPUs, pick_device(0) with none", hint=RANGE_HINT):
         need(t, got)
         for call in BAD_INDEX:
-            if not raises_naming(got[call], 2):
-                t.fail(f"pick_device({call[1][0]}) with 2 GPUs: valid indices are 0 and 1, so raise ValueError "
-                       "and say how many GPUs are visible (2); " + RANGE_HINT,
-                       "ValueError mentioning 2", in_words(got[call], raised=""))
-    with t.case("no GPU visible: pick_device(0) raises ValueError naming the count (0)", hidden=True,
-                hint=RANGE_HINT):
-        need(t, got)
-        if not raises_naming(got[NO_GPU_INDEX[0]], 0):
-            t.fail("with no GPU any explicit index is out of range: " + RANGE_HINT,
-                   "ValueError mentioning 0", in_words(got[NO_GPU_INDEX[0]], raised=""))
+            gpus = call[0]
+            if not raises_naming(got[call], gpus):
+                t.fail(f"pick_device({call[1][0]}) with {gpus} GPU(s): " + RANGE_HINT,
+                       f"ValueError mentioning {gpus}", in_words(got[call], raised=""))
 
 
 # -- train_step ----------------------------------------------------------------------
-MOVE_HINT = ("call .to(device) on the {tag} with the device you were given: on a GPU, forgetting it (or "
-             "moving to 'cpu', or to 'cuda', which means cuda:0) fails with 'Expected all tensors to be on "
-             "the same device'")
+MOVE_HINT = ("the {tag} arrive on the CPU and the model is on the device you are given: on a GPU, {tag} left "
+             "behind or sent elsewhere ('cpu', or 'cuda', which means cuda:0 while device is cuda:1) fail with "
+             "'Expected all tensors to be on the same device'")
 
 
-@exercise("01.train_step", points=6, description="train_step(model, batch, optimizer, loss_fn, device): move "
-          "inputs and labels to the device, one optimisation step, return the loss as a float")
+@exercise("01.train_step", points=6, references=("mgpu_lab.parallel.dp_tools:train_step",),
+          description="train_step(model, batch, optimizer, loss_fn, device): one optimisation step computed on "
+                      "device (a CPU batch), the loss as a float")
 def _train_step(t, train_step):
     """Runs with ``device=cuda:1`` (simulated) and catches: inputs or labels not moved, moved to
     ``"cpu"``/``"cuda"``/``.cuda()`` instead of ``device``, a moved copy thrown away, the model moved
     elsewhere, no ``zero_grad``/``step``, a wrong order, the loss tensor returned (one case), a loss
     computed after the step."""
     runs = None
-    with t.case("returns the batch's loss (computed before optimizer.step()) as a Python float",
-                hint="run one step and end with `return loss.item()` (a float, not the loss tensor)"):
+    with t.case("returns this batch's loss, before the step, as a Python float",
+                hint="train_step returns this batch's loss, computed before the weights change, as a Python float"):
         runs = t.call(run_train_step, train_step)
         gpu = runs["gpu"]
         if gpu["types"][0] != "float":
-            t.fail("return loss.item(): a Python float, not the loss tensor", "float", gpu["types"][0])
+            t.fail("your step returned the loss tensor (it keeps its graph and its device alive); a Python float "
+                   "is what a training loop logs", "float", gpu["types"][0])
         if not all(isinstance(v, (int, float)) for v in gpu["losses"]):
-            t.fail("return loss.item(): a Python float", "float", gpu["losses"][0])
+            t.fail("the loss as a Python float", "float", gpu["losses"][0])
         t.close(gpu["losses"], gpu["ref_losses"],
-                hint="return the loss of this batch computed before optimizer.step()")
+                hint="your loss differs from this batch's loss before the step: it was computed after the weights "
+                     "changed, or on something else")
     for tag in ("inputs", "labels"):
-        with t.case(f"moves the {tag} to the device it is given (device=cuda:1, a simulated GPU)",
+        with t.case(f"the {tag} used are on the device it is given (device=cuda:1, a simulated GPU)",
                     hint=MOVE_HINT.format(tag=tag)):
             need(t, runs)
             gpu = runs["gpu"]
@@ -130,21 +124,23 @@ def _train_step(t, train_step):
                 t.fail("", f"{tag}.to(device) with device={gpu['device']}",
                        f"moves of the {tag}: {sorted(set(moved)) or 'none'}")
             if tag in gpu["unmoved"]:
-                t.fail(f"{tag}.to(device) returns a new tensor and leaves {tag} where it was: "
-                       f"assign it ({tag[0]} = {tag[0]}.to(device)) and use that one",
+                t.fail(f"your step moved the {tag} but used the originals: a tensor's .to returns a moved copy "
+                       "and leaves the tensor where it was",
                        f"the moved {tag} used by the " + ("model" if tag == "inputs" else "loss"),
                        f"the {tag} as they came in the batch (not moved)")
             if tag == "inputs" and any(where != gpu["device"] for where in gpu["model_moves"]):
-                t.fail("the model is already on device: leave it there (a model.to('cuda') puts it on "
-                       "cuda:0 while the batch is on cuda:1)", f"the model on {gpu['device']}",
+                t.fail("the model is already on device and your step moved it elsewhere ('cuda' means cuda:0 "
+                       "while the batch is on cuda:1)", f"the model on {gpu['device']}",
                        f"model moved to {sorted(set(gpu['model_moves']))}")
-    with t.case("one step updates the weights exactly like zero_grad, backward, step",
-                hint="call optimizer.zero_grad(), loss.backward() and optimizer.step() once each, in this order"):
+    with t.case("one call updates the weights exactly like one optimizer step on this batch's loss",
+                hint="after your step the weights differ from one optimisation step's: the gradient of this "
+                     "batch's loss, from zero, applied by the optimizer once"):
         need(t, runs)
         if not runs["gpu"]["same_weights"][0]:
             t.fail("", "weights after one reference step", "different weights")
-    with t.case("three steps in a row match the reference (gradients reset each step)",
-                hint="without optimizer.zero_grad() gradients add up from step to step"):
+    with t.case("three calls in a row match three optimizer steps",
+                hint="one step is right but the next ones drift: each step's gradient was added to the "
+                     "previous steps' (gradients accumulate in .grad until they are reset)"):
         need(t, runs)
         if not all(runs["gpu"]["same_weights"]):
             t.fail("", "weights after three reference steps", "different weights")
@@ -158,68 +154,90 @@ def _train_step(t, train_step):
 
 
 # -- visible_devices_env ------------------------------------------------------------
-ENV_HINT = ("return {'CUDA_VISIBLE_DEVICES': ','.join(str(i) for i in ids)}: keep the order, no spaces, "
-            "values must be strings")
-
-
-BAD_HINT = "validate: every id an int >= 0, no id twice; raise ValueError naming the bad id"
-
-
-ENV_CASES = [  # name, ids lists, hidden
-    ("visible_devices_env([2, 3]) and ([0]) make real child processes see CUDA_VISIBLE_DEVICES=2,3 and 0",
-     [[2, 3], [0]], False),
-    ("visible_devices_env([3, 1]) keeps the order: the child sees 3,1 (its cuda:0 is GPU 3)", [[3, 1]], False),
+ALL = {"CUDA_VISIBLE_DEVICES": None, "CUDA_DEVICE_ORDER": None}  # this process sees every GPU
+SUBSET = {"CUDA_VISIBLE_DEVICES": "5,2,7", "CUDA_DEVICE_ORDER": None}  # this process runs on a subset
+UUIDS = {"CUDA_VISIBLE_DEVICES": "GPU-1a2b,GPU-3c4d,GPU-5e6f", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+ENV_HINT = ("a child's environment holds strings only; CUDA reads CUDA_VISIBLE_DEVICES as GPU entries separated by "
+            "commas alone, in the order given: the child's cuda:0 is the first entry")
+SUBSET_HINT = ("ids are GPUs as this process numbers them: when it already runs on a subset, its cuda:i is entry i "
+               "of its own CUDA_VISIBLE_DEVICES, and the child must read those entries in the order this process "
+               "reads them (its CUDA_DEVICE_ORDER, CUDA's default FASTEST_FIRST when unset)")
+ENV_CASES = [  # name, [(ids, parent)], expected CUDA_VISIBLE_DEVICES of the child, hidden
+    ("this process sees every GPU: visible_devices_env([2, 3]) and ([0]) make real children see GPUs 2,3 and 0",
+     [([2, 3], ALL), ([0], ALL)], ["2,3", "0"], False),
+    ("visible_devices_env([3, 1]) keeps the order: the child sees 3,1 (its cuda:0 is GPU 3)", [([3, 1], ALL)],
+     ["3,1"], False),
+    ("this process runs on CUDA_VISIBLE_DEVICES=5,2,7: ([2, 0]) gives the child the GPUs this process calls "
+     "cuda:2 and cuda:0 (7,5), read in this process's order", [([2, 0], SUBSET)], ["7,5"], False),
+    ("this process runs on GPUs named by UUID (GPU-1a2b,GPU-3c4d,GPU-5e6f): ([1]) gives the child GPU-3c4d",
+     [([1], UUIDS)], ["GPU-3c4d"], True),
 ]
+BAD_IDS = [([1, 1], ALL), ([-1], ALL), ([3], SUBSET)]
 
 
-BAD_CASES = [  # name, ids, hidden, hint
-    ("visible_devices_env([1, 1]) raises ValueError (an id twice)", [[1, 1]], False,
-     "no id twice: a GPU listed twice is one GPU, not two; " + BAD_HINT),
-    ("visible_devices_env([-1]) and ([0, -2]) raise ValueError (negative ids)", [[-1], [0, -2]], False,
-     "every id an int >= 0 (CUDA stops reading the list at the first invalid id); " + BAD_HINT),
-    ("visible_devices_env(['1']) and ([True]) raise ValueError (not ints)", [["1"], [True]], True, BAD_HINT),
-]
+def _order(values: dict) -> str:
+    return values.get("CUDA_DEVICE_ORDER") or "FASTEST_FIRST"
 
 
-@exercise("01.visible_devices_env", points=6, description="visible_devices_env(ids): the environment a child "
-          "process needs to see exactly those GPUs, in that order; ValueError for bad ids")
+def _judge_child(t, report, ids, parent, want):
+    """Fail the case unless the child saw ``want``, in the parent's order when the parent runs on a subset."""
+    if report["outcome"][0] == "raised":
+        t.fail("", "a dict of variables", in_words(report["outcome"], raised=""))
+    if not report["strings"]:
+        t.fail(ENV_HINT, "dict[str, str]", report["outcome"][1])
+    extra = {k for k in report["outcome"][1] if k not in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")}
+    if extra:
+        t.fail("the child needs only CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER: everything else it inherits",
+               "those two variables", ", ".join(sorted(extra)))
+    seen = report["seen"]
+    if seen.get("CUDA_VISIBLE_DEVICES") != want:
+        mine = parent["CUDA_VISIBLE_DEVICES"]
+        hint = ""
+        if mine is not None and seen.get("CUDA_VISIBLE_DEVICES") == ",".join(map(str, ids)):
+            hint = (f"your child got the ids themselves: with this process on {mine} those are other GPUs than "
+                    "the ones it calls cuda:" + ", cuda:".join(map(str, ids)) + "; " + SUBSET_HINT)
+        t.fail(hint, f"the child sees {want!r}", f"the child sees {seen.get('CUDA_VISIBLE_DEVICES')!r}")
+    if parent["CUDA_VISIBLE_DEVICES"] is None and _order(seen) != "PCI_BUS_ID":
+        t.fail("your child numbers the GPUs in CUDA's default order (fastest first), which can differ from "
+               "nvidia-smi's: its GPU 2 may be another card; CUDA_DEVICE_ORDER says which order the child uses",
+               "CUDA_DEVICE_ORDER PCI_BUS_ID", f"CUDA_DEVICE_ORDER {_order(seen)}")
+    if parent["CUDA_VISIBLE_DEVICES"] is not None and _order(seen) != _order(parent):
+        t.fail("your child reads the list in another order than this process: the same entries can then name "
+               "other GPUs; " + SUBSET_HINT, f"CUDA_DEVICE_ORDER {_order(parent)}", f"CUDA_DEVICE_ORDER {_order(seen)}")
+
+
+@exercise("01.visible_devices_env", points=6,
+          references=("mgpu_lab.devices.visible:visible_devices_env", "mgpu_lab.devices.visible:child_env"),
+          description="visible_devices_env(ids): the variables that make a child process see exactly the GPUs "
+                      "this process calls cuda:ids[0], cuda:ids[1], ..., in that order")
 def _visible(t, visible_devices_env):
-    """Catches: sorted ids, spaces or other separators, values that are not strings, extra variables,
-    setting ``os.environ`` of the calling process, duplicate, negative or non-int ids accepted (one case)."""
-    calls = [ids for case in ENV_CASES for ids in case[1]] + [ids for case in BAD_CASES for ids in case[1]]
-    got = None
-    at = 0
-    for i, (name, these, hidden) in enumerate(ENV_CASES):
-        with t.case(name, hidden=hidden, hint=ENV_HINT):
+    """Catches: sorted ids, spaces or other separators, values that are not strings, extra variables, setting
+    ``os.environ`` of the calling process, this process's own CUDA_VISIBLE_DEVICES ignored (the ids passed on
+    as they are), the child reading them in another order (PCI_BUS_ID against the parent's default), the parent's
+    entries parsed as ints (UUIDs), repeated, negative or out-of-range ids accepted (one case)."""
+    calls = [c for case in ENV_CASES for c in case[1]] + BAD_IDS
+    got, at = None, 0
+    for i, (name, these, wants, hidden) in enumerate(ENV_CASES):
+        with t.case(name, hidden=hidden, hint=SUBSET_HINT if these[0][1] is not ALL else ENV_HINT):
             if i == 0:
                 got = t.call(run_visible, visible_devices_env, calls)
             need(t, got)
-            for k, ids in enumerate(these):
-                report = got[at + k]
-                if report["outcome"][0] == "raised":
-                    t.fail("", "a dict of variables", in_words(report["outcome"], raised=""))
-                if not report["strings"]:
-                    t.fail("return a dict of str to str (a child's environment holds only strings)",
-                           "dict[str, str]", report["outcome"][1])
-                t.equal(report["seen"], ",".join(map(str, ids)))
-                extra = {k: v for k, v in report["outcome"][1].items() if k != "CUDA_VISIBLE_DEVICES"}
-                if extra not in ({}, {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}):
-                    t.fail("set only CUDA_VISIBLE_DEVICES (and optionally CUDA_DEVICE_ORDER=PCI_BUS_ID)", "",
-                           repr(extra))
+            for k, ((ids, parent), want) in enumerate(zip(these, wants)):
+                _judge_child(t, got[at + k], ids, parent, want)
         at += len(these)
     with t.case("leaves this process's own os.environ unchanged (the variables are for the child)",
-                hint="return a new dict; do not set os.environ here: CUDA has already read it in this process, "
-                     "and every later child would inherit it"):
+                hint="CUDA has already read this process's variables, and every later child would inherit a "
+                     "change: the variables belong in the child's environment only"):
         need(t, got)
         changed = sorted({k for report in got for k in report["environ_changed"]})
         if changed:
             t.fail("", "os.environ unchanged", f"os.environ changed: {', '.join(changed)}")
-    first_bad = at
-    for name, bad, hidden, hint in BAD_CASES:
-        with t.case(name, hidden=hidden, hint=hint):
-            need(t, got)
-            for k, ids in enumerate(bad):
-                result = got[first_bad + k]["outcome"]
-                if result[0] != "raised" or result[1] != "ValueError":
-                    t.fail("", f"ValueError for {ids}", in_words(result, raised=""))
-        first_bad += len(bad)
+    with t.case("ids that name no GPU of this process raise ValueError: [1, 1], [-1], and [3] on 5,2,7",
+                hint="a GPU listed twice is one GPU, an id below 0 or past this process's GPUs names none: a "
+                     "child started with them would see fewer GPUs than asked (CUDA stops reading at a bad entry)"):
+        need(t, got)
+        for (ids, parent), report in zip(BAD_IDS, got[at:]):
+            result = report["outcome"]
+            if result[0] != "raised" or result[1] != "ValueError":
+                where = f" with this process on {parent['CUDA_VISIBLE_DEVICES']}" if parent is SUBSET else ""
+                t.fail("", f"ValueError for {ids}{where}", in_words(result, raised=""))

@@ -1,20 +1,24 @@
 """What lesson 01's checks run in a fresh process: every case of an exercise in one call.
 
 :func:`run_pick` calls the learner's ``pick_device`` under several simulated
-GPU counts; :func:`run_train_step` runs ``train_step`` next to a reference with
+GPU counts (and a ``CUDA_VISIBLE_DEVICES`` of this process);
+:func:`run_train_step` runs ``train_step`` next to a reference with
 ``device=cuda:1`` (simulated: the batch's moves are logged and its data stays
 on the CPU) and with ``device=cpu``; :func:`run_visible` starts real child
-processes with the environment ``visible_devices_env`` returns. Each returns
+processes with the environment ``visible_devices_env`` returns, while this process
+itself runs with or without a ``CUDA_VISIBLE_DEVICES`` of its own. Each returns
 plain evidence per case, which :mod:`.checkers` judges in the kernel: one
 process per check instead of one per case.
 """
 from __future__ import annotations
 
 import copy
+import json
 import os
 import subprocess
 import sys
 import torch
+from contextlib import contextmanager
 
 from ..sim.cuda import simulated_gpus
 from ..sim.devices import place, Placed, PlacedLoss, PlacedModule, reset, UNTAGGED
@@ -22,13 +26,30 @@ from ..sim.outcome import one_thread, outcome
 
 
 def run_pick(pick_device, calls) -> list:
-    """``pick_device(*args)`` for every ``(gpus, args)`` in ``calls``, each under ``gpus`` simulated GPUs."""
+    """``pick_device(*args)`` for every ``(gpus, args, visible)``, each under ``gpus`` simulated GPUs, with
+    this process's ``CUDA_VISIBLE_DEVICES`` set to ``visible`` (None: unset) during the call."""
     one_thread()
     out = []
-    for gpus, args in calls:
-        with simulated_gpus(gpus):
+    for gpus, args, visible in calls:
+        with simulated_gpus(gpus), _environ({"CUDA_VISIBLE_DEVICES": visible}):
             out.append(outcome(pick_device, *args))
     return out
+
+
+@contextmanager
+def _environ(values: dict):
+    """``os.environ`` with ``values`` set (None: unset) inside the block, exactly as before after it."""
+    before = dict(os.environ)
+    for key, value in values.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(before)
 
 
 # -- train_step ----------------------------------------------------------------------
@@ -94,30 +115,36 @@ def run_train_step(train_step) -> dict:
 
 
 # -- visible_devices_env ----------------------------------------------------------------
-def _child_sees(env: dict) -> str:
+def _child_sees(env: dict) -> dict:
+    """What a real child started with this process's environment updated by ``env`` reads."""
+    code = ("import os, json; print(json.dumps({k: os.environ.get(k) for k in "
+            "('CUDA_VISIBLE_DEVICES', 'CUDA_DEVICE_ORDER')}))")
     # -S: no site packages to import; the child only reads its environment (3x faster to start here).
-    proc = subprocess.run([sys.executable, "-S", "-c", "import os; print(os.environ.get('CUDA_VISIBLE_DEVICES'))"],
-                          env={**os.environ, **env}, capture_output=True, text=True, timeout=30)
-    return proc.stdout.strip()
+    proc = subprocess.run([sys.executable, "-S", "-c", code], env={**os.environ, **env}, capture_output=True,
+                          text=True, timeout=30)
+    return json.loads(proc.stdout.strip() or "{}")
 
 
 def run_visible(visible_devices_env, calls) -> list:
-    """For each ids in ``calls``: what the learner's function did, what a real child started with
-    that environment sees, and whether this process's own ``os.environ`` changed."""
+    """For each ``(ids, parent)``: what the learner's function did while this process ran with the
+    ``parent`` variables (``CUDA_VISIBLE_DEVICES``, ``CUDA_DEVICE_ORDER``; None: unset), what a real
+    child started with that environment plus the returned one sees, and whether the function changed
+    this process's own ``os.environ``."""
     out = []
-    for ids in calls:
-        before = dict(os.environ)
-        got = outcome(visible_devices_env, list(ids))
-        changed = sorted(k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k))
-        os.environ.clear()
-        os.environ.update(before)
-        report = {"outcome": got, "environ_changed": changed}
-        if got[0] == "ok":
-            env = got[1]
-            report["strings"] = isinstance(env, dict) and all(
-                isinstance(k, str) and isinstance(v, str) for k, v in env.items())
-            report["seen"] = _child_sees(env) if report["strings"] else None
-            if not report["strings"]:
-                report["outcome"] = ("ok", repr(env)[:200])
+    for ids, parent in calls:
+        with _environ(parent):
+            before = dict(os.environ)
+            got = outcome(visible_devices_env, list(ids))
+            changed = sorted(k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k))
+            os.environ.clear()
+            os.environ.update(before)
+            report = {"outcome": got, "environ_changed": changed}
+            if got[0] == "ok":
+                env = got[1]
+                report["strings"] = isinstance(env, dict) and all(
+                    isinstance(k, str) and isinstance(v, str) for k, v in env.items())
+                report["seen"] = _child_sees(env) if report["strings"] else None
+                if not report["strings"]:
+                    report["outcome"] = ("ok", repr(env)[:200])
         out.append(report)
     return out

@@ -1,4 +1,4 @@
-"""Checks of lesson 03 (DataParallel): 03.split_batch, 03.data_parallel_forward.
+"""Checks of lesson 03 (DataParallel): 03.replicate, 03.data_parallel_forward.
 
 Every lesson's checks have the same three modules: ``checkers`` (the exercises,
 registered with their cases and hints), ``ranks`` (what runs in the check's fresh

@@ -1,83 +1,98 @@
-"""Checks of lesson 03 (nn.DataParallel): split_batch, data_parallel_forward.
+"""Checks of lesson 03 (nn.DataParallel): replicate, data_parallel_forward.
 
 Each check runs the learner's code once, in one fresh process, for all its
-cases (:mod:`.ranks`). ``data_parallel_forward`` is judged on simulated GPUs
-(``[cuda:0, cuda:1, cuda:2]`` on any machine): the batch and everything made
-from it know which device they are on, PyTorch's DataParallel pieces place
-replicas on the named devices, and the probe model records, for every chunk,
-its size, the replica that ran it, where the chunk was and where the replica
-was; an operation given tensors of two devices is recorded as a GPU would
-refuse it. So the bugs that only break on GPUs show on a CPU.
+cases (:mod:`.ranks`), on simulated GPUs (``[cuda:0, cuda:1, cuda:2]`` on any
+machine): the check's model starts on ``cuda:0``, its parameters and buffers
+know where they are and so does everything computed from them; a tensor's
+``.to(device)`` is a differentiable copy by name, and an operation given tensors
+of two devices is recorded, as a GPU would refuse it. So the bugs that only break
+on GPUs show on a CPU.
 """
 from __future__ import annotations
 
-import torch
-
 from .._core import exercise
-from ..sim.outcome import in_words
-from .judges import dp, need, chunk_shapes
-from .ranks import run_dps, run_split
+from .judges import dp, grad_words, misplaced, replicas
+from .ranks import run_dps, run_replicate
+
+TORCH_REPLICATE = ("torch.nn.parallel:replicate", "torch.nn.parallel.replicate:replicate",
+                   "torch.nn.parallel.replicate:_broadcast_coalesced_reshape",
+                   "torch.nn.parallel._functions:Broadcast.forward")
+REPLICATE_REFS = ("mgpu_lab.parallel.data_parallel:replicate", *TORCH_REPLICATE)
+DP_REFS = ("mgpu_lab.parallel.data_parallel:replicate", "mgpu_lab.parallel.data_parallel:scatter",
+           "mgpu_lab.parallel.data_parallel:gather", "mgpu_lab.parallel.data_parallel:StepByStepDataParallel.forward",
+           *TORCH_REPLICATE, "torch.nn.parallel:scatter", "torch.nn.parallel:gather",
+           "torch.nn.parallel:data_parallel", "torch.nn.parallel:DataParallel.forward")
+
+THREE = [f"cuda:{i}" for i in range(3)]
+REPLICATE_SCENARIOS = [(3, THREE), (4, ["cuda:0", "cuda:3"])]  # (simulated GPUs, devices)
 
 
-SPLIT_CASES = [  # name, batch, n, hint, hidden
-    ("10 samples on 3 devices: chunks of 4, 4 and 2 samples, in order", torch.arange(10), 3,
-     "torch.chunk(batch, n, dim=0): n chunks of ceil(B / n) samples, the last one smaller, in batch order "
-     "(torch.split(batch, n) makes chunks of n samples instead)", False),
-    ("a (7, 3) batch on 4 devices splits the samples (dim 0): (2, 3), (2, 3), (2, 3), (1, 3)",
-     torch.arange(21.0).reshape(7, 3), 4,
-     "split along dim 0, the batch dimension; every chunk keeps all the features", False),
-    ("3 samples on 5 devices: 3 chunks of one sample, no empty chunks", torch.arange(3), 5,
-     "when the batch is smaller than n, DataParallel uses fewer devices: torch.chunk returns fewer "
-     "chunks; torch.tensor_split would return empty ones", False),
-    ("6 samples on 4 devices: 3 chunks of 2, as torch.chunk gives", torch.arange(12).reshape(6, 2), 4, "", True),
-    ("n=1: the whole batch as one chunk", torch.arange(5), 1, "with one device the only chunk is the batch "
-     "(n=1 is valid: refuse only n < 1)", False),
-]
-
-
-@exercise("03.split_batch", points=6, description="split_batch(batch, n): the chunks DataParallel's scatter "
-          "gives n devices (torch.chunk along dim 0); ValueError for n < 1")
-def _split(t, split_batch):
-    """Catches: torch.tensor_split (empty chunks), torch.split(batch, n) (chunks of n samples), the last
-    dimension split, chunks out of order, floor-sized slices that drop samples, n=1 refused, no
-    ValueError for n < 1 (torch.chunk's own error is a RuntimeError)."""
-    calls = [(batch, n) for _, batch, n, _, _ in SPLIT_CASES] + [(torch.arange(4), 0), (torch.arange(4), -2)]
-    got = None
-    for i, (name, batch, n, hint, hidden) in enumerate(SPLIT_CASES):
-        with t.case(name, hidden=hidden, hint=hint):
-            if i == 0:
-                got = t.call(run_split, split_batch, calls)
-            need(t, got)
-            result = got[i]
-            if result[0] == "raised":
-                t.fail("", "a list of tensors", in_words(result, raised=""))
-            if isinstance(result[1], str):
-                t.fail("return a list of tensors", "list of tensors", result[1])
-            expected = list(torch.chunk(batch, n, dim=0))
-            t.equal(chunk_shapes(result[1]), chunk_shapes(expected))
-            if not all(torch.equal(a, b) for a, b in zip(result[1], expected)):
-                t.fail("keep the samples in batch order: chunk i holds the next samples after chunk i-1",
-                       [c.tolist() for c in expected], [c.tolist() for c in result[1]])
-    with t.case("n=0 and n=-2 raise ValueError",
-                hint="check n >= 1 first: raise ValueError(f'n={n}: ...') (torch.chunk's own error is a "
-                     "RuntimeError)"):
-        need(t, got)
-        for result, n in zip(got[len(SPLIT_CASES):], (0, -2)):
-            if result[0] != "raised" or result[1] != "ValueError":
-                t.fail("", f"ValueError for n={n}", in_words(result, raised=""))
+@exercise("03.replicate", points=6, references=REPLICATE_REFS,
+          description="replicate(module, devices): one replica per device, each on its device, linked to the "
+                      "module by autograd (a backward through all of them sums into the module's .grad)")
+def _replicate(t, replicate):
+    """Runs on simulated ``[cuda:0, cuda:1, cuda:2]``. Catches: the model itself returned for every device;
+    parameters detached, made new ``nn.Parameter`` leaves or deep-copied (no gradient reaches the model);
+    every replica on ``devices[0]``; buffers left behind; nested modules shared with the model; the model's
+    own modules rewired instead of copied; device names made from indices instead of the devices given."""
+    runs = None
+    with t.case("3 simulated GPUs: replicate(model, [cuda:0, cuda:1, cuda:2]) gives 3 replicas that compute "
+                "what the model computes",
+                hint="each replica holds the model's current weights and computes the same function; one "
+                     "replica per device, in the order of devices"):
+        runs = t.call(run_replicate, replicate, REPLICATE_SCENARIOS)
+        three = replicas(t, runs, 0)
+        t.equal(three["count"], 3)
+        if not all(three["close"]):
+            bad = [i for i, ok in enumerate(three["close"]) if not ok]
+            t.fail("", "every replica's output equal to the model's", f"replica(s) {bad} computed something else")
+    with t.case("replica i's parameters and buffers are all on devices[i]",
+                hint="a replica computes where its chunk is: every tensor it holds, nested layers and "
+                     "buffers (as BatchNorm's running statistics) included, must be on its own device; on GPUs "
+                     "a tensor left on cuda:0 fails with 'Expected all tensors to be on the same device'"):
+        three = replicas(t, runs, 0)
+        wrong = misplaced(three)
+        if wrong:
+            t.fail("", "replica i's tensors on devices[i]", "; ".join(wrong[:4]))
+        if three.get("mixes"):
+            op, devices = three["mixes"][0]
+            t.fail("", "one device per operation in each replica", f"{op} was given tensors on {', '.join(devices)}")
+    with t.case("every replica is a tree of modules of its own: none shared with the model or another replica",
+                hint="a module shared with the model computes with the model's parameters on devices[0], and "
+                     "whatever one replica sets in it changes the model and the other replicas too"):
+        three = replicas(t, runs, 0)
+        if three["shared"]:
+            t.fail("", "separate module objects", "; ".join(three["shared"][:3]))
+    with t.case("a backward through all 3 replicas puts the SUM of their gradients into the model's own .grad",
+                hint="DataParallel's replicate is a broadcast whose backward adds the replicas' gradients "
+                     "on the first device: a replica's parameters must be computed from the model's"):
+        three = replicas(t, runs, 0)
+        if three.get("grads") != "equal":
+            hint, got = grad_words(three)
+            t.fail(hint, "the sum of the replicas' gradients in model.parameters()' .grad", got)
+    with t.case("the model is left as it was: its own parameters, on cuda:0",
+                hint="replicate makes copies: the model keeps its Parameters (the optimizer holds them) and its "
+                     "device; only the replicas get the copies"):
+        three = replicas(t, runs, 0)
+        if three["changed"]:
+            t.fail("", "the model unchanged", "; ".join(three["changed"][:3]))
+    with t.case("devices [cuda:0, cuda:3] of 4 GPUs: replica 1 on cuda:3, gradients summed into the model",
+                hidden=True, hint="use the devices you are given, whatever their indices"):
+        two = replicas(t, runs, 1)
+        wrong = misplaced(two)
+        if two["count"] != 2 or wrong or two.get("grads") != "equal":
+            t.fail("", "2 replicas on cuda:0 and cuda:3, summed gradients",
+                   f"{two['count']} replicas; {'; '.join(wrong[:2]) or 'placed right'}; gradients {two.get('grads')}")
 
 
 # -- data_parallel_forward ----------------------------------------------------------------
-REPLICATE_HINT = ("make the replicas with mgpu_lab.parallel.data_parallel.replicate(model, devices) (on GPUs "
-                  "torch.nn.parallel.replicate): copies that stay linked to the model through autograd")
-
-
 DP_SCENARIOS = [(3, 10), (4, 3)]  # (simulated GPUs, samples): the main case, and fewer chunks than devices
+YOURS = "(your replicate is what the forward uses: if 03.replicate's check fails, fix that first)"
 
 
-@exercise("03.data_parallel_forward", points=7, description="data_parallel_forward(model, batch, devices): "
-          "split, move chunk i to devices[i], replicate, apply each replica on its device, gather on "
-          "devices[0]; equals model(batch), gradients reach the model")
+@exercise("03.data_parallel_forward", points=7, references=DP_REFS,
+          description="data_parallel_forward(model, batch, devices): DataParallel's forward with your "
+                      "replicate; equals model(batch) on devices[0], gradients reach the model")
 def _dp_forward(t, data_parallel_forward):
     """Runs on simulated ``[cuda:0, cuda:1, cuda:2]``. Catches: chunks never moved, all moved to
     ``devices[0]`` or to ``"cpu"``; the whole batch to every replica; the original model (or replicas all
@@ -86,27 +101,26 @@ def _dp_forward(t, data_parallel_forward):
     replica per device when there are fewer chunks than devices."""
     runs = None
     with t.case("3 GPUs (simulated: cuda:0, cuda:1, cuda:2), 10 samples: the output equals model(batch)",
-                hint="split the batch, run replica i on chunk i, concatenate the outputs in chunk order"):
+                hint="the gathered output holds every sample's output once, in batch order"):
         runs = t.call(run_dps, data_parallel_forward, DP_SCENARIOS)
         three = dp(t, runs, 0)
         t.equal(three["shape"], tuple(three["expected"].shape))
         t.close(three["values"], three["expected"])
     with t.case("the model's forward sees chunks of 4, 4 and 2 samples",
-                hint="scatter first: each replica gets its own chunk of the batch (split along dim 0 like "
-                     "torch.chunk), never the whole batch"):
+                hint="each replica gets its own share of the batch, split along dim 0 as DataParallel's scatter "
+                     "does (as equal as possible, the last one smaller), never the whole batch"):
         three = dp(t, runs, 0)
         t.equal(three["sizes"], sorted(three["chunks"]))
     with t.case("chunk i is moved to devices[i]: one chunk on each of cuda:0, cuda:1, cuda:2",
-                hint="move chunk i to devices[i] (chunk.to(device)) before its replica runs on it: the batch "
-                     "comes from the CPU, and on GPUs a chunk left elsewhere fails with 'Expected all "
-                     "tensors to be on the same device'"):
+                hint="the batch comes from the CPU: on GPUs a chunk left there, or sent to another GPU than "
+                     "its replica's, fails with 'Expected all tensors to be on the same device'"):
         three = dp(t, runs, 0)
         chunk_devices = sorted(x for _, x, _ in three["calls"])
         if chunk_devices != three["devices"]:
             t.fail("", f"chunks on {three['devices']}", f"chunks on {chunk_devices}")
     with t.case("every chunk runs on its own replica, placed on that chunk's device",
-                hint="the original model lives on devices[0]; on a GPU, running it (or a replica made for "
-                     f"devices[0]) on a chunk on cuda:1 fails; one replica per chunk: {REPLICATE_HINT}"):
+                hint="the model lives on devices[0]; on a GPU, running it (or a replica made for devices[0]) "
+                     f"on a chunk on cuda:1 fails; one replica per chunk {YOURS}"):
         three = dp(t, runs, 0)
         if three["instances"] < len(three["chunks"]) or three["original_runs"] > 1:
             t.fail("", f"{len(three['chunks'])} module instances, one per chunk",
@@ -115,23 +129,27 @@ def _dp_forward(t, data_parallel_forward):
         if wrong:
             t.fail("", "each replica on its chunk's device",
                    "; ".join(f"a replica on {m} ran a chunk on {x}" for x, m in wrong))
-    with t.case("each output is moved to devices[0] before torch.cat; the result is on devices[0] (cuda:0)",
-                hint="gather: torch.cat([out.to(devices[0]) for out in outputs]); on GPUs torch.cat refuses "
-                     "tensors that live on different devices"):
+    with t.case("the outputs are brought to devices[0] before they are joined; the result is on devices[0] (cuda:0)",
+                hint="on GPUs torch.cat refuses tensors that live on different devices, and DataParallel "
+                     "returns its output on the first device"):
         three = dp(t, runs, 0)
         if three["mixes"]:
             op, devices = three["mixes"][0]
             t.fail("", "one device per operation", f"{op} was given tensors on {', '.join(devices)}")
         if three["where"] != "cuda:0":
-            t.fail("gather the outputs on devices[0], not on the CPU or another GPU", "the result on cuda:0",
+            t.fail("the output is gathered on devices[0], not on the CPU or another GPU", "the result on cuda:0",
                    f"the result on {three['where']}")
     with t.case("gradients reach the original model's parameters, equal to those of model(batch)",
-                hint=f"copy.deepcopy, a module's .to() or torch.no_grad() cut the graph: {REPLICATE_HINT}"):
+                hint=f"a deep copy, a module's .to() or torch.no_grad() cut the graph {YOURS}"):
         three = dp(t, runs, 0)
-        t.equal(three["grads"], "equal")
+        if three["grads"] != "equal":
+            t.fail("", "the model's gradients equal to model(batch)'s", f"gradients: {three['grads']}")
     with t.case("3 samples on 4 GPUs (fewer chunks than devices): equals model(batch), 3 replicas", hidden=True,
-                hint="use only as many replicas (and devices) as there are chunks: devices[:len(chunks)]"):
+                hint="with fewer chunks than devices, DataParallel uses only as many replicas as chunks"):
         few = dp(t, runs, 1)
         if few["shape"] != tuple(few["expected"].shape):
             t.fail("", str(tuple(few["expected"].shape)), str(few["shape"]))
         t.close(few["values"], few["expected"])
+        if few["instances"] != 3:
+            t.fail("", "3 replicas", f"{few['instances']} module instances ran")
+
