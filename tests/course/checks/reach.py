@@ -34,35 +34,38 @@ def ours(obj) -> bool:
     return name == "mgpu_lab" or name.startswith("mgpu_lab.")
 
 
-def reachable(roots: dict, targets: dict) -> dict:
-    """``{reference: path}`` for every target function reachable from ``roots`` (name -> object)."""
-    found, seen = {}, set()
+def _name(obj) -> str:
+    obj = getattr(obj, "__func__", obj)
+    return f"{getattr(obj, '__module__', '')}:{getattr(obj, '__qualname__', '')}"
+
+
+def reachable(roots: dict, refs) -> dict:
+    """``{reference: path}`` for every reference (``"module:qualname"``) reachable from ``roots`` (name ->
+    object), matched by name: nothing is imported for the walk, so a reference's own module counts only
+    where the notebook's imports loaded it."""
+    refs, found, seen = set(refs), {}, set()
     queue = list(roots.items())
     while queue:
         path, obj = queue.pop(0)
-        func = getattr(obj, "__func__", obj)
-        for ref, target in targets.items():
-            if func is target and ref not in found:
-                found[ref] = path
+        name = _name(obj)
+        if name in refs and name not in found:
+            found[name] = path
         if id(obj) in seen or not (isinstance(obj, (types.ModuleType, type)) and ours(obj)):
             continue
         seen.add(id(obj))
-        for name, value in list(vars(obj).items()):
+        for key, value in list(vars(obj).items()):
             if isinstance(value, (staticmethod, classmethod)):
                 value = value.__func__
-            queue.append((f"{path}.{name}", value))
+            queue.append((f"{path}.{key}", value))
     return found
 
 
 def main(notebook: str, refs: list[str]) -> None:
-    from mgpu_lab.course.checks._references import resolve
-
     namespace: dict = {}
     for line in import_lines(notebook):
         exec(line, namespace)  # noqa: S102 - the course's own notebooks
-    targets = {ref: resolve(ref) for ref in refs}
     roots = {k: v for k, v in namespace.items() if k != "__builtins__"}
-    print(json.dumps(reachable(roots, targets)))
+    print(json.dumps(reachable(roots, refs)))
 
 
 if __name__ == "__main__":

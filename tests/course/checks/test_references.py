@@ -146,8 +146,8 @@ def test_the_walk_finds_a_function_through_modules_and_classes_and_not_elsewhere
     pkg.inner.Holder = type("Holder", (), {"__module__": "mgpu_lab.fake.inner", "make": staticmethod(module.plain)})
     outside = types.ModuleType("elsewhere")
     outside.hidden = module.closure
-    found = reach.reachable({"fake": pkg, "elsewhere": outside}, {"p": module.plain, "c": module.closure})
-    assert found == {"p": "fake.inner.Holder.make"}  # not into modules that are not the package's
+    found = reach.reachable({"fake": pkg, "elsewhere": outside}, {"refmod:plain", "refmod:make.<locals>.inner"})
+    assert found == {"refmod:plain": "fake.inner.Holder.make"}  # not into modules that are not the package's
 
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.stem)
