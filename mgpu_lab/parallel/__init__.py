@@ -1,6 +1,6 @@
 """Replicas and stages: DataParallel, DDP training and its checkpoints, model parallel and pipelines.
 
 Lessons 03 (``nn.DataParallel`` step by step: :mod:`.data_parallel`), 04 (DDP
-training: :mod:`.ddp`, :mod:`.checkpoint`) and 06 (stages on devices and on ranks:
+training: :mod:`.ddp`, :mod:`.baseline`, :mod:`.checkpoint`) and 06 (stages on devices and on ranks:
 :mod:`.model_parallel`, :mod:`.pipeline`), with the busy/idle :mod:`.timeline` they plot.
 """
