@@ -43,9 +43,9 @@ LOADERS = {  # name: device, num_workers, train, iterate, simulated GPUs
 }
 
 
-DROP_HINT = ("training wants shuffle=True (a new order every epoch) and drop_last=True (no tiny, noisy last "
-             "batch); under DDP, equal step counts on every rank come from DistributedSampler (lesson 04), "
-             "not from drop_last")
+DROP_HINT = ("your training loader keeps the order, or keeps a short last batch: training wants a new order every "
+             "epoch and no tiny, noisy last batch (under DDP, equal step counts on every rank come from the "
+             "DistributedSampler of lesson 04, not from dropping batches)")
 
 
 PIN_HINT = ("pinning serves copies to a CUDA device, whatever its index: decide it from the device the loader "
