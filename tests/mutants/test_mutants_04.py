@@ -197,6 +197,13 @@ SPECS = [
         Mutant("every micro-batch all-reduced (no no_sync)",
                replace("contextlib.nullcontext() if last else ddp_model.no_sync()", "contextlib.nullcontext()"),
                ("after every micro-batch's backward", "no_sync")),
+        Mutant("the forward outside no_sync (only the backward inside): every micro-batch all-reduced",
+               replace("            with contextlib.nullcontext() if last else ddp_model.no_sync():  # all-reduce once "
+                       "per step\n                (loss_fn(ddp_model(x), y) / accumulate).backward()",
+                       "            loss = loss_fn(ddp_model(x), y) / accumulate\n"
+                       "            with contextlib.nullcontext() if last else ddp_model.no_sync():\n"
+                       "                loss.backward()"),
+               ("after every micro-batch's backward", "forward and backward passes both")),
         Mutant("no_sync on every micro-batch: nothing ever all-reduced",
                replace("contextlib.nullcontext() if last else ddp_model.no_sync()", "ddp_model.no_sync()"),
                "never all-reduced"),
