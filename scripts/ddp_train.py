@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.data import Subset
 
 from mgpu_lab.data import datasets, download
+from mgpu_lab.data.per_node import download_once
 from mgpu_lab.parallel import ddp
 from mgpu_lab import dist as mdist
 
@@ -75,7 +76,7 @@ def make_model(features: int, hidden: int, classes: int, seed: int):
 
 def load_data(args):
     if args.data_url:
-        get = download.download_once(download.fetch_archive)  # local rank 0 of each node downloads
+        get = download_once(download.fetch_archive)  # local rank 0 of each node downloads
         full = datasets.load_archive_dir(get(args.data_url, args.data_root, args.data_md5))
         say(f"data: {len(full)} samples from {args.data_url} (downloaded once per node)")
     else:

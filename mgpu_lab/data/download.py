@@ -3,9 +3,9 @@
 The real download code path runs without internet: :func:`serve` starts a
 local HTTP server and :func:`fetch_archive` downloads through torchvision's
 utilities with an MD5 check, to a temporary name that is renamed only once the
-file is complete. :func:`download_once` makes exactly one rank per node run a
-download while the other ranks wait; :func:`simulate_nodes` lets the ranks of
-one machine play several nodes to show it. The archives are those of
+file is complete. :func:`simulate_nodes` lets the ranks of one machine play
+several nodes; :func:`mgpu_lab.data.per_node.download_once` (lesson 04's
+exercise, kept apart from this module) makes one rank per node download. The archives are those of
 :func:`mgpu_lab.data.datasets.write_archive`.
 
 Example:
@@ -13,7 +13,7 @@ Example:
     >>> from mgpu_lab.data import datasets
     >>> served, root = tempfile.mkdtemp(), tempfile.mkdtemp()
     >>> md5 = datasets.write_archive(datasets.synthetic_classification(50), f"{served}/blobs.tar.gz")
-    >>> with serve(served) as server:   # in a job: download_once(fetch_archive)(...) in every rank
+    >>> with serve(served) as server:   # in a job: one rank per node fetches, the others wait
     ...     path = fetch_archive(server.url + "blobs.tar.gz", root, md5)
     >>> os.path.relpath(path, root), sorted(os.listdir(path))
     ('blobs', ['tensors.pt'])
@@ -35,7 +35,7 @@ from pathlib import Path
 from mgpu_lab import dist as mdist
 from mgpu_lab.data.datasets import md5sum
 
-__all__ = ["serve", "fetch_archive", "download_once", "simulate_nodes"]
+__all__ = ["serve", "fetch_archive", "simulate_nodes"]
 
 
 class _Quiet(http.server.SimpleHTTPRequestHandler):
@@ -109,8 +109,8 @@ def fetch_archive(url: str, root: str | os.PathLike, md5: str, progress: bool = 
     The download goes to a private temporary file in ``root`` (``tempfile.mkstemp``:
     a random name, created exclusively, so nothing planted there is followed),
     torchvision checks its MD5, and only then is it renamed: another process never
-    sees half a file under the final name. Not safe to run on several ranks of one node at once; wrap the caller
-    with :func:`download_once`.
+    sees half a file under the final name. Not meant to run on several ranks of one node at once: one rank
+    per node downloads (:func:`mgpu_lab.data.per_node.download_once`), the others wait.
 
     Args:
         url: where the archive is served.
@@ -186,67 +186,6 @@ def _umask() -> int:
             return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
     except (OSError, StopIteration, ValueError):
         return 0o022
-
-
-def download_once(fn):
-    """Decorate ``fn(root, ...) -> path`` so that one rank per node runs it.
-
-    Local rank 0 of every node calls ``fn``; the other ranks of the node wait
-    (the gather below is a barrier) and get local rank 0's return value, so no
-    rank continues before the file is complete. Outside a process group, ``fn``
-    simply runs. An error in ``fn`` is raised on every rank instead of leaving
-    the others waiting forever.
-
-    Args:
-        fn: the download function; it should skip a file it finds complete.
-
-    Returns:
-        The wrapped function, same signature.
-
-    Raises:
-        RuntimeError: ``fn`` raised on some node (the message names the node and the error).
-
-    Example:
-        >>> import tempfile
-        >>> from mgpu_lab import launch
-        >>> def each_rank(marks):
-        ...     @download_once
-        ...     def get(root):                   # stands in for fetch_archive(url, root, md5)
-        ...         with open(f"{root}/downloads", "a") as f:
-        ...             f.write("x")
-        ...         return root
-        ...     return get(marks)                # every rank calls it; the node's local rank 0 runs it
-        >>> marks = tempfile.mkdtemp()
-        >>> _ = launch(each_rank, 2, marks)
-        launch: 2 ranks · ...
-        >>> open(f"{marks}/downloads").read()    # one node here: one download
-        'x'
-    """
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            return fn(*args, **kwargs)
-        me = mdist.info()
-        answer = None
-        if me.local_rank == 0:
-            try:
-                answer = ("ok", fn(*args, **kwargs))
-            except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
-                answer = ("error", f"{type(exc).__name__}: {exc}")
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, (me.node_rank, me.local_rank, answer))
-        for node, local, result in everyone:
-            if local == 0 and result[0] == "error":
-                raise RuntimeError(f"download_once: {fn.__name__} failed on node {node}: {result[1]}")
-        leader = [result for node, local, result in everyone if node == me.node_rank and local == 0]
-        if not leader:
-            raise RuntimeError(f"download_once: node {me.node_rank} has no local rank 0; check "
-                               "LOCAL_RANK and GROUP_RANK (torchrun sets them)")
-        return leader[0][1]
-
-    return wrapper
 
 
 def simulate_nodes(ranks_per_node: int) -> int:

@@ -1,8 +1,9 @@
 """Lesson 02's loaders, ready-made: ``make_loader``, ``seed_worker``, ``best_num_workers``.
 
-These are the reference answers of lesson 02's exercises. Later lessons import
-them instead of repeating them, and lesson 02's own demos fall back on them
-(:func:`yours_or_reference`) while an exercise is still unwritten, saying so.
+These are the reference answers of lesson 02's exercises: its checks name them
+(an answer that calls one fails), its tests hold them to full marks, and later
+lessons may import them. Lesson 02's notebook does not import this module, and
+nothing it imports does: its demos use the learner's own functions.
 
 Example:
     >>> from mgpu_lab.data.images import EncodedImages
@@ -12,6 +13,7 @@ Example:
 """
 from __future__ import annotations
 
+import os
 import random
 import time
 
@@ -19,7 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-__all__ = ["make_loader", "seed_worker", "best_num_workers", "yours_or_reference"]
+__all__ = ["make_loader", "seed_worker", "best_num_workers"]
 
 
 def make_loader(dataset, batch_size: int, device, num_workers: int = 0, train: bool = True) -> DataLoader:
@@ -41,12 +43,19 @@ def make_loader(dataset, batch_size: int, device, num_workers: int = 0, train: b
 
 
 def seed_worker(worker_id: int) -> None:
-    """``worker_init_fn``: seed Python's ``random`` and NumPy from torch's per-worker seed.
+    """``worker_init_fn``: reseed torch, Python's ``random`` and NumPy, differently in every (rank, worker).
+
+    torch's per-worker seed (``base_seed + worker_id``) is the same on every rank
+    whose loader has the same generator seed; the rank (``RANK``, 0 without a
+    launcher) is hashed in with it, so no two (rank, worker) pairs share a seed,
+    every epoch draws anew and a seeded generator repeats the run.
 
     Args:
         worker_id: The worker's index (torch's per-worker seed already includes it).
     """
-    seed = torch.initial_seed() % 2**32
+    rank = int(os.environ.get("RANK", 0))
+    seed = int(np.random.SeedSequence([torch.initial_seed(), rank]).generate_state(1)[0])
+    torch.manual_seed(seed)
     np.random.seed(seed)
     random.seed(seed)
 
@@ -82,56 +91,3 @@ def best_num_workers(dataset, candidates: list[int], batch_size: int, n_batches:
         if rate > best_rate:
             best, best_rate = k, rate
     return best
-
-
-def yours_or_reference(yours, reference, try_now: tuple | None = None):
-    """``yours``, or ``reference`` for as long as ``yours`` still raises NotImplementedError.
-
-    For demos that call an exercise: a learner who has not written it yet still
-    gets the demo, and one printed line says which function ran instead.
-
-    Args:
-        yours: The learner's function.
-        reference: What runs instead while ``yours`` is not written.
-        try_now: Arguments to call ``yours`` with once, now, to choose here; for
-            functions that run where a note cannot be seen (a DataLoader worker).
-            The random states of Python, NumPy and torch are restored after the try.
-
-    Example:
-        >>> def make_loader(*args, **kwargs):
-        ...     raise NotImplementedError
-        >>> import mgpu_lab.data.loaders as loaders
-        >>> build = yours_or_reference(make_loader, loaders.make_loader)
-        >>> loader = build(list(range(8)), 4, "cpu")
-        note: your make_loader is not written yet; this demo uses mgpu_lab.data.loaders.make_loader
-    """
-    said = []
-
-    def note():
-        if not said:
-            print(f"note: your {getattr(yours, '__name__', 'function')} is not written yet; this demo uses "
-                  f"{reference.__module__}.{reference.__name__}", flush=True)
-            said.append(True)
-
-    if try_now is not None:
-        states = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
-        try:
-            yours(*try_now)
-            return yours
-        except NotImplementedError:
-            note()
-            return reference
-        finally:
-            random.setstate(states[0])
-            np.random.set_state(states[1])
-            torch.random.set_rng_state(states[2])
-
-    def call(*args, **kwargs):
-        try:
-            return yours(*args, **kwargs)
-        except NotImplementedError:
-            note()
-            return reference(*args, **kwargs)
-
-    call.__name__ = getattr(yours, "__name__", "call")
-    return call

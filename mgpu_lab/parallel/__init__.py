@@ -2,6 +2,6 @@
 
 Lessons 03 (``nn.DataParallel`` step by step: :mod:`.data_parallel`, the
 reference of its exercises, and :mod:`.dp_tools`, what its notebook uses), 04 (DDP
-training: :mod:`.ddp`, :mod:`.checkpoint`) and 06 (stages on devices and on ranks:
+training: :mod:`.ddp`, :mod:`.baseline`, :mod:`.checkpoint`) and 06 (stages on devices and on ranks:
 :mod:`.model_parallel`, :mod:`.pipeline`), with the busy/idle :mod:`.timeline` they plot.
 """

@@ -8,8 +8,9 @@ The pieces work in a rank started by :func:`mgpu_lab.launch` and under
 - :func:`fit` and :func:`train`: the training loop with ``set_epoch``,
   gradient accumulation under ``no_sync`` and mixed precision (autocast in
   :func:`autocast_dtype`; a GradScaler with float16), counting the gradient all-reduces;
-- :func:`reference_train`: the same training in one process with the global
-  batch, the result DDP must reproduce;
+- :func:`reference_train`, :func:`max_diff`, :func:`cpu_state` (from
+  :mod:`mgpu_lab.parallel.baseline`): the same training in one process with the
+  global batch, the result DDP must reproduce;
 - :func:`evaluate` and :func:`global_mean`: exact distributed evaluation;
 - :func:`save_checkpoint` and :func:`load_checkpoint` (from
   :mod:`mgpu_lab.parallel.checkpoint`): rank 0 writes, every rank resumes with
@@ -41,9 +42,10 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler, Subset
+from torch.utils.data import DataLoader, DistributedSampler
 
 from mgpu_lab import dist as mdist
+from mgpu_lab.parallel.baseline import cpu_state, max_diff, reference_train, shard_sums
 from mgpu_lab.parallel.checkpoint import load_checkpoint, save_checkpoint
 
 __all__ = ["wrap", "make_loader", "fit", "train", "reference_train", "max_diff", "evaluate",
@@ -192,17 +194,6 @@ def fit(model: nn.Module, loader, optimizer, epochs: int, *, loss_fn=None, accum
     return stats
 
 
-def cpu_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """A detached CPU copy of the state_dict (of the module inside DDP: no ``module.`` prefix).
-
-    Example:
-        >>> sorted(cpu_state(nn.Linear(2, 1)))
-        ['bias', 'weight']
-    """
-    inner = model.module if isinstance(model, DDP) else model
-    return {k: v.detach().cpu().clone() for k, v in inner.state_dict().items()}
-
-
 def train(model_fn, dataset, epochs: int, batch_size: int, lr: float, *, seed: int = 0,
           **fit_kwargs) -> dict[str, torch.Tensor]:
     """Train ``model_fn()`` with DDP on this rank's shard; return the final state_dict (on the CPU).
@@ -210,7 +201,8 @@ def train(model_fn, dataset, epochs: int, batch_size: int, lr: float, *, seed: i
     ``batch_size`` is per rank (global batch ``batch_size * world_size``), the
     optimizer is plain SGD with ``lr`` as given, the loss mean cross-entropy,
     and the sampler ``DistributedSampler(shuffle=True, seed=seed)`` with
-    ``set_epoch`` every epoch. This is the solution of exercise 04.ddp_train.
+    ``set_epoch`` every epoch. This is the reference of lesson 04's exercise 04.ddp_train (its notebook
+    does not import this module).
 
     Example:
         >>> from mgpu_lab import launch
@@ -228,42 +220,6 @@ def train(model_fn, dataset, epochs: int, batch_size: int, lr: float, *, seed: i
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     fit(model, loader, optimizer, epochs, **fit_kwargs)
     return cpu_state(model)
-
-
-def reference_train(model_fn, dataset, epochs: int, batch_size: int, lr: float, *, seed: int = 0,
-                    **fit_kwargs) -> dict[str, torch.Tensor]:
-    """The same training in this one process, with ``batch_size`` the global batch.
-
-    With N ranks each taking every N-th index of the shuffled order, the union of
-    the ranks' k-th batches of ``B/N`` samples is exactly the k-th batch of ``B``
-    here (when N divides the data set), so DDP must end with these weights.
-
-    Example:
-        >>> from mgpu_lab.data import datasets
-        >>> ref = reference_train(lambda: nn.Linear(8, 3), datasets.synthetic_classification(64), 2, 16, 0.1)
-        >>> sorted(ref), ref["weight"].shape
-        (['bias', 'weight'], torch.Size([3, 8]))
-    """
-    model = model_fn().to(mdist.device())
-    loader, _ = make_loader(dataset, batch_size, shuffle=True, seed=seed, num_replicas=1, rank=0)
-    fit(model, loader, torch.optim.SGD(model.parameters(), lr=lr), epochs, **fit_kwargs)
-    return cpu_state(model)
-
-
-def max_diff(a: dict, b: dict) -> float:
-    """Largest absolute difference between two state_dicts with the same keys.
-
-    Raises:
-        ValueError: the keys differ (named in the message).
-
-    Example:
-        >>> max_diff({"w": torch.ones(2)}, {"w": torch.zeros(2)})
-        1.0
-    """
-    if set(a) != set(b):
-        raise ValueError(f"state_dicts differ in keys: only in the first {sorted(set(a) - set(b))}, "
-                         f"only in the second {sorted(set(b) - set(a))}; unwrap DDP with model.module")
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a) if a else 0.0
 
 
 def _comm_device() -> torch.device:
@@ -318,24 +274,11 @@ def evaluate(model: nn.Module, dataset, batch_size: int = 256, how: str = "exact
         >>> a == b == accuracy(datasets.synthetic_classification(50))   # = one process over all 50
         True
     """
-    if how not in ("exact", "padded", "drop_last"):
-        raise ValueError(f"how={how!r}: use 'exact', 'padded' or 'drop_last'")
-    world, rank = mdist.world_size(), mdist.rank()
-    if how == "exact":
-        part = Subset(dataset, range(rank, len(dataset), world))
-    else:
-        sampler = DistributedSampler(dataset, world, rank, shuffle=False, drop_last=how == "drop_last")
-        part = Subset(dataset, list(sampler))
-    model.eval()
-    device = next(model.parameters()).device
-    correct = loss = 0.0
-    for x, y in DataLoader(part, batch_size=batch_size):
-        out, y = model(x.to(device)), y.to(device)
-        correct += (out.argmax(1) == y).sum().item()
-        loss += nn.functional.cross_entropy(out, y, reduction="sum").item()
-    n = len(part)
+    sums = shard_sums(model, dataset, how=how, batch_size=batch_size)
+    n, world = sums["count"], mdist.world_size()
     if how == "exact":  # totals over every rank, then one division
-        result = {"accuracy": global_mean(correct, n), "loss": global_mean(loss, n)}
+        result = {"accuracy": global_mean(sums["correct"], n), "loss": global_mean(sums["loss"], n)}
     else:  # the mistake: average the ranks' averages
-        result = {"accuracy": global_mean(correct / max(n, 1), 1), "loss": global_mean(loss / max(n, 1), 1)}
+        result = {"accuracy": global_mean(sums["correct"] / max(n, 1), 1),
+                  "loss": global_mean(sums["loss"] / max(n, 1), 1)}
     return {**result, "counted": round(global_mean(n, 1) * world), "local": n}

@@ -1,6 +1,7 @@
-"""mgpu_lab.data.download: archives over a local HTTP server, and download_once in real ranks."""
+"""mgpu_lab.data.download: archives over a local HTTP server; mgpu_lab.data.per_node.download_once in real ranks."""
 from __future__ import annotations
 
+import importlib
 import os
 import urllib.error
 import urllib.request
@@ -10,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from mgpu_lab import launch
-from mgpu_lab.data import datasets, download
+from mgpu_lab.data import datasets, download, per_node
 from mgpu_lab.launcher.launch import LaunchError
 
 pytestmark = pytest.mark.timeout(180)
@@ -84,18 +85,18 @@ def test_serve_shuts_down_and_counts_queries_apart(tmp_path):
 
 def test_download_once_without_a_process_group_just_calls(tmp_path):
     calls = []
-    wrapped = download.download_once(lambda root: calls.append(root) or f"{root}/x")
+    wrapped = per_node.download_once(lambda root: calls.append(root) or f"{root}/x")
     assert wrapped("r") == "r/x" and calls == ["r"]
     assert wrapped.__wrapped__ is not None
 
 
 # -- in real ranks --------------------------------------------------------------------
 def _fetch_on_nodes(url, md5, roots, once):
-    import torchvision.datasets.utils  # noqa: F401  (imported before the race, not during it)
+    importlib.import_module("torchvision.datasets.utils")  # imported before the race, not during it
 
     node = download.simulate_nodes(2)
     dist.barrier()  # every rank starts fetching at the same moment
-    get = download.download_once(download.fetch_archive) if once else download.fetch_archive
+    get = per_node.download_once(download.fetch_archive) if once else download.fetch_archive
     path = get(f"{url}?node={node}", roots[node], md5)
     return node, path, len(datasets.load_archive_dir(path))
 
@@ -123,7 +124,7 @@ def test_without_download_once_every_rank_downloads_but_files_stay_whole(tmp_pat
 def _leader_fails():
     download.simulate_nodes(1)
 
-    @download.download_once
+    @per_node.download_once
     def fetch(root):
         raise OSError(f"disk full under {root}")
 

@@ -24,18 +24,18 @@ NAMESPACE = {"torch": torch, "np": np, "random": random, "time": time, "os": os,
 PIN = 'torch.device(device).type == "cuda"'
 
 LOADER = ExerciseMutants("02.make_loader", NOTEBOOK, ("make_loader",), mutants=[
-    Mutant("always shuffles", replace("shuffle=train", "shuffle=True"), "shuffle=false"),
+    Mutant("always shuffles", replace("shuffle=train", "shuffle=True"), "reorders"),
     Mutant("keeps the last batch in training", replace("drop_last=train", "drop_last=False"), "drop_last=true"),
     Mutant("drops the last batch in evaluation too", replace("drop_last=train", "drop_last=True"), "every sample"),
     Mutant("pin_memory from torch.cuda.is_available()", replace(PIN, "torch.cuda.is_available()"),
            "not from torch.cuda.is_available()"),
     Mutant("pin_memory only for the name 'cuda'", replace(PIN, 'str(device) == "cuda"'), "cuda:1"),
-    Mutant("always pins", replace(PIN, "True"), "must not pin"),
+    Mutant("always pins", replace(PIN, "True"), "your loader for the cpu pins"),
     Mutant("never persistent", replace("persistent_workers=num_workers > 0", "persistent_workers=False"),
-           "persistent_workers=(num_workers > 0)"),
+           "keep them alive between epochs"),
     Mutant("always persistent", replace("persistent_workers=num_workers > 0", "persistent_workers=True"),
-           ("persistent_workers=(num_workers > 0)", "needs num_workers > 0")),
-    Mutant("num_workers not passed through", replace("num_workers=num_workers, ", ""), "pass num_workers through"),
+           "needs num_workers > 0"),
+    Mutant("num_workers not passed through", replace("num_workers=num_workers, ", ""), "the asked number of workers"),
     Mutant("batch_size not passed (batches of 1)", replace("batch_size=batch_size, ", ""), "batch_size"),
 ], variants=[
     Variant("explicit samplers, positional batch size", '''
@@ -57,52 +57,60 @@ def make_loader(dataset, batch_size, device, num_workers=0, train=True):
 '''),
 ])
 
+SEED_LINE = "seed = int(np.random.SeedSequence([torch.initial_seed(), rank]).generate_state(1)[0])"
 SEED = ExerciseMutants("02.seed_worker", NOTEBOOK, ("seed_worker",), mutants=[
-    Mutant("nothing seeded", (replace("    np.random.seed(seed)\n", "    pass\n"), sub(r"^    random\.seed\(seed\)$", "")),
-           ("numpy", "python's random", "classic bug")),
-    Mutant("the 64-bit seed not reduced", replace(" % 2**32", ""), "% 2**32"),
-    Mutant("a constant seed", replace("torch.initial_seed() % 2**32", "0"), ("classic bug", "every epoch")),
-    Mutant("Python's random seeded from worker_id", sub(r"^    random\.seed\(seed\)$", "    random.seed(worker_id)"),
-           ("python's random: the next epoch", "worker_id")),
-    Mutant("NumPy seeded from worker_id", replace("np.random.seed(seed)", "np.random.seed(worker_id)"),
-           ("numpy: the next epoch", "worker_id")),
-    Mutant("NumPy only", sub(r"^    random\.seed\(seed\)$", "    pass"), ("python's random", "random.seed(s)")),
-    Mutant("Python's random only", replace("np.random.seed(seed)", "pass"), ("numpy", "np.random.seed(s)")),
-    Mutant("// for % (drops the worker's part)", replace("% 2**32", "// 2**32"), "classic bug"),
-    Mutant("seed computed once in the kernel",
-           (replace("def seed_worker", "KERNEL_SEED = torch.initial_seed() % 2**32\n\n\ndef seed_worker"),
-            replace("seed = torch.initial_seed() % 2**32", "seed = KERNEL_SEED")), ("classic bug", "outside the worker")),
-    Mutant("seed from the clock", replace("torch.initial_seed() % 2**32", "time.time_ns() % 2**32"),
-           "not from time or os.urandom"),
-    Mutant("a NumPy Generator that seeds nothing global",
-           replace("np.random.seed(seed)", "rng = np.random.default_rng(seed)"), ("numpy", "np.random.seed(s)")),
+    Mutant("the rank left out (ranks repeat each other)", replace("[torch.initial_seed(), rank]",
+                                                                  "[torch.initial_seed()]"),
+           ("worker w of another", "depend on the rank")),
+    Mutant("the rank added to torch's per-worker seed",
+           replace(SEED_LINE, "seed = (torch.initial_seed() + rank) % 2**32"),
+           ("neighbours collide", "no two (rank, worker) pairs")),
+    Mutant("torch not reseeded", replace("    torch.manual_seed(seed)\n", ""), ("torch:", "depend on the rank")),
+    Mutant("NumPy not reseeded", replace("    np.random.seed(seed)\n", ""), ("numpy:", "classic bug")),
+    Mutant("Python's random not reseeded", sub(r"^    random\.seed\(seed\)$", ""), ("python's random:", "classic bug")),
+    Mutant("a constant seed", replace(SEED_LINE, "seed = 0"), ("classic bug",)),
+    Mutant("seeded from worker_id and the rank", replace(SEED_LINE, "seed = worker_id + 100 * rank"),
+           ("every epoch", "torch, python's random, numpy repeat")),
+    Mutant("the 64-bit seed not reduced", replace(SEED_LINE, "seed = torch.initial_seed() + rank * 2**40"),
+           "2**32-1"),
+    Mutant("the rank from the process group (none in one process)",
+           replace('int(os.environ.get("RANK", 0))', "torch.distributed.get_rank()"),
+           ("without a launcher", "no process group")),
+    Mutant("seed from the clock", replace(SEED_LINE, "seed = time.time_ns() % 2**32"), "not from the clock"),
 ], variants=[
-    Variant("the seed from get_worker_info()", '''
+    Variant("get_worker_info's seed plus the rank times the workers", '''
 def seed_worker(worker_id):
-    s = get_worker_info().seed % 2**32
-    random.seed(s)
-    np.random.seed(s)
+    info = get_worker_info()
+    rank = int(os.environ.get("RANK", "0"))
+    seed = (info.seed + rank * info.num_workers) % 2**32
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
 '''),
-    Variant("a mask for NumPy, the whole seed for random", '''
+    Variant("a hash of (torch's seed, mgpu_lab.dist.rank()), torch seeded with the full 64 bits", '''
 def seed_worker(worker_id):
-    full = torch.initial_seed()
-    np.random.seed(full & 0xFFFFFFFF)
+    from mgpu_lab import dist as mdist
+    full = hash((torch.initial_seed(), mdist.rank())) & (2**63 - 1)
+    torch.manual_seed(full)
     random.seed(full)
+    np.random.seed(full & 0xFFFFFFFF)
 '''),
 ])
 
 BEST = ExerciseMutants("02.best_num_workers", NOTEBOOK, ("best_num_workers",), mutants=[
     Mutant("the index returned, not the candidate",
            (replace("for k in candidates:", "for i, k in enumerate(candidates):"),
-            replace("best, best_rate = k, rate", "best, best_rate = i, rate")), "not its index"),
+            replace("best, best_rate = k, rate", "best, best_rate = i, rate")), "position of the fastest"),
     Mutant("the slowest returned", (replace("best, best_rate = None, -1.0", "best, best_rate = None, float('inf')"),
-                                    replace("rate > best_rate", "rate < best_rate")), "most samples per second"),
+                                    replace("rate > best_rate", "rate < best_rate")), "the slowest candidate"),
     Mutant("the largest candidate", replace("    return best", "    return max(candidates)"),
            "more workers is not always faster"),
     Mutant("best rate never updated", replace("best, best_rate = k, rate", "best = k"), "most samples per second"),
     Mutant("no warm-up", replace("range(max(1, k))", "range(0)"), "warm-up"),
-    Mutant("num_workers not passed to the DataLoader", replace(", num_workers=k)", ")"), "num_workers=k"),
-    Mutant("n_batches ignored (one batch timed)", replace("range(n_batches)", "range(1)"), "then time n_batches"),
+    Mutant("num_workers not passed to the DataLoader", replace(", num_workers=k)", ")"),
+           "really starts that many workers"),
+    Mutant("n_batches ignored (one batch timed)", replace("range(n_batches)", "range(1)"),
+           "times fewer batches than asked"),
     Mutant("whole epochs", replace("        for _ in range(n_batches):\n            next(it)",
                                    "        for _ in it:\n            pass"), "whole epochs"),
 ], variants=[

@@ -6,6 +6,7 @@ differently; it must get full marks.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -24,6 +25,7 @@ pytestmark = pytest.mark.timeout(600)
 
 # "__main__", as in a notebook: cloudpickle then ships the answers by value without searching sys.modules
 NAMESPACE = {"__name__": "__main__", "torch": torch, "math": math, "os": os, "time": time, "dist": dist,
+             "contextlib": contextlib,
              "mdist": mdist, "nn": nn, "DDP": DDP, "DataLoader": DataLoader, "DistributedSampler": DistributedSampler}
 NB = "04_ddp.ipynb"
 PADDING = "(indices * math.ceil(missing / len(indices)))[:missing]"
@@ -53,8 +55,8 @@ def shard_indices(n, rank, world_size, shuffle=False, seed=0, epoch=0, drop_last
 ]
 
 DDP_VARIANTS = [
-    Variant("set_device, .cuda(), LOCAL_RANK from the environment, F.cross_entropy", '''
-def ddp_train(model_fn, dataset, epochs, batch_size, lr):
+    Variant("set_device, .cuda(), LOCAL_RANK from the environment, F.cross_entropy, a micro-batch counter", '''
+def ddp_train(model_fn, dataset, epochs, batch_size, lr, accumulate=1):
     import torch.nn.functional as F
     local_rank = int(os.environ["LOCAL_RANK"])
     if torch.cuda.is_available():
@@ -68,18 +70,43 @@ def ddp_train(model_fn, dataset, epochs, batch_size, lr):
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
+        pending = 0
         for x, y in loader:
-            optimizer.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(x.to(device, non_blocking=True)), y.to(device, non_blocking=True))
-            loss.backward()
-            optimizer.step()
+            pending += 1
+            ends_step = pending == accumulate
+            with contextlib.ExitStack() as stack:
+                if not ends_step:
+                    stack.enter_context(model.no_sync())
+                loss = F.cross_entropy(model(x.to(device, non_blocking=True)), y.to(device, non_blocking=True))
+                (loss / accumulate).backward()
+            if ends_step:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                pending = 0
     return model.module.state_dict()
 '''),
-    Variant("the library: mgpu_lab.parallel.ddp.train (batches to the parameters' device)", '''
-from mgpu_lab.parallel import ddp as _library
-
-def ddp_train(model_fn, dataset, epochs, batch_size, lr):
-    return _library.train(model_fn, dataset, epochs, batch_size, lr)
+    Variant("gradients divided after the sync instead of the loss, require_backward_grad_sync", '''
+def ddp_train(model_fn, dataset, epochs, batch_size, lr, accumulate=1):
+    device = mdist.device()
+    net = model_fn().to(device)
+    model = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)
+    sampler = DistributedSampler(dataset)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+    optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.0)
+    loss_fn = nn.CrossEntropyLoss()
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        batches = list(loader)
+        for start in range(0, len(batches), accumulate):
+            group = batches[start:start + accumulate]
+            for k, (x, y) in enumerate(group):
+                model.require_backward_grad_sync = k == len(group) - 1
+                loss_fn(model(x.to(device)), y.to(device)).backward()
+            for p in net.parameters():
+                p.grad /= len(group)
+            optimizer.step()
+            optimizer.zero_grad()
+    return net.state_dict()
 '''),
 ]
 
@@ -105,7 +132,6 @@ def download_once(fn):
         return box[0]
     return wrapper
 '''),
-    Variant("the library: mgpu_lab.data.download.download_once", "from mgpu_lab.data.download import download_once\n"),
 ]
 
 MEAN_VARIANTS = [
@@ -123,7 +149,6 @@ def global_mean(local_sum, local_count):
     dist.all_gather_object(pairs, (local_sum, local_count))
     return sum(s for s, _ in pairs) / sum(c for _, c in pairs)
 '''),
-    Variant("the library: mgpu_lab.parallel.ddp.global_mean", "from mgpu_lab.parallel.ddp import global_mean\n"),
 ]
 
 SPECS = [
@@ -131,27 +156,28 @@ SPECS = [
         Mutant("contiguous blocks instead of every world_size-th index",
                replace("return indices[rank:total:world_size]",
                        "return indices[rank * per_rank:(rank + 1) * per_rank]"), "contiguous"),
-        Mutant("no padding", drop_statement("indices +="), "pad the list"),
-        Mutant("padding repeats the list only once", replace(PADDING, "indices[:missing]"), "several times"),
+        Mutant("no padding", drop_statement("indices +="), "shortfall"),
+        Mutant("padding repeats the list only once", replace(PADDING, "indices[:missing]"), "as often as needed"),
         Mutant("padding from the end of the list", replace(PADDING, "indices[-missing:]"), "first indices"),
         Mutant("the seed without the epoch", replace("g.manual_seed(seed + epoch)", "g.manual_seed(seed)"),
                "ignores the epoch"),
         Mutant("the global RNG instead of a seeded generator",
-               replace("torch.randperm(n, generator=g)", "torch.randperm(n)"), "global rng"),
+               replace("torch.randperm(n, generator=g)", "torch.randperm(n)"), "global random state"),
         Mutant("drop_last ignored", replace("if drop_last and n % world_size:", "if False:"), "drop_last"),
-        Mutant("shuffle ignored", replace("if shuffle:", "if False:"), "must be shuffled"),
+        Mutant("shuffle ignored", replace("if shuffle:", "if False:"), "not shuffled"),
     ], variants=SHARD_VARIANTS),
     ExerciseMutants("04.ddp_train", NB, ("ddp_train",), mutants=[
-        Mutant("set_epoch never called", drop_statement("sampler.set_epoch"), "set_epoch"),
+        Mutant("set_epoch never called", drop_statement("sampler.set_epoch"), "told the epoch"),
         Mutant("DataLoader(shuffle=True) instead of the DistributedSampler",
-               replace("sampler=sampler)", "shuffle=True)"), ("whole data set", "DistributedSampler(dataset)")),
+               replace("sampler=sampler)", "shuffle=True)"), ("whole data set", "distributedsampler does")),
         Mutant("lr scaled by the world size", replace("lr=lr)", "lr=lr * dist.get_world_size())"),
                "lr * world_size"),
         Mutant("no DDP: the ranks drift apart",
-               replace('DDP(model, device_ids=[device.index]) if device.type == "cuda" else DDP(model)', "model"),
-               "DistributedDataParallel"),
+               (replace('DDP(model, device_ids=[device.index]) if device.type == "cuda" else DDP(model)', "model"),
+                replace("ddp_model.no_sync()", "contextlib.nullcontext()")),
+               "never averaged"),
         Mutant("labels left on the CPU", replace("x, y = x.to(device), y.to(device)", "x = x.to(device)"),
-               ("labels", "y.to(device)")),
+               ("labels", "never went to its gpu")),
         Mutant("every rank on cuda:0 ('cuda')",
                replace(DEVICE, 'device = torch.device("cuda" if torch.cuda.is_available() else "cpu")'),
                "cuda:0"),
@@ -160,9 +186,31 @@ SPECS = [
                                'if torch.cuda.is_available() else torch.device("cpu")'), "global rank"),
         Mutant("DDP(device_ids=[global rank])", replace("device_ids=[device.index]", "device_ids=[dist.get_rank()]"),
                "device_ids"),
-        Mutant("zero_grad never called", drop_statement("optimizer.zero_grad()"), "zero_grad"),
+        Mutant("zero_grad never called", drop_statement("optimizer.zero_grad()"), "never zeroed"),
         Mutant("batch_size taken as the global batch",
-               replace("batch_size=batch_size,", "batch_size=batch_size // dist.get_world_size(),"), "per rank"),
+               replace("batch_size=batch_size,", "batch_size=max(1, batch_size // dist.get_world_size()),"),
+               "per rank"),
+        Mutant("an optimizer step after every micro-batch", replace("            if last:\n", "            if True:\n"),
+               "step after every micro-batch"),
+        Mutant("the micro-batches' mean losses summed (not divided by accumulate)",
+               replace(" / accumulate).backward()", ").backward()"), "lr x accumulate"),
+        Mutant("every micro-batch all-reduced (no no_sync)",
+               replace("contextlib.nullcontext() if last else ddp_model.no_sync()", "contextlib.nullcontext()"),
+               ("after every micro-batch's backward", "no_sync")),
+        Mutant("the forward outside no_sync (only the backward inside): every micro-batch all-reduced",
+               replace("            with contextlib.nullcontext() if last else ddp_model.no_sync():  # all-reduce once "
+                       "per step\n                (loss_fn(ddp_model(x), y) / accumulate).backward()",
+                       "            loss = loss_fn(ddp_model(x), y) / accumulate\n"
+                       "            with contextlib.nullcontext() if last else ddp_model.no_sync():\n"
+                       "                loss.backward()"),
+               ("after every micro-batch's backward", "forward and backward passes both")),
+        Mutant("no_sync on every micro-batch: nothing ever all-reduced",
+               replace("contextlib.nullcontext() if last else ddp_model.no_sync()", "ddp_model.no_sync()"),
+               "never all-reduced"),
+        Mutant("one big batch per step: one backward for all micro-batches",
+               (replace("batch_size=batch_size, sampler", "batch_size=batch_size * accumulate, sampler"),
+                replace("last = (i + 1) % accumulate == 0 or i + 1 == len(loader)", "last = True"),
+                replace(" / accumulate).backward()", ").backward()")), "backward passes"),
     ], variants=DDP_VARIANTS),
     ExerciseMutants("04.download_once", NB, ("download_once",), mutants=[
         Mutant("every rank downloads", replace(FETCH, "path = fn(root)"), "every rank called fn"),
@@ -186,11 +234,11 @@ SPECS = [
                (replace("[float(local_sum), float(local_count)]", "[local_sum / local_count, 1.0]"),
                 replace(MEAN, "(totals[0] / dist.get_world_size()).item()")), "averaged the ranks' means"),
         Mutant("only the sum all-reduced", replace(MEAN, "(totals[0] / local_count).item()"),
-               "not this rank's own"),
+               "this rank's own count"),
         Mutant("reduce to rank 0 instead of all_reduce",
-               replace("dist.all_reduce(totals)", "dist.reduce(totals, dst=0)"), "not reduce"),
+               replace("dist.all_reduce(totals)", "dist.reduce(totals, dst=0)"), "reduce to rank 0"),
         Mutant("op MAX instead of SUM",
-               replace("dist.all_reduce(totals)", "dist.all_reduce(totals, op=dist.ReduceOp.MAX)"), "ReduceOp.SUM"),
+               replace("dist.all_reduce(totals)", "dist.all_reduce(totals, op=dist.ReduceOp.MAX)"), "op max"),
         Mutant("no division by the count", replace(MEAN, "totals[0].item()"), "total sum"),
         Mutant("a tensor instead of a float", replace(MEAN, "totals[0] / totals[1]"), "float"),
     ], variants=MEAN_VARIANTS),

@@ -1,12 +1,14 @@
-"""Checkers of lesson 02 against the solution, the library's reference answers, a stub, a crash.
+"""Checkers of lesson 02 against the solution, a call of the library's reference, a stub, nothing, a crash.
 
 The right answers are the ones in solutions/02_data_loading.ipynb, read from
-the notebook itself. Every answer runs through ``check()`` for real: fresh
+the notebook itself; mgpu_lab.data.loaders holds the references an answer must
+not call. Every answer runs through ``check()`` for real: fresh
 processes, real DataLoaders, real workers. The wrong answers each check exists
 for are the named mutants of tests/mutants/test_mutants_02.py.
 """
 from __future__ import annotations
 
+import os
 import random
 import sys
 import time
@@ -26,10 +28,10 @@ pytestmark = pytest.mark.timeout(300)
 # The answers below travel to the check's processes by value, as notebook functions do.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 NOTEBOOK = Path(__file__).resolve().parents[3] / "solutions" / "02_data_loading.ipynb"
-POINTS = {"02.best_num_workers": 5, "02.make_loader": 7, "02.seed_worker": 6}
+POINTS = {"02.best_num_workers": 5, "02.make_loader": 7, "02.seed_worker": 7}
 NAMES = {"02.best_num_workers": "best_num_workers", "02.make_loader": "make_loader", "02.seed_worker": "seed_worker"}
 SOLUTION = solutions_from(NOTEBOOK, tuple(NAMES.values()),
-                          {"torch": torch, "np": np, "random": random, "time": time, "DataLoader": DataLoader,
+                          {"torch": torch, "np": np, "random": random, "time": time, "os": os, "DataLoader": DataLoader,
                            "get_worker_info": get_worker_info})
 
 
@@ -42,10 +44,26 @@ def test_registered():
 
 
 @pytest.mark.parametrize("exercise_id", list(POINTS))
-def test_the_library_reference_gets_full_marks(exercise_id):
-    """mgpu_lab.data.loaders is what the lesson's demos fall back on: it must be right too."""
-    result = check(exercise_id, getattr(loaders, NAMES[exercise_id]))
+def test_the_solution_gets_full_marks(exercise_id):
+    result = check(exercise_id, SOLUTION[NAMES[exercise_id]])
     assert result.points == result.max_points, str(result)
+
+
+def test_an_answer_that_calls_the_library_s_reference_fails_naming_it():
+    """mgpu_lab.data.loaders holds the references: calling one is no answer (it is right, so only that fails)."""
+    result = check("02.seed_worker", lambda worker_id: loaders.seed_worker(worker_id))
+    assert result.points == 0, str(result)
+    assert "your code calls mgpu_lab.data.loaders.seed_worker" in result.cases[0].got, str(result)
+
+
+@pytest.mark.parametrize("exercise_id", list(POINTS))
+def test_an_answer_that_does_nothing_passes_no_case(exercise_id):
+    """A function that returns None (and seeds, builds, measures nothing) passes no case but those it truly
+    meets: a seed_worker that does nothing runs in the workers, and repeats (the DataLoader seeds torch)."""
+    result = check(exercise_id, lambda *args, **kwargs: None)
+    passed = [c.name for c in result.cases if c.passed]
+    assert set(passed) <= {"runs in every worker of 2 ranks x 2 workers", "the same generator seed gives the same "
+                           "draws in a second run, on every rank (reproducible)"}, str(result)
 
 
 @pytest.mark.parametrize("exercise_id", list(POINTS))
@@ -62,4 +80,5 @@ def test_an_error_in_a_worker_fails_every_case_with_its_reason():
     result = check("02.seed_worker", seed_that_crashes_the_worker)
     assert result.points == 0
     assert "RuntimeError in a worker" in result.cases[0].got and "boom" in result.cases[0].got
-    assert all(c.got == "skipped" for c in result.cases[1:]), str(result)
+    assert all(c.got == "skipped" for c in result.cases[1:-1]), str(result)
+    assert "boom" in result.cases[-1].got, str(result)  # the one-process case runs it again, on its own

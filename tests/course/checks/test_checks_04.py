@@ -31,7 +31,7 @@ NAMES = ("shard_indices", "ddp_train", "global_mean", "download_once")
 
 def test_lesson_04_registers_its_four_exercises_with_one_point_per_case():
     got = {e.id: e.points for e in exercises("04")}
-    assert got == {"04.ddp_train": 6, "04.download_once": 4, "04.global_mean": 4, "04.shard_indices": 6}
+    assert got == {"04.ddp_train": 9, "04.download_once": 4, "04.global_mean": 4, "04.shard_indices": 6}
 
 
 def _stub(*args, **kwargs):  # checking.stub would travel by reference: every rank would import nbformat
@@ -42,6 +42,48 @@ def _stub(*args, **kwargs):  # checking.stub would travel by reference: every ra
 def test_a_stub_is_not_attempted(name):
     answer = (lambda fn: _stub) if name == "download_once" else _stub
     assert check(f"04.{name}", answer).status == "not attempted"
+
+
+# -- no answer in sight: the library's versions are references, and doing nothing earns nothing ----------
+def _library_shards(n, rank, world_size, shuffle=False, seed=0, epoch=0, drop_last=False):
+    from mgpu_lab.data import sampler_view  # DistributedSampler itself, behind a helper of the lesson's demos
+
+    return sampler_view.sampler_indices(n, rank, world_size, shuffle, seed, epoch, drop_last)
+
+
+def _library_train(model_fn, dataset, epochs, batch_size, lr, accumulate=1):
+    return ddp.train(model_fn, dataset, epochs, batch_size, lr, accumulate=accumulate)
+
+
+def _library_download_once(fn):
+    from mgpu_lab.data import per_node
+
+    return per_node.download_once(fn)
+
+
+LIBRARY = {"shard_indices": (_library_shards, "torch.utils.data.distributed.DistributedSampler"),
+           "ddp_train": (_library_train, "mgpu_lab.parallel.ddp.train"),
+           "global_mean": (ddp.global_mean, "mgpu_lab.parallel.ddp.global_mean"),
+           "download_once": (_library_download_once, "mgpu_lab.data.per_node.download_once")}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_an_answer_that_calls_the_library_s_version_fails_every_case_naming_it(name):
+    answer, reference = LIBRARY[name]
+    result = check(f"04.{name}", answer)
+    assert result.points == 0, str(result)
+    assert f"your code calls {reference}" in result.cases[0].got, str(result)
+
+
+def _nothing(*args, **kwargs):
+    return None
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_an_answer_that_does_nothing_passes_no_case(name):
+    answer = (lambda fn: _nothing) if name == "download_once" else _nothing
+    result = check(f"04.{name}", answer)
+    assert result.points == 0, str(result)
 
 
 # -- global_mean: one launch, every scenario judged even when a later one fails ----------

@@ -1,17 +1,20 @@
 """Checks of lesson 02 (data loading): make_loader, seed_worker, best_num_workers.
 
-Every answer runs in one fresh process per check (:mod:`.ranks`), with real
-DataLoaders and real workers:
+Every answer runs in a fresh process or in real ranks (:mod:`.ranks`), with real
+DataLoaders and real workers, and an answer that calls the library's version
+(:mod:`mgpu_lab.data.loaders`, which lesson 02's notebook does not import) fails:
 
 - ``make_loader`` is judged from the loaders it builds (sampler, drop_last,
   pin_memory, persistent_workers, the batches), so "pin_memory exactly when the
   device is CUDA" is checked on a CPU-only machine by passing ``cuda:1`` and
   ``cuda`` (building a loader with ``pin_memory=True`` needs no GPU; iterating
   would), and ``cpu`` on a machine that pretends to have 2 GPUs;
-- ``seed_worker`` runs as the worker_init_fn of real forked DataLoaders whose
-  workers start from the same copied random state, as forked workers did
-  before PyTorch 1.9 reseeded NumPy itself; Python's ``random`` and NumPy are
-  judged each on its own, across workers, epochs and runs;
+- ``seed_worker`` runs as the worker_init_fn of real forked DataLoaders in 2
+  real ranks whose loaders share one generator seed (as ranks started from one
+  script do), their workers starting from the same copied Python and NumPy
+  state, as forked workers did before PyTorch 1.9 reseeded NumPy itself; torch,
+  Python's ``random`` and NumPy are judged each on its own, across workers and
+  ranks, epochs and runs, and once more in one process without a launcher;
 - ``best_num_workers`` measures data sets whose speed per worker count the
   check controls (samples sleep), and which count the samples drawn; the
   winner is never at the index equal to its value.
@@ -22,8 +25,8 @@ import torch
 
 from .._core import exercise
 from ..sim.outcome import in_words
-from .judges import describe_fields, fastest_workers, need
-from .ranks import run_best, run_loaders, run_seeds
+from .judges import best_diagnosis, describe_fields, fastest_workers, need, seed_diagnosis, seed_table
+from .ranks import GENERATORS, run_best, run_loaders, run_seeds
 
 
 # -- make_loader --------------------------------------------------------------------
@@ -40,18 +43,18 @@ LOADERS = {  # name: device, num_workers, train, iterate, simulated GPUs
 }
 
 
-DROP_HINT = ("training wants shuffle=True (a new order every epoch) and drop_last=True (no tiny, noisy last "
-             "batch); under DDP, equal step counts on every rank come from DistributedSampler (lesson 04), "
-             "not from drop_last")
+DROP_HINT = ("your training loader keeps the order, or keeps a short last batch: training wants a new order every "
+             "epoch and no tiny, noisy last batch (under DDP, equal step counts on every rank come from the "
+             "DistributedSampler of lesson 04, not from dropping batches)")
 
 
-PIN_HINT = "pin_memory=(torch.device(device).type == 'cuda'): decide from the device argument, not from "\
-           "torch.cuda.is_available()"
+PIN_HINT = ("pinning serves copies to a CUDA device, whatever its index: decide it from the device the loader "
+            "feeds, not from whether this machine has a GPU (not from torch.cuda.is_available())")
 
 
 @exercise("02.make_loader", points=7, description="make_loader(dataset, batch_size, device, num_workers=0, "
           "train=True): shuffle and drop_last when training only, pin_memory exactly for CUDA, "
-          "persistent_workers exactly when num_workers > 0")
+          "persistent_workers exactly when num_workers > 0", references=("mgpu_lab.data.loaders:make_loader",))
 def _make_loader(t, make_loader):
     """Catches: shuffling or dropping the last batch in evaluation, keeping it in training, pin_memory
     from ``torch.cuda.is_available()``, only for the string ``"cuda"``, or always; num_workers not
@@ -74,10 +77,12 @@ def _make_loader(t, make_loader):
         t.equal(describe_fields(train, ("sampler", "drop_last")), "sampler='RandomSampler', drop_last=True")
         sizes = [len(b) for b in train["batches"]]
         if sizes != [4, 4] or len({v for b in train["batches"] for v in b}) != 8:
-            t.fail("pass batch_size through; drop_last=True keeps only full batches", "2 batches of 4 distinct "
+            t.fail("your batches are not the asked batch_size, or a short last batch was kept in training",
+                   "2 batches of 4 distinct "
                    "samples", str(train["batches"]))
     with t.case("train=False: keeps the order and every sample (batches [0..3], [4..7], [8, 9])",
-                hint="evaluation must see every sample once, in order: shuffle=False, drop_last=False"):
+                hint="your evaluation loader reorders or loses samples: evaluation sees every sample once, in "
+                     "order, the last partial batch included"):
         ev = loader("eval")
         t.equal(describe_fields(ev, ("sampler", "drop_last", "batches")),
                 "sampler='SequentialSampler', drop_last=False, batches=[[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]")
@@ -85,17 +90,18 @@ def _make_loader(t, make_loader):
                 hint=PIN_HINT + "; every CUDA device counts, cuda:1 as well as cuda"):
         t.equal(loader("cuda:1").get("pin_memory"), True)
     with t.case("device=cpu on a machine with 2 GPUs: pin_memory=False",
-                hint="pinning only helps copies to a GPU; a loader for the CPU must not pin: " + PIN_HINT):
+                hint="your loader for the CPU pins its batches: pinning only helps copies to a GPU. " + PIN_HINT):
         t.equal(loader("cpu, 2 GPUs").get("pin_memory"), False)
     with t.case("num_workers=2: two workers, persistent_workers=True, full shuffled batches",
-                hint="pass num_workers through and set persistent_workers=(num_workers > 0), so the "
-                     "workers start once, not at every epoch"):
+                hint="the loader must start the asked number of workers and keep them alive between epochs "
+                     "(they then start once, not at every epoch)"):
         two = loader("2 workers")
         t.equal(describe_fields(two, ("num_workers", "persistent_workers")), "num_workers=2, persistent_workers=True")
         if [len(b) for b in two["batches"]] != [4, 4]:
             t.fail("", "2 batches of 4", str(two["batches"]))
     with t.case("num_workers=0: persistent_workers=False (DataLoader refuses True without workers)",
-                hint="persistent_workers=(num_workers > 0): with num_workers=0 there is no worker to keep"):
+                hint="your loader without workers asks to keep workers alive: with num_workers=0 there is no "
+                     "worker to keep, and the DataLoader refuses it"):
         t.equal(loader("eval").get("persistent_workers"), False)
     with t.case("evaluation on torch.device('cuda') with 2 workers: pinned, persistent, in order", hidden=True,
                 hint=PIN_HINT):
@@ -105,51 +111,63 @@ def _make_loader(t, make_loader):
 
 
 # -- seed_worker ----------------------------------------------------------------------
-SEED_HINT = ("seed from torch's per-worker seed: s = torch.initial_seed() % 2**32, then np.random.seed(s) "
-             "and random.seed(s)")
+SEED_RANKS, SEED_WORKERS = 2, 2
+NAMES = {"torch": "torch", "random": "Python's random", "numpy": "NumPy"}
 
 
-GENERATORS = (("numpy", "NumPy", "np.random.seed(s)"), ("random", "Python's random", "random.seed(s)"))
-
-
-@exercise("02.seed_worker", points=6, description="seed_worker(worker_id): seed Python's random and NumPy in "
-          "each DataLoader worker from torch's per-worker seed")
+@exercise("02.seed_worker", points=7, description="seed_worker(worker_id): reseed torch, Python's random and "
+          "NumPy in each DataLoader worker so that every (rank, worker) draws its own numbers, anew each epoch, "
+          "the same in every run", references=("mgpu_lab.data.loaders:seed_worker",))
 def _seed_worker(t, seed_worker):
-    """Judges NumPy and Python's random each on its own. Catches: nothing seeded, one generator left out,
-    a constant seed, a seed from ``worker_id`` (repeats every epoch), an unreduced 64-bit seed, ``//``
-    for ``%``, a seed computed once in the parent, a seed from the clock or ``os.urandom`` (not
-    reproducible), a ``default_rng`` that seeds nothing global."""
+    """Judges torch, NumPy and Python's random each on its own, over 2 real ranks x 2 workers whose loaders
+    share one generator seed, and in one process without a launcher. Catches: nothing seeded, one generator
+    left out, the rank left out (ranks repeat each other), the rank added to torch's per-worker seed (rank r's
+    worker w + 1 is rank r + 1's worker w), a constant seed, a seed from ``worker_id`` (repeats every epoch), an
+    unreduced 64-bit seed for NumPy, a seed computed once in the parent, a seed from the clock (not
+    reproducible), a rank from the process group that fails without one."""
     runs = None
-    with t.case("runs in real workers, where torch's per-worker seed is a 64-bit number",
-                hint="np.random.seed accepts only 0..2**32-1: reduce the seed with % 2**32"):
-        runs = t.call(run_seeds, seed_worker)
-        if "error" in runs:
-            got, runs = runs["error"], None
-            t.fail("", "no error", got)
-    for gen, name, call in GENERATORS:
-        with t.case(f"{name}: two workers that start from the same copied state draw different numbers",
-                    hint=f"the classic bug: every worker makes the same 'random' augmentation. Seed {name} "
-                         f"in every worker ({call}) from s = torch.initial_seed() % 2**32, which differs "
-                         "from worker to worker"):
+    with t.case(f"runs in every worker of {SEED_RANKS} ranks x {SEED_WORKERS} workers",
+                hint="your seed_worker raised inside a worker; NumPy's global seed must lie in 0..2**32-1, and "
+                     "torch's per-worker seed is a 64-bit number"):
+        runs = t.ranks(run_seeds, SEED_RANKS, seed_worker, num_workers=SEED_WORKERS)
+        errors = [r["error"] for r in runs if "error" in r]
+        if errors:
+            runs = None
+            t.fail("", "no error", errors[0])
+    for gen in GENERATORS:
+        with t.case(f"{NAMES[gen]}: the {SEED_RANKS * SEED_WORKERS} workers of {SEED_RANKS} ranks draw "
+                    f"{SEED_RANKS * SEED_WORKERS} different numbers (every rank's loader has the same "
+                    "generator seed)"):
             need(t, runs)
-            a, b = runs["epoch1"][gen]
-            if a == b:
-                t.fail("", "different first draws in worker 0 and worker 1", f"both {a}")
-    with t.case("the same generator seed gives the same draws in a second run (reproducible)",
-                hint="derive the seed from torch (torch.initial_seed()), not from time or os.urandom; "
-                     "DataLoader(generator=torch.Generator().manual_seed(...)) fixes torch's seeds"):
+            draws = {(r, w): run["epoch1"][gen][w] for r, run in enumerate(runs) for w in range(SEED_WORKERS)}
+            verdict = seed_diagnosis(draws, NAMES[gen])
+            if verdict:
+                t.fail(verdict, "a different first draw in every (rank, worker)", seed_table(draws))
+    with t.case("the same generator seed gives the same draws in a second run, on every rank (reproducible)",
+                hint="your seed changes from run to run: derive it from what the DataLoader gives the worker "
+                     "(torch's per-worker seed, which a seeded loader generator fixes) and from the rank, not "
+                     "from the clock or os.urandom"):
         need(t, runs)
-        t.equal(runs["again"], runs["epoch1"])
-    for gen, name, call in GENERATORS:
-        with t.case(f"{name}: the next epoch draws other numbers (augmentations change from epoch to epoch)",
-                    hint=f"{name} repeats its draws every epoch: seeding it with worker_id or a constant (or a "
-                         "seed computed once, outside the worker) repeats the same augmentations every epoch "
-                         "and every run; use torch.initial_seed(), which the DataLoader draws anew at every "
-                         "epoch (with persistent_workers=True only once, when the workers start: their "
-                         "generators then run on from epoch to epoch)"):
-            need(t, runs)
-            if runs["epoch2"][gen] == runs["epoch1"][gen]:
-                t.fail("", "other draws in epoch 2", f"the same draws: {runs['epoch1'][gen]}")
+        if all(len({v for run in runs for v in run["epoch1"][g]}) == 1 for g in GENERATORS):
+            t.fail("not judged: every worker of every rank drew the same numbers (see the cases above), which "
+                   "repeats trivially", "different draws that repeat in a second run", "the same draw everywhere")
+        t.equal([run["again"] for run in runs], [run["epoch1"] for run in runs])
+    with t.case("the next epoch draws other numbers, in every generator (augmentations change each epoch)"):
+        need(t, runs)
+        same = [NAMES[gen] for gen in GENERATORS if any(run["epoch2"][gen] == run["epoch1"][gen] for run in runs)]
+        if same:
+            t.fail(f"{', '.join(same)} repeat the same draws every epoch: a seed from worker_id, from the rank "
+                   "alone, from a constant or computed once outside the worker does not change between epochs; "
+                   "torch's per-worker seed does (the DataLoader draws its base anew at every epoch)",
+                   "other draws in epoch 2", f"the same draws in {', '.join(same)}")
+    with t.case("in one process without a launcher (as in this notebook): runs, and its 2 workers draw differently",
+                hint="outside a launched job there is no RANK variable and no process group: the rank is then 0"):
+        single = t.call(run_seeds, seed_worker, num_workers=SEED_WORKERS, single=True)
+        if "error" in single:
+            t.fail("", "no error", single["error"])
+        same = [NAMES[g] for g in GENERATORS if len(set(single["epoch1"][g])) < SEED_WORKERS]
+        if same:
+            t.fail("", "different draws in worker 0 and worker 1", f"the same draws in {', '.join(same)}")
 
 
 # -- best_num_workers -----------------------------------------------------------------
@@ -167,13 +185,9 @@ BEST_CASES = [  # name, costs per num_workers (s/sample), candidates, hidden; no
 BATCH, N_BATCHES, SAMPLES = 2, 4, 48
 
 
-BEST_HINT = ("time n_batches for every candidate (after a warm-up) and return the num_workers with the most "
-             "samples per second: the candidate itself, not its index in the list; more workers is not always "
-             "faster")
-
-
 @exercise("02.best_num_workers", points=5, description="best_num_workers(dataset, candidates, batch_size, "
-          "n_batches): measure each candidate after a warm-up and return the fastest")
+          "n_batches): the num_workers with the most samples per second, measured after a warm-up",
+          references=("mgpu_lab.data.loaders:best_num_workers",))
 def _best(t, best_num_workers):
     """Catches: the index returned instead of the candidate, the largest or the slowest candidate, a best
     rate never updated, no warm-up, num_workers not passed to the DataLoader, n_batches ignored, whole
@@ -181,7 +195,7 @@ def _best(t, best_num_workers):
     runs = None
     for i, (name, costs, candidates, hidden) in enumerate(BEST_CASES):
         expected = fastest_workers(costs, candidates)
-        with t.case(name, hidden=hidden, hint=BEST_HINT):
+        with t.case(name, hidden=hidden):
             if i == 0:
                 runs = t.call(run_best, best_num_workers, [(c, k) for _, c, k, _ in BEST_CASES], BATCH,
                               N_BATCHES, SAMPLES)
@@ -189,21 +203,25 @@ def _best(t, best_num_workers):
             result = runs[i]["outcome"]
             if result[0] == "raised":
                 t.fail("", expected, in_words(result, raised=""))
-            t.equal(result[1], expected)
+            if result[1] != expected:
+                t.fail(best_diagnosis(result[1], costs, candidates, runs[i]["counts"]), expected, result[1])
     first = runs[0]["counts"] if runs else None
-    with t.case(f"draws a warm-up batch plus n_batches={N_BATCHES} from every candidate",
-                hint="iterate a DataLoader(dataset, ..., num_workers=k) for every candidate k: first at least "
-                     "one warm-up batch (workers start, caches fill), then time n_batches"):
+    with t.case(f"draws a warm-up batch plus n_batches={N_BATCHES} from every candidate"):
         need(t, first)
         low = {k: c for k, c in first.items() if c < (N_BATCHES + (1 if k == 0 else 0)) * BATCH}
         if low:
-            t.fail("", f"at least {(N_BATCHES + 1) * BATCH} samples with num_workers=0 and "
-                       f"{N_BATCHES * BATCH} with workers", f"samples drawn per num_workers: {first}")
-    with t.case("draws only what it measures (a few warm-up batches plus n_batches, not whole epochs)",
-                hint="stop after the warm-up and n_batches batches: next(iterator) in a loop, then drop "
-                     "the iterator; a sweep over whole epochs takes far longer"):
+            t.fail("some candidates gave fewer samples than one warm-up batch plus n_batches: a measurement "
+                   "that includes the workers' start-up, or times fewer batches than asked, misjudges them",
+                   f"at least {(N_BATCHES + 1) * BATCH} samples with num_workers=0 and {N_BATCHES * BATCH} with "
+                   "workers", f"samples drawn per num_workers: {first}")
+    with t.case("draws only what it measures (a few warm-up batches plus n_batches, not whole epochs)"):
         need(t, first)
+        if not all(first.values()):
+            t.fail("not judged: some candidates gave no sample at all (see the case above)", "samples drawn from "
+                   "every candidate", f"samples drawn per num_workers: {first}")
         high = {k: c for k, c in first.items() if c > (N_BATCHES + 5 + 2 * k) * BATCH}
         if high:
-            t.fail("", f"about {(N_BATCHES + 1) * BATCH} samples per num_workers (plus what workers "
-                       "prefetch)", f"samples drawn per num_workers: {first}")
+            t.fail("you drew far more samples than you timed: a sweep that runs whole epochs per candidate costs "
+                   "minutes on a real data set; a right one stops once it has its measurement",
+                   f"about {(N_BATCHES + 1) * BATCH} samples per num_workers (plus what workers prefetch)",
+                   f"samples drawn per num_workers: {first}")

@@ -3,7 +3,9 @@
 :func:`run_loaders` builds loaders with the learner's ``make_loader`` for every
 situation its check judges (CUDA devices included: building a pinned loader
 needs no GPU) and describes them; :func:`run_seeds` runs ``seed_worker`` in
-real forked workers that start from one copied random state; :func:`run_best`
+real forked workers that start from one copied random state, in each of the
+check's real ranks (every rank with the same loader generator seed) or in one
+process without a launcher; :func:`run_best`
 times ``best_num_workers`` on data sets whose speed per ``num_workers`` the
 check sets. Each returns plain evidence, which :mod:`.checkers` judges.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing
 import numpy as np
+import os
 import random
 import time
 import torch
@@ -79,11 +82,12 @@ def run_loaders(make_loader, scenarios: dict) -> dict:
 
 # -- seed_worker ----------------------------------------------------------------------
 _WORKER_ERROR: list = []  # in a worker: what the learner's seed_worker raised there, if anything
+GENERATORS = ("torch", "random", "numpy")
 
 
 class Draws(Dataset):
-    """Item i: (worker id, one draw from Python's random, one from NumPy's global generator), or, where
-    the worker's ``seed_worker`` raised, (worker id, "raised", error type, message)."""
+    """Item i: (worker id, one draw each from torch, Python's random and NumPy's global generator), or,
+    where the worker's ``seed_worker`` raised, (worker id, "raised", error type, message)."""
 
     def __init__(self, n: int):
         self.n = n
@@ -96,7 +100,7 @@ class Draws(Dataset):
         worker = info.id if info is not None else -1
         if _WORKER_ERROR:
             return (worker, "raised", *_WORKER_ERROR)
-        return (worker, random.random(), float(np.random.rand()))
+        return (worker, float(torch.rand(())), random.random(), float(np.random.rand()))
 
 
 def _first_draws(loader) -> dict:
@@ -107,22 +111,26 @@ def _first_draws(loader) -> dict:
             if item[2] == "NotImplementedError":
                 raise NotImplementedError(item[3])
             return {"error": f"{item[2]} in a worker: {item[3]}"}
-        first.setdefault(item[0], (round(item[1], 12), round(item[2], 12)))
-    return {"random": [first[w][0] for w in sorted(first)], "numpy": [first[w][1] for w in sorted(first)]}
+        first.setdefault(item[0], tuple(round(v, 12) for v in item[1:]))
+    return {gen: [first[w][i] for w in sorted(first)] for i, gen in enumerate(GENERATORS)}
 
 
-def run_seeds(seed_worker, generator_seed: int = 7, num_workers: int = 2) -> dict:
+def run_seeds(seed_worker, generator_seed: int = 7, num_workers: int = 2, single: bool = False) -> dict:
     """Two epochs of a forked DataLoader using ``seed_worker``, and one epoch of a second loader with the
     same generator seed: ``{"epoch1", "epoch2", "again"}``, each the first draws per generator and worker
-    (or ``{"error": ...}``).
+    (or ``{"error": ...}``); ``single``: as one process without a launcher (no ``RANK``, no process group).
 
-    Every worker first gets back the random state of this process (what fork
-    copies, and what forked workers kept before PyTorch 1.9 reseeded NumPy),
-    then the learner's ``seed_worker(worker_id)`` runs. What it raises is sent
-    back as data: a worker that fails its init leaves a DataLoader whose
-    shutdown waits seconds for it.
+    Every worker first gets back the random state of this process for Python
+    and NumPy (what fork copies, and what forked workers kept before PyTorch 1.9
+    reseeded NumPy), then the learner's ``seed_worker(worker_id)`` runs. Every
+    rank runs the same loaders with the same generator seed, as ranks started
+    from one script do. What it raises is sent back as data: a worker that
+    fails its init leaves a DataLoader whose shutdown waits seconds for it.
     """
     fork_workers()
+    if single:
+        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+            os.environ.pop(name, None)
     random.seed(1234)
     np.random.seed(1234)
     parent = (random.getstate(), np.random.get_state())

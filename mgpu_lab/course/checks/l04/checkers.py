@@ -1,11 +1,16 @@
 """Checks of lesson 04 (DDP): shard_indices, ddp_train, download_once, global_mean.
 
-The reference is always the real thing: ``DistributedSampler`` itself for
-shard_indices, single-process training with the global batch for ddp_train.
-ddp_train, download_once and global_mean run in real ranks, each in one launch;
-the evidence they leave (which samples each rank read, in which order; where
-the model and every batch were moved; which rank called the download, and what
-it found on return; every rank's mean) is what the cases judge. What runs in
+The yardstick is always the real thing: ``DistributedSampler`` itself for
+shard_indices, single-process training with the global batch for ddp_train
+(with and without gradient accumulation). ddp_train, download_once and
+global_mean run in real ranks, each in one launch; the evidence they leave
+(which samples each rank read, in which order; where the model and every batch
+were moved; how many gradient all-reduces and backward passes each rank ran;
+which rank called the download, and what it found on return; every rank's mean)
+is what the cases judge. Every exercise names its references (torch's
+``DistributedSampler``, the library's ``mgpu_lab.parallel.ddp`` training and
+evaluation, ``mgpu_lab.data.per_node.download_once``): an answer that calls one
+fails. What runs in
 the ranks is :mod:`.ranks`; this module judges, in the kernel.
 """
 from __future__ import annotations
@@ -14,8 +19,9 @@ import math
 
 from .._core import exercise
 from ..sim.scenarios import launch_scenarios
-from .judges import (download_callers, every_rank, judge_complete, judge_paths, log_counts, mean_diagnosis, shard_case,
-                     judge_batches, judge_model_device, judge_order, judge_same_weights, judge_shards, judge_weights)
+from .judges import (download_callers, every_rank, judge_accumulated, judge_backwards, judge_batches, judge_complete,
+                     judge_model_device, judge_order, judge_paths, judge_same_weights, judge_shards, judge_syncs,
+                     judge_weights, log_counts, mean_diagnosis, shard_case)
 from .ranks import run_ddp_train, run_download_once, run_global_mean, shard_all
 
 
@@ -26,7 +32,9 @@ GLOBAL_MEAN_TIMEOUT = 30.0
 
 
 @exercise("04.shard_indices", points=6, description="shard_indices(n, rank, world_size, shuffle, seed, epoch, "
-          "drop_last): exactly the indices DistributedSampler yields to that rank")
+          "drop_last): exactly the indices DistributedSampler yields to that rank",
+          references=("torch.utils.data.distributed:DistributedSampler",
+                      "torch.utils.data.distributed:DistributedSampler.__iter__"))
 def _shard_indices(t, shard_indices):
     """Compares with DistributedSampler itself, all combinations in one fresh process.
 
@@ -40,20 +48,22 @@ def _shard_indices(t, shard_indices):
              for s in (False, True) for d in (False, True) for seed, e in ((0, 0), (7, 3))]
     groups = [
         ("no shuffle, 12 samples on 3 ranks: rank r takes r, r+3, r+6, ...", every_rank(12, 3), False,
-         "rank r takes indices[r::world_size] (interleaved, not a contiguous block)"),
+         "your ranks' lists are not the sampler's: it deals the indices out to the ranks in turn"),
         ("no shuffle, 10 samples on 4 ranks: padded to 12 by repeating the first indices", every_rank(10, 4), False,
-         "without drop_last every rank gets ceil(n / world_size) samples: pad the list with its own first "
-         "indices (indices += indices[:total - n]) before taking every world_size-th"),
+         "without drop_last every rank gets the same number of samples, ceil(n / world_size): the sampler makes "
+         "up the shortfall with its own first indices"),
         ("fewer samples than ranks (1 on 3, 2 on 5): the list is repeated until every rank has one",
          every_rank(1, 3) + every_rank(2, 5, shuffle=True, seed=1), False,
-         "when n < world_size the padding must repeat the whole list several times, not once"),
+         "with fewer samples than ranks one copy of the list is not enough padding: it is repeated as often as "
+         "needed"),
         ("drop_last=True, 10 samples on 4 ranks: the last 2 are dropped", every_rank(10, 4, drop_last=True), False,
-         "with drop_last keep only the first (n // world_size) * world_size indices, then stride; never pad"),
+         "with drop_last every rank gets n // world_size samples: the tail that does not divide is left out, "
+         "nothing is padded"),
         ("shuffle=True, seed=5, epochs 0-2: the order comes from a generator seeded with seed + epoch", shuffled,
-         False, "shuffle with g = torch.Generator(); g.manual_seed(seed + epoch); "
-                "torch.randperm(n, generator=g).tolist(): not the global RNG, not random.shuffle, not seed alone"),
+         False, "your shuffled order is not the sampler's: it is the permutation torch.randperm draws from a "
+                "generator of its own seeded with seed + epoch (never the global random state)"),
         ("every combination of n 1-13, world_size 1-5, shuffle, drop_last, seed, epoch", sweep, True,
-         "compare your lists with DistributedSampler's for small n and world sizes"),
+         "some combination of small n and world sizes differs from DistributedSampler's lists"),
     ]
     combos = [c for _, group, _, _ in groups for c in group]
     results, start = None, 0
@@ -66,50 +76,63 @@ def _shard_indices(t, shard_indices):
 
 
 # -- ddp_train ---------------------------------------------------------------------------
-DDP_SETUP = dict(n=40, world=4, per_node=2, epochs=2, batch=4, lr=0.3)
+DDP_SETUP = dict(n=40, world=4, per_node=2, epochs=2, batch=4, lr=0.3, accumulate=1)
+ACCUMULATE = dict(DDP_SETUP, n=48, batch=3, accumulate=2)  # 12 samples per rank: 4 micro-batches, 2 steps
 
 
-@exercise("04.ddp_train", points=6, description="ddp_train(model_fn, dataset, epochs, batch_size, lr): DDP on the "
-          "rank's own GPU with a DistributedSampler and set_epoch; ends with the weights of single-process training")
+@exercise("04.ddp_train", points=9, description="ddp_train(model_fn, dataset, epochs, batch_size, lr, accumulate=1): "
+          "DDP on the rank's own GPU, a shard per rank and epoch, accumulate micro-batches per step with one "
+          "all-reduce per step; ends with the weights of single-process training",
+          references=("mgpu_lab.parallel.ddp:train", "mgpu_lab.parallel.ddp:fit", "mgpu_lab.parallel.ddp:wrap",
+                      "mgpu_lab.parallel.ddp:make_loader"))
 def _ddp_train(t, ddp_train):
-    """One launch of 4 ranks as 2 simulated nodes x 2 virtual GPUs (``sim.cuda``, ``sim.parallel.virtual_ddp``).
+    """One launch of 4 ranks as 2 simulated nodes x 2 virtual GPUs (``sim.cuda``, ``sim.parallel.virtual_ddp``),
+    training twice: as given (accumulate left at its default) and with accumulate=2.
 
-    Catches: no DistributedSampler (DataLoader shuffle=True: every rank reads
-    everything), set_epoch missing, shuffle=False, the model or the inputs or
-    the labels never moved to the rank's GPU, every rank on cuda:0 ("cuda"),
-    the global rank used as GPU index (wrong on the second node), a hard-coded
-    "cpu", wrong DDP device_ids, no DDP (ranks drift apart), the lr scaled by
-    the world size, batch_size taken as the global batch, no zero_grad,
-    momentum. The diagnosis names the wrong variant the weights match.
+    Catches: no DistributedSampler (every rank reads everything), set_epoch missing, shuffle=False, the model
+    or the inputs or the labels never moved to the rank's GPU, every rank on cuda:0 ("cuda"), the global rank as
+    GPU index, a hard-coded "cpu", wrong DDP device_ids, no DDP (ranks drift apart), the lr scaled by the world
+    size, batch_size taken as the global batch, no zero_grad, momentum; with accumulation: a step after every
+    micro-batch, the micro-batch means summed (lr x accumulate), every micro-batch all-reduced (no no_sync),
+    no all-reduce at all, one backward over summed losses. The diagnosis names the wrong variant it matches.
     """
-    s = DDP_SETUP
+    s, a = DDP_SETUP, ACCUMULATE
     results = None
-    with t.case(f"{s['world']} ranks: every rank reads its own quarter of the data each epoch (a "
-                "DistributedSampler, not shuffle=True)", hint="ddp_train runs inside each rank with the process "
-                "group initialised: don't call init_process_group or destroy_process_group"):
+    with t.case(f"{s['world']} ranks: every rank reads its own quarter of the data each epoch",
+                hint="ddp_train runs inside each rank with the process group initialised: it neither initialises "
+                     "nor destroys it"):
         log_dir = t.scratch("mgpu-lab-04-")  # where the ranks run (a grader's sandbox)
-        results = t.ranks(run_ddp_train, s["world"], ddp_train, s["n"], s["epochs"], s["batch"], s["lr"],
-                          log_dir, s["per_node"], timeout=90)
-        judge_shards(t, results, s["n"], s["world"], s["epochs"])
+        scenarios = {name: (c["n"], c["epochs"], c["batch"], c["lr"], acc)
+                     for name, c, acc in (("plain", s, None), ("accumulate", a, a["accumulate"]))}
+        results = t.ranks(run_ddp_train, s["world"], ddp_train, scenarios, log_dir, s["per_node"], timeout=90)
+        judge_shards(t, [r["plain"] for r in results], s["n"], s["world"], s["epochs"])
+    global_batch = a["world"] * a["batch"] * a["accumulate"]
     cases = [
-        ("the data order changes from epoch to epoch (sampler.set_epoch)", judge_order, ""),
+        ("the data order changes from epoch to epoch", judge_order, "plain", s, ""),
         ("2 nodes x 2 GPUs (virtual): each rank's model goes to its own GPU, cuda:LOCAL_RANK, and DDP gets "
-         "that device or none", judge_model_device, ""),
-        ("every batch's inputs and labels go to the rank's GPU before the forward pass", judge_batches, ""),
-        ("every rank ends with the same weights", judge_same_weights,
-         "wrap the model in DistributedDataParallel so that the gradients are averaged"),
+         "that device or none", judge_model_device, "plain", s, ""),
+        ("every batch's inputs and labels go to the rank's GPU before the forward pass", judge_batches, "plain", s, ""),
+        ("every rank ends with the same weights", judge_same_weights, "plain", s,
+         "your ranks ended with different weights: their gradients were never averaged across the ranks"),
         (f"the weights of 1 process with global batch {s['world'] * s['batch']} and lr {s['lr']:g} (to 1e-5)",
-         judge_weights, ""),
+         judge_weights, "plain", s, ""),
+        (f"accumulate={a['accumulate']}, micro-batches of {a['batch']}: the weights of 1 process with global batch "
+         f"{global_batch} (to 1e-5), the same on every rank", judge_accumulated, "accumulate", a, ""),
+        (f"accumulate={a['accumulate']}: one gradient all-reduce per optimizer step, not one per micro-batch",
+         judge_syncs, "accumulate", a, ""),
+        (f"accumulate={a['accumulate']}: one backward pass per micro-batch (one micro-batch's activations at a "
+         "time)", judge_backwards, "accumulate", a, ""),
     ]
-    for name, judge, hint in cases:
+    for name, judge, scenario, setup, hint in cases:
         with t.case(name, hint=hint):
             if results is None:
                 t.fail("not judged: the first case did not finish")
-            judge(t, results, s)
+            judge(t, [r[scenario] for r in results], setup)
 
 
 @exercise("04.download_once", points=4, description="download_once(fn): one rank per node calls fn(root), every "
-          "rank returns the path once the file is complete, a second call downloads nothing")
+          "rank returns the path once the file is complete, a second call downloads nothing",
+          references=("mgpu_lab.data.per_node:download_once",))
 def _download_once(t, download_once):
     """One launch of 6 ranks as 2 simulated nodes x 3, each node with its own directory, two calls.
 
@@ -122,7 +145,7 @@ def _download_once(t, download_once):
     roots = [t.scratch(f"mgpu-lab-04-node{i}-") for i in range(2)]
     results = None
     with t.case("2 nodes x 3 ranks: fn is called once per node, on local rank 0 (global ranks 0 and 3)",
-                hint="call fn only where mgpu_lab.dist.local_rank() == 0; the other ranks wait at a barrier"):
+                hint="fn must run once per node, on the node's local rank 0, while the node's other ranks wait"):
         results = t.ranks(run_download_once, 6, download_once, roots, 3, timeout=DOWNLOAD_TIMEOUT)
         callers = t.local(download_callers, roots, 0)  # the learner's files are read where they were written
         if callers != [[0], [3]]:
@@ -132,7 +155,7 @@ def _download_once(t, download_once):
                     "a node did not download: use the local rank (LOCAL_RANK), not the global rank; every "
                     "node has its own disk" if 0 in calls else
                     "fn ran on a rank that is not its node's local rank 0: read the local rank with "
-                    "mgpu_lab.dist.local_rank(), don't compute it from the global rank")
+                    "mgpu_lab.dist.local_rank(), not something computed from the global rank")
             t.fail(hint, "fn called by ranks [[0], [3]] (per node)", f"by ranks {callers}")
     for name, judge in (("every rank returns its own node's path", judge_paths),
                         ("no rank returns before its node's file is complete", judge_complete)):
@@ -141,8 +164,8 @@ def _download_once(t, download_once):
                 t.fail("not judged: the first case did not finish")
             judge(t, results, roots, 0) if judge is judge_paths else judge(t, results, 0)
     with t.case("a second call downloads nothing and again returns the complete file",
-                hint="the second call must go through the same steps: local rank 0 calls fn, which finds "
-                     "the file; the others wait and return the path"):
+                hint="a second call must behave like the first: one call of fn per node (which finds the file "
+                     "complete and downloads nothing), every rank returning the path"):
         if results is None:
             t.fail("not judged: the first case did not finish")
         calls = t.local(log_counts, roots, "calls.log", 1)
@@ -158,7 +181,8 @@ GLOBAL_MEAN_SCENARIOS = [  # 3 ranks: sums, counts
 
 
 @exercise("04.global_mean", points=4, description="global_mean(local_sum, local_count): the mean over every "
-          "rank's samples, counts differing per rank, via all_reduce")
+          "rank's samples, counts differing per rank, on every rank",
+          references=("mgpu_lab.parallel.ddp:global_mean", "mgpu_lab.parallel.ddp:evaluate"))
 def _global_mean(t, global_mean):
     """One launch of 3 ranks running every scenario; every rank's value is judged.
 
@@ -180,7 +204,8 @@ def _global_mean(t, global_mean):
                 t.fail(mean_diagnosis(values, sums, counts), f"{expected:g} on every rank", values)
         if k == 1:
             with t.case("returns the same Python float on every rank",
-                        hint="return mean.item() (a float), computed from the all-reduced totals on every rank"):
+                        hint="your global_mean returned something else than a Python float on some rank (a tensor "
+                     "keeps its device and autograd state; callers format and compare floats)"):
                 kinds = {kind for _, kind in evidence.get(t, 1)}
                 if kinds != {"float"}:
                     t.fail("", "float", ", ".join(sorted(kinds)))

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from mgpu_lab.data import sampler_view
-from mgpu_lab.parallel import ddp
+from mgpu_lab.parallel import baseline
 from .ranks import check_data, check_model
 
 
@@ -29,12 +29,12 @@ def _shard_diagnosis(combo, got, hint) -> str:
     per = len(right(n, rank, world, shuffle, seed, epoch, drop_last))
     known = [
         (shuffle and epoch and got == right(n, rank, world, shuffle, seed, 0, drop_last),
-         "your order ignores the epoch: seed the generator with seed + epoch"),
+         "your order ignores the epoch: every epoch repeats epoch 0's shuffle"),
         (shuffle and n >= 6 and got == right(n, rank, world, False, seed, epoch, drop_last),
-         "with shuffle=True the order must be shuffled: torch.randperm(n, generator=g)"),
+         "your order is not shuffled although shuffle=True"),
         (world > 1 and got == (padded * world)[rank * per:(rank + 1) * per],
-         "your ranks take contiguous blocks: rank r takes every world_size-th index starting at r "
-         "(indices[rank::world_size], interleaved)"),
+         "your ranks take contiguous blocks: the sampler interleaves the ranks (rank r gets positions r, "
+         "r + world_size, ...)"),
     ]
     return next((message for found, message in known if found), hint)
 
@@ -80,9 +80,8 @@ def judge_paths(t, results, roots, round_):
         expected = os.path.join(roots[res["node"]], "data.bin")
         if got["path"] != expected:
             other = [i for i, root in enumerate(roots) if got["path"].startswith(root) and i != res["node"]]
-            hint = (f"rank {r} on node {res['node']} got node {other[0]}'s path: take the path from local rank 0 "
-                    "of your own node (e.g. gather every rank's answer with dist.all_gather_object and pick "
-                    "global rank rank - local_rank)") if other else (
+            hint = (f"rank {r} on node {res['node']} got node {other[0]}'s path: every rank needs the path its own "
+                    "node's local rank 0 got, which only a collective can bring it") if other else (
                 f"rank {r} (local rank {res['local_rank']}) returned {got['path']}: every rank must return the "
                 "path that fn returned on its node's local rank 0")
             t.fail(hint, expected, got["path"])
@@ -93,8 +92,8 @@ def judge_complete(t, results, round_):
         if not res["rounds"][round_]["found"]:
             t.fail(f"not judged: rank {r} returned no file (see the case above)", "a file", "no file")
         if not res["rounds"][round_]["complete"]:
-            t.fail(f"rank {r} returned before the file was complete: make the other ranks wait at "
-                   "dist.barrier() until local rank 0's fn has returned", "the complete file", "half a file")
+            t.fail(f"rank {r} returned before the file was complete: the ranks that do not download must not "
+                   "return before their node's local rank 0 has", "the complete file", "half a file")
 
 
 # -- global_mean -------------------------------------------------------------------------
@@ -104,20 +103,20 @@ def mean_diagnosis(values, sums, counts) -> str:
     means = [s / c if c else math.nan for s, c in zip(sums, counts)]
     known = [
         ([sum(means) / world] * world, "you averaged the ranks' means: that weighs a rank with 1 sample like a "
-                                        "rank with 8; all_reduce the sum and the count, then divide"),
-        ([sum(sums) / c if c else math.nan for c in counts], "only the sum was all-reduced: divide by the "
-                                                            "all-reduced count, not this rank's own"),
-        ([sum(sums) / total] + values[1:], "only rank 0 has the right mean: use all_reduce (every rank gets "
-                                            "the result), not reduce"),
-        ([max(sums) / max(counts)] * world, "the all_reduce used op MAX: sums and counts add up, use "
-                                            "ReduceOp.SUM (the default)"),
+                                        "rank with 8: every sample must weigh the same"),
+        ([sum(sums) / c if c else math.nan for c in counts], "you divided the total sum by this rank's own "
+                                                            "count, not by the count over every rank"),
+        ([sum(sums) / total] + values[1:], "only rank 0 has the right mean, as after a reduce to rank 0: "
+                                            "every rank needs the result"),
+        ([max(sums) / max(counts)] * world, "your values match the largest sum over the largest count, as "
+                                            "with op MAX: sums and counts add up over the ranks"),
         ([float(sum(sums))] * world, "you returned the total sum: divide it by the total count"),
     ]
     for formula, message in known:
         if all(isinstance(v, (int, float)) and math.isclose(v, f, rel_tol=1e-6) for v, f in zip(values, formula)):
             return message
-    return ("all_reduce the sum and the count (e.g. one tensor [sum, count] with op SUM), then divide; "
-            "every rank must return the same mean")
+    return ("the mean over every rank's samples is the total of the sums over the total of the counts; every "
+            "rank must return it")
 
 
 def judge_shards(t, results, n, world, epochs):
@@ -125,11 +124,11 @@ def judge_shards(t, results, n, world, epochs):
     per_epoch = -(-n // world)
     for r, res in enumerate(results):
         if len(res["seen"]) == epochs * n:
-            t.fail("every rank read the whole data set: DataLoader(shuffle=True) shuffles but does not "
-                   "split; pass sampler=DistributedSampler(dataset)", f"{epochs * per_epoch} reads on rank {r}",
+            t.fail("every rank read the whole data set: a DataLoader that shuffles does not split the data "
+                   "among the ranks; a DistributedSampler does", f"{epochs * per_epoch} reads on rank {r}",
                    f"{epochs * n} reads")
         if len(res["seen"]) != epochs * per_epoch:
-            t.fail("train on the dataset passed in, through a DataLoader with a DistributedSampler",
+            t.fail("your ranks did not read their shard of the dataset passed in once per epoch",
                    f"{epochs * per_epoch} samples read by rank {r} ({epochs} epochs)", f"{len(res['seen'])}")
     for e in range(epochs):
         chunks = [set(res["seen"][e * per_epoch:(e + 1) * per_epoch]) for res in results]
@@ -142,13 +141,16 @@ def judge_order(t, results, s):
     """A new shuffled order in every epoch: set_epoch called, shuffle left on."""
     for r, res in enumerate(results):
         size = len(res["seen"]) // s["epochs"]
+        if not size:
+            t.fail(f"not judged: rank {r} read no sample of the dataset passed in (see the first case)",
+                   "a shuffled order in every epoch", "nothing read")
         orders = [res["seen"][e * size:(e + 1) * size] for e in range(s["epochs"])]
         if all(order == list(range(r, s["n"], s["world"])) for order in orders):
-            t.fail("DistributedSampler(dataset) shuffles by default: don't pass shuffle=False",
+            t.fail("your ranks read their shard in index order: the sampler's default is to shuffle",
                    "a shuffled order", f"rank {r}: {orders[0]} in every epoch")
         if size and orders[0] == orders[1]:
-            t.fail("call sampler.set_epoch(epoch) at the start of every epoch: without it the sampler "
-                   "shuffles the same way each epoch", "a new order in epoch 1",
+            t.fail("every epoch repeats the same order: the sampler only changes its shuffle when it is told "
+                   "the epoch", "a new order in epoch 1",
                    f"rank {r}: the same order {orders[0]} twice")
 
 
@@ -168,10 +170,10 @@ def _wrong_device(got, want, res) -> str:
     rank, local, node = res["rank"], res["local_rank"], res["node"]
     if got in ("cpu", ".cpu()"):
         return (f"rank {rank} sent it to the CPU: on a GPU node each rank uses its own GPU, "
-                "device = mgpu_lab.dist.device(), not a hard-coded 'cpu'")
+                "mgpu_lab.dist.device(), not a hard-coded 'cpu'")
     if got == "cuda:0":
         return (f"rank {rank} (local rank {local}) used cuda:0, as if every rank shared GPU 0 ('cuda' without an "
-                "index is the current device, GPU 0): use device = mgpu_lab.dist.device(), cuda:LOCAL_RANK")
+                "index is the current device, GPU 0); each rank's GPU is cuda:LOCAL_RANK (mgpu_lab.dist.device())")
     if got == f"cuda:{rank}":
         return (f"rank {rank} is local rank {local} on node {node}: index the GPU with the local rank "
                 "(LOCAL_RANK, mgpu_lab.dist.device()), not the global rank")
@@ -184,14 +186,14 @@ def judge_model_device(t, results, s):
         want, moves = f"cuda:{res['local_rank']}", _resolved(res["moves"])
         placed = [device for tag, device in moves if tag == "model"]
         if not placed:
-            t.fail(f"rank {res['rank']} never moved the model: model_fn().to(device) with "
-                   f"device = mgpu_lab.dist.device() ({want} on this rank)", want, "the model never moved")
+            t.fail(f"rank {res['rank']} never moved the model to its device ({want} on this rank)", want,
+                   "the model never moved")
         if placed[-1] != want:
             t.fail(_wrong_device(placed[-1], want, res), want, f"rank {res['rank']}: the model on {placed[-1]}")
         ids = [device for tag, device in moves if tag == "DDP device_ids"]
         if ids and ids[-1] not in ("None", want):
-            t.fail(f"rank {res['rank']}'s model is on {want} but DDP got device_ids=[{ids[-1]}]: pass "
-                   "device_ids=[device.index] (the local rank), or none", f"device_ids=[{want}] or None",
+            t.fail(f"rank {res['rank']}'s model is on {want} but DDP was told device_ids=[{ids[-1]}]: DDP's "
+                   "device_ids name the one GPU the model is on, or are left out", f"device_ids=[{want}] or None",
                    f"rank {res['rank']}: device_ids=[{ids[-1]}]")
 
 
@@ -213,16 +215,16 @@ def judge_batches(t, results, s):
             made = res["batches"][tag]
             moved = [d for tg, d in moves if tg == tag]
             if not made:
-                t.fail("no batch of the dataset passed in was recorded: read it through a DataLoader "
-                       "(num_workers=0 in this exercise)", "batches", "none")
+                t.fail("no batch of the dataset passed in was recorded: read the dataset given, through a "
+                       "DataLoader in this process (no workers)", "batches", "none")
             # "cpu" is where the parameters of this simulation's model are: x.to(next(model.parameters()).device)
             wrong = [d for d in moved if d != want and not (d == "cpu" and _model_on(moves) == want)]
             if wrong:
                 t.fail(_wrong_device(wrong[0], want, res) + f" (the {tag})", want, f"{tag} moved to {wrong[0]}")
             if len(moved) < made:
                 t.fail(f"rank {res['rank']}: the {tag} of {made - len(moved)} of its {made} batches never went "
-                       f"to its GPU: {name} = {name}.to(device) for every batch, before the forward pass (on a GPU "
-                       "a CPU tensor meeting the model or the loss fails)", f"{made} moves to {want}",
+                       f"to its GPU before the forward pass (on a GPU a CPU tensor meeting the model or the loss "
+                       "fails)", f"{made} moves to {want}",
                        f"{len(moved)}")
 
 
@@ -245,33 +247,74 @@ def variant_train(s, global_batch, lr, *, set_epoch=True, zero_grad=True, moment
 
 def _diagnose(state, s) -> str:
     """Name the likely bug: the variant of the reference that the learner's weights match, if any."""
-    big, lr, world = s["batch"] * s["world"], s["lr"], s["world"]
+    acc = s.get("accumulate", 1)
+    big, lr, world = s["batch"] * s["world"] * acc, s["lr"], s["world"]
     guesses = [
         (dict(global_batch=big, lr=lr / world), f"your weights match lr / world_size = {lr / world:g}: "
                                                 "use lr as given"),
         (dict(global_batch=big, lr=lr * world), f"your weights match lr * world_size = {lr * world:g}: "
                                                 "use lr as given"),
-        (dict(global_batch=big, lr=lr, set_epoch=False), "your weights match training without "
-                                                           "sampler.set_epoch(epoch)"),
-        (dict(global_batch=s["batch"], lr=lr), "your weights match a global batch of batch_size: batch_size is "
-                                               "per rank, pass it to the DataLoader unchanged"),
-        (dict(global_batch=big, lr=lr, zero_grad=False), "your weights match training without "
-                                                         "optimizer.zero_grad(): the gradients piled up over steps"),
-        (dict(global_batch=big, lr=lr, momentum=0.9), "your weights match SGD with momentum=0.9: use plain "
-                                                      "SGD(params, lr=lr)"),
+        (dict(global_batch=big, lr=lr, set_epoch=False), "your weights match training whose sampler is never "
+                                                           "told the epoch"),
+        (dict(global_batch=s["batch"] * acc, lr=lr), "your weights match a global batch of batch_size: batch_size "
+                                                     "is per rank"),
+        (dict(global_batch=big, lr=lr, zero_grad=False), "your weights match training whose gradients pile up "
+                                                         "over steps: they were never zeroed"),
+        (dict(global_batch=big, lr=lr, momentum=0.9), "your weights match SGD with momentum=0.9: the optimizer "
+                                                      "is plain SGD"),
     ]
+    if acc > 1:
+        guesses[:0] = [
+            (dict(global_batch=big // acc, lr=lr), f"your weights match an optimizer step after every micro-batch: "
+                                                   f"with accumulate={acc} one step covers {acc} micro-batches per "
+                                                   f"rank, a global batch of {big}"),
+            (dict(global_batch=big, lr=lr * acc), f"your weights match lr x accumulate: your step used the sum of "
+                                                  f"the {acc} micro-batches' mean gradients, {acc} times the mean "
+                                                  f"gradient over the step's {big} samples"),
+        ]
     for kwargs, message in guesses:
-        if ddp.max_diff(state, variant_train(s, **kwargs)) < 1e-5:
+        if baseline.max_diff(state, variant_train(s, **kwargs)) < 1e-5:
             return message
-    return ("train like the reference: model_fn() wrapped in DDP, DataLoader(dataset, batch_size, "
-            "sampler=DistributedSampler(dataset)), sampler.set_epoch(epoch), plain SGD(lr) without momentum, "
-            "mean CrossEntropyLoss, zero_grad/backward/step once per batch")
+    return (f"train so that one optimizer step sees the mean gradient over a global batch of {big} samples: every "
+            "rank its DistributedSampler shard, set_epoch every epoch, plain SGD(lr) without momentum, mean "
+            "CrossEntropyLoss")
+
+
+def judge_syncs(t, results, s):
+    """One gradient all-reduce (per bucket) per optimizer step: the micro-batches before the last skip it."""
+    steps = s["epochs"] * s["n"] // (s["world"] * s["batch"] * s["accumulate"])
+    micro = steps * s["accumulate"]
+    for res in results:
+        got = res["allreduces"]
+        if got == 0:
+            t.fail(f"rank {res['rank']} never all-reduced a gradient: the micro-batch that ends a step must "
+                   "synchronise (outside no_sync), or the ranks drift apart", f"{steps} all-reduces", "0")
+        if got >= micro:
+            t.fail(f"rank {res['rank']} all-reduced after every micro-batch's backward ({got} times for {micro} "
+                   f"micro-batches): DDP skips it only for a micro-batch whose forward and backward passes both run inside "
+                   f"its no_sync() context, so {s['accumulate'] - 1} of every {s['accumulate']} all-reduces are wasted", f"{steps} all-reduces (one per step)", got)
+        if got != steps:
+            t.fail("", f"{steps} all-reduces (one per optimizer step)", f"rank {res['rank']}: {got}")
+
+
+def judge_backwards(t, results, s):
+    """One backward pass per micro-batch (the point of accumulating: one micro-batch's activations at a time)."""
+    micro = s["epochs"] * s["n"] // (s["world"] * s["batch"])
+    for res in results:
+        if not res["backwards"]:
+            t.fail(f"rank {res['rank']} never ran a backward pass through its DDP model", f"{micro} backward passes",
+                   "0")
+        if res["backwards"] < micro:
+            t.fail(f"rank {res['rank']} ran {res['backwards']} backward passes for {micro} micro-batches: one backward "
+                   "over several micro-batches (a bigger batch, or their losses summed) keeps all their activations "
+                   "alive at once, the memory that accumulation exists to save", f"{micro} backward passes",
+                   res["backwards"])
 
 
 def _states(t, results):
     bad = [res["type"] for res in results if res["state"] is None]
     if bad:
-        t.fail("return model.state_dict() (of the module inside DDP: ddp_model.module.state_dict())",
+        t.fail("return the trained model's state_dict (of the module inside DDP, without the 'module.' prefix)",
                "dict[str, Tensor]", bad[0])
     return [res["state"] for res in results]
 
@@ -279,7 +322,7 @@ def _states(t, results):
 def judge_same_weights(t, results, s):
     """Every rank ends with rank 0's weights (DDP averages the gradients)."""
     states = _states(t, results)
-    worst = max(ddp.max_diff(states[0], other) for other in states[1:])
+    worst = max(baseline.max_diff(states[0], other) for other in states[1:])
     if worst > 1e-6:
         t.fail("", "identical weights", f"ranks differ by up to {worst:.3g}")
 
@@ -287,7 +330,19 @@ def judge_same_weights(t, results, s):
 def judge_weights(t, results, s):
     """Rank 0's weights equal one process trained on the global batch (to 1e-5)."""
     state = _states(t, results)[0]
-    ref = ddp.reference_train(check_model, check_data(s["n"]), s["epochs"], s["batch"] * s["world"], s["lr"])
-    worst = ddp.max_diff(state, ref)
+    ref = baseline.reference_train(check_model, check_data(s["n"]), s["epochs"],
+                                   s["batch"] * s["world"] * s.get("accumulate", 1), s["lr"])
+    worst = baseline.max_diff(state, ref)
     if worst > 1e-5:
         t.fail(_diagnose(state, s), "max difference <= 1e-05", f"max difference {worst:.3g}")
+
+
+def judge_accumulated(t, results, s):
+    """With accumulation: every rank ends with the same weights, those of one process with the whole global batch."""
+    states = _states(t, results)
+    worst = max(baseline.max_diff(states[0], other) for other in states[1:])
+    if worst > 1e-6:
+        t.fail("your ranks ended with different weights: some optimizer step used gradients that never crossed the "
+               "ranks (as when a step follows every micro-batch while all but the step's last skip the all-reduce: "
+               "one step after every micro-batch)", "identical weights", f"ranks differ by up to {worst:.3g}")
+    judge_weights(t, results, s)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import time
 import torch
+from contextlib import contextmanager
 import torch.distributed as tdist
 from torch import nn
 from torch.utils.data import Dataset
@@ -82,21 +83,62 @@ def check_data(n):
     return synthetic_classification(n, features=6, classes=3, seed=3)
 
 
-def run_ddp_train(ddp_train, n, epochs, batch_size, lr, log_dir, ranks_per_node):
-    """Probe: the learner's ddp_train in this rank of a simulated node of virtual GPUs."""
+@contextmanager
+def counted_ddp(counts: dict):
+    """Every DDP built inside counts its gradient all-reduces (a communication hook: DDP's reducer calls
+    collectives from C++, where no Python recorder sees them) and the backward passes through its first
+    parameter (one per ``backward()``, however many forward passes it covers)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    built = DDP.__init__
+
+    def hook(state, bucket):
+        counts["allreduces"] += 1
+        return default_hooks.allreduce_hook(None, bucket)
+
+    def backward(grad):
+        counts["backwards"] += 1
+
+    def init(self, module, *args, **kwargs):
+        built(self, module, *args, **kwargs)
+        self.register_comm_hook(None, hook)
+        first = next((p for p in module.parameters() if p.requires_grad), None)
+        if first is not None:
+            first.register_hook(backward)
+
+    DDP.__init__ = init
+    try:
+        yield
+    finally:
+        DDP.__init__ = built
+
+
+def run_ddp_train(ddp_train, scenarios: dict, log_dir, ranks_per_node):
+    """Probe: the learner's ddp_train in this rank of a simulated node of virtual GPUs, once per scenario
+    (``{name: (n, epochs, batch_size, lr, accumulate or None for the default)}``): ``{name: evidence}``."""
     node = simulate_nodes(ranks_per_node)
-    log = os.path.join(log_dir, f"rank{tdist.get_rank()}.log")
-    reset()
-    with simulated_gpus(ranks_per_node, local_rank=mdist.local_rank()), virtual_ddp():
-        state = ddp_train(placed_model, Recorded(check_data(n), log), epochs, batch_size, lr)
-    seen = [int(line) for line in open(log)] if os.path.exists(log) else []
-    out = {"seen": seen, "moves": list(Placed.moves), "node": node, "local_rank": mdist.local_rank(),
-           "batches": {tag: Placed.batches.count(tag) for tag in ("inputs", "labels")},
-           "rank": tdist.get_rank(), "state": None, "type": type(state).__name__}
-    if isinstance(state, dict) and all(isinstance(v, torch.Tensor) for v in state.values()):
-        out["state"] = {k.removeprefix("module."): v.detach().cpu().as_subclass(torch.Tensor).clone()
-                        for k, v in state.items()}
+    out = {}
+    for name, (n, epochs, batch_size, lr, accumulate) in scenarios.items():
+        log = os.path.join(log_dir, f"{name}-rank{tdist.get_rank()}.log")
+        reset()
+        counts = {"allreduces": 0, "backwards": 0}
+        kwargs = {} if accumulate is None else {"accumulate": accumulate}
+        with simulated_gpus(ranks_per_node, local_rank=mdist.local_rank()), virtual_ddp(), counted_ddp(counts):
+            state = ddp_train(placed_model, Recorded(check_data(n), log), epochs, batch_size, lr, **kwargs)
+        out[name] = {"seen": [int(line) for line in open(log)] if os.path.exists(log) else [],
+                     "moves": list(Placed.moves), "node": node, "local_rank": mdist.local_rank(),
+                     "batches": {tag: Placed.batches.count(tag) for tag in ("inputs", "labels")},
+                     "rank": tdist.get_rank(), "state": _plain_state(state), "type": type(state).__name__,
+                     **counts}
     return out
+
+
+def _plain_state(state):
+    if isinstance(state, dict) and all(isinstance(v, torch.Tensor) for v in state.values()):
+        return {k.removeprefix("module."): v.detach().cpu().as_subclass(torch.Tensor).clone()
+                for k, v in state.items()}
+    return None
 
 
 # -- download_once -----------------------------------------------------------------------
