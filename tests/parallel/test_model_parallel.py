@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from mgpu_lab import LaunchError, launch
-from mgpu_lab.parallel.model_parallel import (TwoStageNet, bubble_fraction, ideal_timeline, mlp, pipelined_step,
-                                              replica_devices, split, stage_devices, timed_step)
+from mgpu_lab.parallel.gpipe import bubble_fraction, pipelined_step, timed_step
+from mgpu_lab.parallel.model_parallel import TwoStageNet, ideal_timeline, mlp, replica_devices, split, stage_devices
 from mgpu_lab.parallel.pipeline import ddp_replica_rank, run_gpipe, torch_gpipe_rank
 from mgpu_lab.parallel.timeline import Timeline, fit_gpipe, gpipe_schedule
 
