@@ -4,14 +4,16 @@
 (activations sent forward, their gradient received back); :func:`gpipe_rank`
 runs the micro-batched GPipe step of each rank, timed (:func:`mgpu_lab.parallel.pipeline.run_gpipe`
 launches it); :func:`pipelined_step` is GPipe's micro-batched step on one process,
-:func:`timed_step` the same with every stage's work timed, and :func:`bubble_fraction`
-GPipe's idle fraction. Scripts and later lessons may import them.
+:func:`timed_step` the same with every stage's work timed; :func:`bubble_fraction` is
+the idle fraction of GPipe's schedule (:func:`mgpu_lab.parallel.schedule.gpipe_schedule`)
+in closed form, :func:`fit_bubble` that of a measured step's fit. Scripts and
+later lessons may import them.
 
 Example:
     >>> s1, s2 = nn.Linear(4, 8), nn.Linear(8, 1)
     >>> x, y = torch.randn(10, 4), torch.randn(10, 1)
     >>> loss = pipelined_step(s1, s2, x, y, nn.MSELoss(), 4)  # chunks of 3, 3, 3, 1
-    >>> round(bubble_fraction(2, 4), 3)
+    >>> round(bubble_fraction([1.0, 1.0], [2.0, 2.0], 4), 3)
     0.2
 """
 from __future__ import annotations
@@ -23,9 +25,10 @@ from torch import nn
 from mgpu_lab import dist
 from mgpu_lab.parallel.model_parallel import _device_of, _positive_int
 from mgpu_lab.parallel.pinning import pin_to_core
+from mgpu_lab.parallel.schedule import gpipe_schedule
 from mgpu_lab.parallel.timeline import Timeline
 
-__all__ = ["stage_step", "gpipe_rank", "pipelined_step", "timed_step", "bubble_fraction"]
+__all__ = ["stage_step", "gpipe_rank", "pipelined_step", "timed_step", "bubble_fraction", "fit_bubble"]
 
 _MAX_DIM = 8  # the shape header of a sent activation: [ndim, size0, size1, ...]
 
@@ -203,21 +206,33 @@ def timed_step(stages, devices, x, y, loss_fn, n_micro: int, timeline: Timeline 
     return float(sum(loss.to(losses[0].device) for loss in losses))
 
 
-def bubble_fraction(n_stages: int, n_micro: int) -> float:
-    """GPipe's idle fraction ``(p - 1) / (m + p - 1)`` for ``p`` stages and ``m`` micro-batches.
+def bubble_fraction(forward, backward, n_micro: int, transfer: float = 0.0) -> float:
+    """The idle fraction of a GPipe step: stage s takes ``forward[s]`` and ``backward[s]`` per micro-batch,
+    and a message between neighbouring stages arrives ``transfer`` after the span that made it ended.
 
-    Each stage works ``m`` slots out of ``m + p - 1``: the pipe takes ``p - 1``
-    slots to fill and as many to drain, forward and backward alike.
+    Each phase (every forward, then every backward) is a flow shop of ``n_micro`` identical jobs: one
+    micro-batch crosses every stage and the ``p - 1`` transfers, and the other ``m - 1`` follow at the pace
+    of the slowest stage. With equal stages and free transfers this is ``(p - 1) / (m + p - 1)``.
 
     Raises:
-        ValueError: an argument that is not a whole number >= 1 (bools included).
+        ValueError: ``forward`` and ``backward`` of different lengths or empty; ``n_micro`` not an int >= 1.
 
     Example:
-        >>> bubble_fraction(2, 1), bubble_fraction(4, 8)
-        (0.5, 0.2727272727272727)
+        >>> round(bubble_fraction([1, 1], [2, 2], 4), 4), round(bubble_fraction([1, 2], [2, 4], 4, transfer=0.5), 4)
+        (0.2, 0.3571)
     """
-    p, m = _positive_int("n_stages", n_stages), _positive_int("n_micro", n_micro)
-    return (p - 1) / (m + p - 1)
+    if len(forward) == 0 or len(forward) != len(backward):
+        raise ValueError(f"forward and backward need one time per stage: got {len(forward)} and {len(backward)}")
+    p, m = len(forward), _positive_int("n_micro", n_micro)
+    step = sum(forward) + sum(backward) + 2 * (p - 1) * transfer + (m - 1) * (max(forward) + max(backward))
+    return 1 - m * (sum(forward) + sum(backward)) / (p * step)
+
+
+def fit_bubble(fit, transfer: float | None = None, overhead: float | None = None) -> float:
+    """The idle fraction of GPipe's schedule replayed with a :class:`~mgpu_lab.parallel.timeline.GPipeFit`'s
+    numbers; ``transfer=0, overhead=0`` leaves only the stages' own times."""
+    return gpipe_schedule(fit.forward, fit.backward, fit.n_micro, fit.transfer if transfer is None else transfer,
+                          fit.overhead if overhead is None else overhead, fit.lanes).idle_fraction()
 
 
 def stage_step(stage, x, target, loss_fn, optimizer, act_shape) -> float | None:

@@ -26,7 +26,7 @@ import numbers
 import torch
 from torch import nn
 
-from mgpu_lab.parallel.timeline import Timeline, gpipe_schedule
+from mgpu_lab.parallel.timeline import Timeline
 
 __all__ = ["TwoStageNet", "mlp", "split", "stage_devices", "replica_devices", "Timeline", "ideal_timeline"]
 
@@ -163,5 +163,7 @@ def ideal_timeline(n_stages: int, n_micro: int, t_forward: float = 1.0, t_backwa
         >>> round(ideal_timeline(2, 4).idle_fraction(), 6)
         0.2
     """
+    from mgpu_lab.parallel.schedule import gpipe_schedule  # not at the top: lesson 06's notebook imports this module
+
     p, m = _positive_int("n_stages", n_stages), _positive_int("n_micro", n_micro)
     return gpipe_schedule([t_forward] * p, [t_backward] * p, m)

@@ -145,39 +145,48 @@ def pipelined_step(stage1, stage2, x, y, loss_fn, n_micro):
 ])
 
 BUBBLE = ExerciseMutants("06.bubble_fraction", NOTEBOOK, ("bubble_fraction",), mutants=[
-    Mutant("stages and micro-batches swapped in the numerator",
-           replace("return (n_stages - 1) / (n_micro + n_stages - 1)",
-                   "return (n_micro - 1) / (n_micro + n_stages - 1)"),
-           "p - 1 slots to fill the pipe"),
-    Mutant("off by one in the denominator", replace("(n_micro + n_stages - 1)", "(n_micro + n_stages)"),
-           ("bubble_fraction(2, 1) is 0.5", "p - 1 slots to fill the pipe")),
-    Mutant("// for /", replace("1) / (n_micro", "1) // (n_micro"), ("// rounds down to 0", "return a float")),
-    Mutant("a percentage", replace("return (n_stages", "return 100 * (n_stages"), "not a percentage"),
-    Mutant("no validation", drop_statement("raise ValueError"), ("raises valueerror for anything but",)),
-    Mutant("bools accepted", replace("isinstance(value, bool) or ", ""), "true is an int in python"),
-    Mutant("zero allowed (value < 0)", replace("value < 1", "value < 0"), ("bubble_fraction(0, 4) raises valueerror",)),
-    Mutant("one micro-batch rejected (value <= 1)", replace("value < 1", "value <= 1"),
-           "one micro-batch (n_micro=1) are allowed"),
-    Mutant("TypeError instead of ValueError", replace("raise ValueError", "raise TypeError"),
-           ("raises valueerror", "raised typeerror")),
+    Mutant("GPipe's formula whatever the times",
+           replace("    return 1 - busy / (p * step)", "    return (p - 1) / (m + p - 1)"),
+           "gpipe's formula for equal stages and free transfers"),
+    Mutant("transfers one way only", replace("2 * (p - 1) * transfer", "(p - 1) * transfer"),
+           "transfers counted in one direction only"),
+    Mutant("the mean stage sets the pace",
+           replace("(max(forward) + max(backward))", "(sum(forward) + sum(backward)) / p"),
+           "it is the slowest stage"),
+    Mutant("m micro-batches at the slowest pace", replace("(m - 1) * (max", "m * (max"), "m - 1 follow it"),
+    Mutant("the busy time not shared among the stages", replace("busy / (p * step)", "busy / step"),
+           "over p stages' time"),
+    Mutant("a percentage", replace("return 1 - busy / (p * step)", "return 100 * (1 - busy / (p * step))"),
+           "not a percentage"),
+    Mutant("mismatched stages accepted", drop_statement("one time per stage"), "describe no pipeline"),
+    Mutant("bools accepted", replace("isinstance(n_micro, bool) or ", ""), "true is an int in python"),
 ], variants=[
-    Variant("one minus the busy share, numbers.Integral", '''
-import numbers
-
-def bubble_fraction(n_stages, n_micro):
-    for name, value in {"n_stages": n_stages, "n_micro": n_micro}.items():
-        if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-            raise ValueError(f"{name} must be a whole number, got {value!r}")
-        if value < 1:
-            raise ValueError(f"{name}={value} must be at least 1")
-    return 1 - n_micro / (n_micro + n_stages - 1)
+    Variant("the schedule simulated span by span", '''
+def bubble_fraction(forward, backward, n_micro, transfer=0.0):
+    p = len(forward)
+    if p == 0 or len(backward) != p or type(n_micro) is not int or n_micro < 1:
+        raise ValueError("one time per stage in forward and backward, and an int n_micro >= 1")
+    free, done = [0.0] * p, {}
+    for phase, order, times in (("F", range(p), forward), ("B", range(p - 1, -1, -1), backward)):
+        for i in range(n_micro):
+            for s in order:
+                before = (phase, s - 1 if phase == "F" else s + 1, i)
+                start = max(free[s], done[before] + transfer if before in done else 0.0)
+                done[phase, s, i] = free[s] = start + times[s]
+    step = max(free)
+    return sum(step - n_micro * (f + b) for f, b in zip(forward, backward)) / (p * step)
 '''),
-    Variant("fill-and-drain slots over all slots, type() is int", '''
-def bubble_fraction(n_stages, n_micro):
-    if not all(type(v) is int and v >= 1 for v in (n_stages, n_micro)):
-        raise ValueError(f"n_stages and n_micro must be ints >= 1, got {n_stages!r}, {n_micro!r}")
-    fill = n_stages - 1
-    return float(fill) / (n_micro + fill)
+    Variant("per phase: the first micro-batch's trip plus the bottleneck", '''
+def bubble_fraction(forward, backward, n_micro, transfer=0.0):
+    import numbers
+    if not forward or len(forward) != len(backward):
+        raise ValueError(f"{len(forward)} forward times but {len(backward)} backward times")
+    if not isinstance(n_micro, numbers.Integral) or isinstance(n_micro, bool) or n_micro < 1:
+        raise ValueError(f"n_micro must be a whole number >= 1, got {n_micro!r}")
+    links = len(forward) - 1
+    phase = [sum(t) + links * transfer + (n_micro - 1) * max(t) for t in (forward, backward)]
+    work = [n_micro * (f + b) for f, b in zip(forward, backward)]
+    return float(sum(1 - w / sum(phase) for w in work) / len(work))
 '''),
 ])
 

@@ -11,9 +11,11 @@ judges, in the kernel.
 """
 from __future__ import annotations
 
+import torch
+
 from .._core import exercise
 from ..sim.scenarios import launch_scenarios
-from .judges import (judge_grads, judge_loss, judge_raises, judge_value, require_ran, Results,
+from .judges import (judge_bubble, judge_grads, judge_loss, judge_raises, require_ran, Results,
                      placement_problem, stage_diagnosis, stage_returns_problem, STEP_HINT)
 from .ranks import evaluate, probe_stage, run_pipelined, STAGE_SCENARIOS
 
@@ -134,53 +136,63 @@ def _pipelined(t, pipelined_step):
 
 
 # -- bubble_fraction ----------------------------------------------------------------
-_VALUES = [((2, 1), 0.5), ((2, 4), 0.2), ((4, 8), 3 / 11), ((1, 8), 0.0)]
+_VISIBLE = [
+    ("equal stages, free transfers: bubble_fraction([1, 1], [2, 2], 4) is 0.2, GPipe's formula (p-1)/(m+p-1); "
+     "one stage never idles", [(([1, 1], [2, 2], 4), ()), (([1.5], [3.0], 6), ())]),
+    ("unequal stages: forward [1, 3], backward [2, 6], 4 micro-batches: the slow stage sets the pace",
+     [(([1, 3], [2, 6], 4), ())]),
+    ("transfers: equal stages [1, 1] / [2, 2], 4 micro-batches, transfer=0.5: each message on the critical path",
+     [(([1, 1], [2, 2], 4), (0.5,))]),
+    ("3 unequal stages with transfers: forward [1, 2, 1], backward [2, 3, 2], 6 micro-batches, transfer=0.25",
+     [(([1, 2, 1], [2, 3, 2], 6), (0.25,))]),
+]
 
 
-_GRID = [((p, m), (p - 1) / (m + p - 1)) for p in (1, 2, 3, 5, 8, 16) for m in (1, 2, 3, 7, 32, 100)]
+def _grid() -> list:
+    g = torch.Generator().manual_seed(6)
+    out = []
+    for p in (1, 2, 3, 4, 6):
+        for m in (1, 2, 5, 16):
+            f = (0.5 + 2 * torch.rand(p, generator=g, dtype=torch.float64)).tolist()
+            b = (0.5 + 4 * torch.rand(p, generator=g, dtype=torch.float64)).tolist()
+            out.append(((f, b, m), (round(float(torch.rand(1, generator=g)), 3),)))
+    return out
 
 
-_BAD_SIGN = [(0, 4), (2, 0), (-1, 4), (2, -3)]
+_BAD = [([1, 1], [2], 4), ([], [], 4), ([1], [2], 0), ([1], [2], -2), ([1], [2], True), ([1], [2], 2.0)]
 
 
-_BAD_TYPE = [(True, 4), (2, False), (2.0, 4), (2, 4.5), ("2", 4), (None, 4)]
-
-
-VALUE_HINT = ("your value is not the idle fraction of GPipe's schedule with equal stages and free transfers: "
-              "each stage works m of the step's slots, forward and backward alike, and the pipe takes p - 1 slots "
-              "to fill the pipe and as many to drain it")
-
-
-@exercise("06.bubble_fraction", points=6, description="bubble_fraction(n_stages, n_micro): the idle fraction "
-          "of a GPipe step with equal stages and free transfers; ValueError for anything but whole numbers >= 1",
-          references=("mgpu_lab.parallel.gpipe:bubble_fraction",))
+@exercise("06.bubble_fraction", points=6, description="bubble_fraction(forward, backward, n_micro, transfer=0.0): "
+          "the idle fraction of a GPipe step with per-stage forward and backward times and a transfer time "
+          "between stages; ValueError for stages that do not match or a bad n_micro",
+          references=("mgpu_lab.parallel.gpipe:bubble_fraction", "mgpu_lab.parallel.gpipe:fit_bubble",
+                      "mgpu_lab.parallel.schedule:gpipe_schedule"))
 def _bubble(t, bubble_fraction):
-    """Judges 50 calls made in one process.
+    """Judges every call in one process against the simulated schedule (:func:`.judges.schedule_bubble`).
 
-    Catches: the arguments swapped, an off-by-one in the numerator or the
-    denominator, // for /, a percentage or a rounded value; one stage or one
-    micro-batch rejected; no ValueError for 0 or negatives; bools, floats,
-    strings or None accepted, or TypeError raised for them (one case, the only
-    one about input validation).
+    Catches: GPipe's equal-stage formula for every input, transfers counted one way only, the mean
+    stage instead of the slowest, m instead of m - 1 micro-batches at the slowest pace, the busy time
+    not divided among the stages, a percentage, ValueError missing for mismatched stages, n_micro < 1,
+    bools or floats (one case, the only one about input validation).
     """
-    calls = [a for a, _ in _VALUES] + [a for a, _ in _GRID] + _BAD_SIGN + _BAD_TYPE
+    grid = _grid()
+    calls = [args + extra for _, cases in _VISIBLE for args, extra in cases] + \
+        [args + extra for args, extra in grid] + _BAD
     results = Results()
-    cases = [("bubble_fraction(2, 1) is 0.5: with one micro-batch each of 2 stages idles half the time", _VALUES[:1]),
-             ("bubble_fraction(2, 4) is 0.2: more micro-batches, a smaller bubble", _VALUES[1:2]),
-             ("bubble_fraction(4, 8) is 3/11", _VALUES[2:3]),
-             ("bubble_fraction(1, 8) is 0: one stage never waits", _VALUES[3:])]
-    for name, values in cases:
-        with t.case(name, hint=VALUE_HINT):
+    for name, cases in _VISIBLE:
+        with t.case(name):
             if not results:
                 results.extend(zip(calls, t.call(evaluate, bubble_fraction, calls)))
-            for args, expected in values:
-                judge_value(t, args, results[args], expected)
-    with t.case("raises ValueError for anything but a whole number >= 1 (0, negatives, True, 2.0, 4.5, '2', None)",
-                hint="your function accepted, or raised another error for, an argument that is not a whole number "
-                     ">= 1 (True is an int in Python, and 2.0 is no int)"):
-        judge_raises(t, results, _BAD_SIGN + _BAD_TYPE)
-    with t.case("36 more (n_stages, n_micro) pairs", hidden=True):
+            for args, extra in cases:
+                judge_bubble(t, args, extra, results[args + extra])
+    with t.case("raises ValueError when forward and backward differ in length or are empty, or n_micro is not "
+                "an int >= 1 (0, -2, True, 2.0)",
+                hint="your function accepted, or raised another error for, arguments that describe no pipeline "
+                     "(True is an int in Python, and 2.0 is no int)"):
+        judge_raises(t, results, _BAD)
+    with t.case("20 more pipelines: 1 to 6 stages of random times, 1 to 16 micro-batches, random transfers",
+                hidden=True):
         if not results:
             t.fail("the first case did not finish")
-        for args, expected in _GRID:
-            judge_value(t, args, results[args], expected)
+        for args, extra in grid:
+            judge_bubble(t, args, extra, results[args + extra])

@@ -64,19 +64,54 @@ class Results(list):
         return next(r for a, r in self if a == args and list(map(type, a)) == list(map(type, args)))
 
 
-def judge_value(t, args, got, expected) -> None:
+def schedule_bubble(forward, backward, n_micro, transfer=0.0) -> float:
+    """The idle fraction of GPipe's schedule, simulated span by span (the check's reference)."""
+    from mgpu_lab.parallel.schedule import gpipe_schedule
+
+    return gpipe_schedule(forward, backward, n_micro, transfer).idle_fraction()
+
+
+def _wrong_models(forward, backward, m, c=0.0) -> dict:
+    """The values of known wrong answers, by what they did."""
+    p, f, b = len(forward), sum(forward), sum(backward)
+    busy = m * (f + b)
+
+    def idle(step, per_stage=True):
+        return 1 - busy / ((p if per_stage else 1) * step) if step else float("nan")
+
+    slow = max(forward) + max(backward)
+    return {
+        "GPipe's formula for equal stages and free transfers, whatever the stage and transfer times":
+            (p - 1) / (m + p - 1),
+        "transfers counted in one direction only: the gradients travel back through the same p - 1 links":
+            idle(f + b + (p - 1) * c + (m - 1) * slow),
+        "the mean stage sets the pace: it is the slowest stage that the micro-batches queue behind":
+            idle(f + b + 2 * (p - 1) * c + (m - 1) * (f + b) / p),
+        "all m micro-batches at the slowest stage's pace on top of the first one's trip: m - 1 follow it":
+            idle(f + b + 2 * (p - 1) * c + m * slow),
+        "the busy time of all stages over one stage's time: the idle fraction is over p stages' time":
+            idle(f + b + 2 * (p - 1) * c + (m - 1) * slow, per_stage=False),
+    }
+
+
+def judge_bubble(t, args, extra, got) -> None:
+    """Fail unless ``got`` is the schedule's idle fraction; name the known wrong answer it matches."""
+    expected = schedule_bubble(*args, *extra)
+    shown = f"bubble_fraction{tuple(args) + tuple(extra)}"
     if got[0] != "ok":
-        one = " one stage (n_stages=1) and one micro-batch (n_micro=1) are allowed;" if 1 in args else ""
-        t.fail(f"bubble_fraction{args} must not raise:{one} it is a fraction of the step", repr(expected),
-               in_words(got))
+        t.fail(f"{shown} describes a pipeline and must not raise", repr(expected), in_words(got))
     if not isinstance(got[1], (int, float)):
         t.fail("return the fraction, a number", repr(expected), in_words(got))
-    if expected and abs(got[1] - 100 * expected) < 1e-9:
-        t.fail("a fraction in [0, 1), not a percentage", repr(expected), in_words(got))
-    if isinstance(got[1], int) and expected != got[1]:
-        t.fail("your function returned a whole number: the fraction lies between 0 and 1, so return a float "
-               "(// rounds down to 0)", repr(expected), in_words(got))
-    t.close(got[1], expected, atol=1e-12, rtol=1e-12)
+    value = got[1]
+    if expected and abs(value - 100 * expected) < 1e-9:
+        t.fail("a fraction in [0, 1), not a percentage", repr(expected), f"{shown}: {value!r}")
+    if abs(value - expected) <= 1e-9 * max(1.0, abs(expected)):
+        return
+    wrong = next((why for why, v in _wrong_models(*args, *extra).items() if abs(value - v) <= 1e-9), None)
+    t.fail(f"your value matches {wrong}" if wrong else
+           "your value is not the idle fraction of GPipe's schedule: every stage runs every forward, then every "
+           "backward, each as soon as its previous span is done and the result it needs has arrived",
+           f"{expected:.6f}", f"{shown}: {value!r}")
 
 
 def judge_raises(t, results, calls) -> None:
