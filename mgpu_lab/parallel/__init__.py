@@ -3,5 +3,6 @@
 Lessons 03 (``nn.DataParallel`` step by step: :mod:`.data_parallel`), 04 (DDP
 training: :mod:`.ddp`, :mod:`.checkpoint`) and 06 (stages on devices and on ranks:
 :mod:`.model_parallel`, :mod:`.pipeline`, :mod:`.pinning`), with the busy/idle :mod:`.timeline` they plot;
-the references of its exercises, which its notebook does not import, are :mod:`.gpipe`.
+the references of its exercises, which its notebook does not import, are :mod:`.gpipe` and
+:mod:`.schedule`.
 """

@@ -67,6 +67,27 @@ def test_sampler_stub_is_not_attempted():
     assert (r.status, r.points) == ("not attempted", 0)
 
 
+class Everything(Sampler):
+    """Every index for every rank: a sampler that does nothing about ranks or costs."""
+
+    def __init__(self, costs, num_replicas, rank, shuffle=True, seed=0, drop_last=False):
+        self.n = len(costs)
+
+    def set_epoch(self, epoch):
+        pass
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        return iter(range(self.n))
+
+
+def test_a_sampler_that_ignores_ranks_and_costs_passes_no_case():
+    r = check("05.BalancedDistributedSampler", Everything)
+    assert not any(c.passed for c in r.cases), str(r)
+
+
 def test_distributed_sampler_itself_fails_exactly_the_balance_cases():
     r = check("05.BalancedDistributedSampler", IgnoresCosts)
     bad = failed(r)

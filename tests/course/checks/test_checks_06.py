@@ -87,6 +87,16 @@ def test_trivial_stage_steps_pass_no_case_naming_a_behaviour_they_lack():
     assert "never changed" in case_starting(result, "two ranks train").hint, str(result)
 
 
+def does_nothing(*args, **kwargs):
+    return None
+
+
+@pytest.mark.parametrize("exercise_id", ["06.pipelined_step", "06.bubble_fraction"])
+def test_an_answer_that_does_nothing_passes_no_case(exercise_id):
+    result = check(exercise_id, does_nothing)
+    assert not any(c.passed for c in result.cases), str(result)
+
+
 def test_a_stage_step_that_hangs_fails_in_bounded_time(monkeypatch):
     from mgpu_lab.course.checks.l06 import checkers
 

@@ -117,6 +117,9 @@ def _pipelined(t, pipelined_step):
                 hint=PLACES):
         if runs[0] is None:
             t.fail("the first case did not finish")
+        if not any(event == "input" for run in runs for _, event, *_ in run.get("stage_log", [])):
+            t.fail("the stages never ran on any batch, so nothing was placed", "every tensor on the device of "
+                   "the stage that uses it", "no stage ran")
         problems = [p for run in runs if "stage_log" in run for p in [placement_problem(run)] if p]
         if problems:
             t.fail(problems[0], "every tensor on the device of the stage that uses it", problems[0].split(": ")[0])
