@@ -1,8 +1,11 @@
-"""Lesson 06's placement verdicts: the evidence of the virtual GPUs (:mod:`..sim.devices`), in words.
+"""Lesson 06's verdicts, in words: stage_step against one process, pipelined_step, bubble_fraction.
 
-:mod:`.checkers` asks these for the cases about devices: where each stage was
-put, and on which device each input, activation and label reached what used it.
-Each names the bug as it shows on two GPUs.
+:mod:`.checkers` asks these for ``stage_step``'s comparison with one process training
+the whole model (:func:`stage_diagnosis` names the known mistake the weights match),
+for ``pipelined_step``'s gradients and placement (the evidence of the virtual GPUs,
+:mod:`..sim.devices`: on which device each input, activation and label reached what
+used it, named as the bug shows on two GPUs), and for ``bubble_fraction``'s values
+against the simulated schedule (:func:`judge_bubble`, naming the wrong model a value matches).
 """
 from __future__ import annotations
 
