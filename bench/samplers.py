@@ -24,7 +24,7 @@ import time
 import torch
 from torch.utils.data import DistributedSampler
 
-from mgpu_lab.data import samplers, uneven, workload
+from mgpu_lab.data import balanced, uneven, workload
 
 N_PLAN = 1_000_000
 TARGETS = {"plan_s": 1.0, "balanced_max_mean": 1.01, "distributed_max_mean": 1.1}
@@ -56,8 +56,8 @@ def bench_planning(repeats: int) -> list:
     costs = workload.heavy_tailed_lengths(N_PLAN, seed=0)
     rows = []
     for world in (2, 8, 64):
-        plan = timed(lambda: samplers.plan_balanced(costs, world, epoch=1), repeats)
-        one_rank = timed(lambda: list(samplers.BalancedDistributedSampler(costs, world, 0)), repeats)
+        plan = timed(lambda: balanced.plan_balanced(costs, world, epoch=1), repeats)
+        one_rank = timed(lambda: list(balanced.BalancedDistributedSampler(costs, world, 0)), repeats)
         ds = timed(lambda: list(DistributedSampler(range(N_PLAN), world, 0)), repeats)
         rows.append((world, plan, one_rank, ds))
     as_list = costs.double().tolist()
@@ -82,7 +82,7 @@ def bench_imbalance() -> list:
     for name, costs in cost_sets().items():
         for world in (2, 4, 8):
             ds = workload.distributed_sampler_lists(len(costs), world)
-            bal = samplers.plan_balanced(costs, world)
+            bal = balanced.plan_balanced(costs, world)
             rows.append((name, world, workload.imbalance(ds, costs), workload.imbalance(bal, costs),
                          workload.step_imbalance(ds, costs, 8), workload.step_imbalance(bal, costs, 8)))
     return rows
@@ -96,7 +96,7 @@ def bench_ranks(repeats: int) -> list:
     for world in (2, 4):
         walls = {"DistributedSampler": [], "balanced": []}
         makers = {"DistributedSampler": lambda r, w: DistributedSampler(range(n), w, r, seed=0),
-                  "balanced": lambda r, w: samplers.BalancedDistributedSampler(costs, w, r, seed=0)}
+                  "balanced": lambda r, w: balanced.BalancedDistributedSampler(costs, w, r, seed=0)}
         for _ in range(repeats):
             for name, make in makers.items():
                 with contextlib.redirect_stdout(io.StringIO()):

@@ -9,8 +9,8 @@ gradient all-reduce, so a rank with a cheap batch waits there for the rank
 with the costliest one: the per-step start, compute-done and end times it
 records show that waiting. :func:`summarize` turns them into wall-clock
 numbers, :func:`plot_rank_bars` and :func:`plot_timeline` into pictures.
-:func:`train_with_join` is the training loop for ranks with unequal numbers
-of batches (DDP's ``Join``).
+The training loop for ranks with unequal numbers of batches under DDP's ``Join``
+is :mod:`mgpu_lab.data.join`, which lesson 05's notebook does not import.
 
 Example:
     >>> from mgpu_lab import launch
@@ -30,7 +30,7 @@ import torch
 
 from mgpu_lab import dist as mdist
 
-__all__ = ["spin", "timed_epoch", "summarize", "plot_rank_bars", "plot_timeline", "train_with_join"]
+__all__ = ["spin", "timed_epoch", "summarize", "plot_rank_bars", "plot_timeline"]
 
 UNIT_S = 1e-4  # seconds of work per unit of cost: a 100-token sample takes 10 ms
 
@@ -108,50 +108,6 @@ def timed_epoch(make_sampler, costs, batch_size: int = 8, unit_s: float = UNIT_S
         rec["end"].append(time.perf_counter())
         rec["cost"].append(cost)
     return rec
-
-
-def train_with_join(model, batches, optimizer, loss_fn=None) -> int:
-    """Train a DDP model on this rank's batches under ``Join``: ranks with different counts all finish.
-
-    The library's answer to lesson 05's exercise: a rank that runs out of
-    batches joins and shadows the others' gradient all-reduces (contributing
-    zeros) until every rank has joined; gradients stay averaged over the
-    initial world size, and every rank ends with the same model.
-
-    Args:
-        model: a ``DistributedDataParallel`` model.
-        batches: this rank's ``(x, y)`` batches; other ranks may have more or fewer.
-        optimizer: the optimizer of the model's parameters.
-        loss_fn: default ``torch.nn.functional.mse_loss``.
-
-    Returns:
-        The number of optimizer steps this rank took.
-
-    Example:
-        >>> from mgpu_lab import launch
-        >>> def uneven(batches_per_rank):
-        ...     import torch.distributed as tdist
-        ...     from torch.nn.parallel import DistributedDataParallel as DDP
-        ...     torch.manual_seed(0)
-        ...     model = DDP(torch.nn.Linear(4, 1))
-        ...     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        ...     batch = (torch.randn(2, 4), torch.randn(2, 1))
-        ...     return train_with_join(model, [batch] * batches_per_rank[tdist.get_rank()], optimizer)
-        >>> launch(uneven, 2, [3, 5])   # without Join, rank 1's 4th step would wait for rank 0 for ever
-        launch: 2 ranks · ...
-        [3, 5]
-    """
-    from torch.distributed.algorithms.join import Join
-
-    loss_fn = loss_fn or torch.nn.functional.mse_loss
-    steps = 0
-    with Join([model]):
-        for x, y in batches:
-            optimizer.zero_grad()
-            loss_fn(model(x), y).backward()
-            optimizer.step()
-            steps += 1
-    return steps
 
 
 def summarize(results: list[dict]) -> dict:

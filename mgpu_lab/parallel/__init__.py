@@ -3,5 +3,6 @@
 Lessons 03 (``nn.DataParallel`` step by step: :mod:`.data_parallel`, the
 reference of its exercises, and :mod:`.dp_tools`, what its notebook uses), 04 (DDP
 training: :mod:`.ddp`, :mod:`.baseline`, :mod:`.checkpoint`) and 06 (stages on devices and on ranks:
-:mod:`.model_parallel`, :mod:`.pipeline`), with the busy/idle :mod:`.timeline` they plot.
+:mod:`.model_parallel`, :mod:`.pipeline`, :mod:`.pinning`), with the busy/idle :mod:`.timeline` they plot;
+lesson 06's references, which its notebook does not import, are :mod:`.gpipe` and :mod:`.schedule`.
 """

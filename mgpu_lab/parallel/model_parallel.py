@@ -3,21 +3,20 @@
 Lesson 06 splits a model into stages, puts each stage on its own device and
 moves the activations between them. With two GPUs the stages sit on cuda:0
 and cuda:1; on a machine without GPUs the same code runs with both devices
-being the CPU (see :func:`stage_devices`). :class:`TwoStageNet`,
-:func:`pipelined_step` and :func:`bubble_fraction` are the reference answers of
-the lesson's exercises, for later lessons to import; :func:`timed_step` runs
-one GPipe-style step on one process while recording when each device was busy
-(a :class:`~mgpu_lab.parallel.timeline.Timeline`), and :func:`ideal_timeline` draws the
-schedule GPipe's formula assumes.
+being the CPU (see :func:`stage_devices`). :class:`TwoStageNet`
+holds two stages on two devices (lesson 06's DDP over multi-device replicas uses it),
+and :func:`ideal_timeline` draws the schedule GPipe's formula assumes. The reference
+answers of the lesson's exercises are in :mod:`mgpu_lab.parallel.gpipe`, which the
+lesson's notebook does not import.
 
 Example:
     >>> import torch
     >>> model = mlp(features=8, width=16, depth=4, classes=3)
     >>> stage1, stage2 = split(model, 2)
     >>> net = TwoStageNet(stage1, stage2, "cpu", "cpu")
-    >>> x, y = torch.randn(6, 8), torch.randint(0, 3, (6,))
-    >>> loss = pipelined_step(stage1, stage2, x, y, torch.nn.CrossEntropyLoss(), 3)
-    >>> round(bubble_fraction(2, 4), 3)
+    >>> net(torch.randn(6, 8)).shape
+    torch.Size([6, 3])
+    >>> round(ideal_timeline(2, 4).idle_fraction(), 3)
     0.2
 """
 from __future__ import annotations
@@ -27,10 +26,9 @@ import numbers
 import torch
 from torch import nn
 
-from mgpu_lab.parallel.timeline import Timeline, gpipe_schedule
+from mgpu_lab.parallel.timeline import Timeline
 
-__all__ = ["TwoStageNet", "pipelined_step", "bubble_fraction", "mlp", "split", "stage_devices",
-           "replica_devices", "Timeline", "ideal_timeline", "timed_step"]
+__all__ = ["TwoStageNet", "mlp", "split", "stage_devices", "replica_devices", "Timeline", "ideal_timeline"]
 
 
 def _positive_int(name: str, value) -> int:
@@ -39,23 +37,6 @@ def _positive_int(name: str, value) -> int:
     if value < 1:
         raise ValueError(f"{name}={value} must be >= 1: a pipeline has at least one stage and one micro-batch")
     return int(value)
-
-
-def bubble_fraction(n_stages: int, n_micro: int) -> float:
-    """GPipe's idle fraction ``(p - 1) / (m + p - 1)`` for ``p`` stages and ``m`` micro-batches.
-
-    Each stage works ``m`` slots out of ``m + p - 1``: the pipe takes ``p - 1``
-    slots to fill and as many to drain, forward and backward alike.
-
-    Raises:
-        ValueError: an argument that is not a whole number >= 1 (bools included).
-
-    Example:
-        >>> bubble_fraction(2, 1), bubble_fraction(4, 8)
-        (0.5, 0.2727272727272727)
-    """
-    p, m = _positive_int("n_stages", n_stages), _positive_int("n_micro", n_micro)
-    return (p - 1) / (m + p - 1)
 
 
 class TwoStageNet(nn.Module):
@@ -85,34 +66,6 @@ class TwoStageNet(nn.Module):
 def _device_of(module: nn.Module) -> torch.device:
     first = next(module.parameters(), None)
     return first.device if first is not None else torch.device("cpu")
-
-
-def pipelined_step(stage1: nn.Module, stage2: nn.Module, x: torch.Tensor, y: torch.Tensor,
-                   loss_fn, n_micro: int) -> float:
-    """Forward and backward of one batch as ``torch.chunk(x, n_micro)`` micro-batches (GPipe order).
-
-    Every forward runs first, then one backward. Each micro-batch's (mean)
-    loss is weighted by its share of the batch, ``len(chunk) / len(x)``, which
-    is ``1 / n_micro`` when the chunks are equal: the gradients added to
-    ``.grad`` are then those of the mean loss over the whole batch, as if it
-    ran in one piece. The caller zeroes the gradients before, and steps after.
-
-    Returns:
-        The mean loss over the batch, as a float.
-
-    Example:
-        >>> s1, s2 = nn.Linear(4, 8), nn.Linear(8, 1)
-        >>> x, y = torch.randn(10, 4), torch.randn(10, 1)
-        >>> loss = pipelined_step(s1, s2, x, y, nn.MSELoss(), 4)  # chunks of 3, 3, 3, 1
-    """
-    _positive_int("n_micro", n_micro)
-    dev1, dev2 = _device_of(stage1), _device_of(stage2)
-    total = 0.0
-    for xs, ys in zip(torch.chunk(x, n_micro), torch.chunk(y, n_micro)):
-        out = stage2(stage1(xs.to(dev1)).to(dev2))
-        total = total + loss_fn(out, ys.to(out.device)) * (len(xs) / len(x))
-    total.backward()
-    return float(total.detach())
 
 
 def mlp(features: int = 64, width: int = 512, depth: int = 8, classes: int = 10, seed: int = 0) -> nn.Sequential:
@@ -204,59 +157,13 @@ def replica_devices(rank: int, devices_per_replica: int = 2, gpus: int | None = 
 def ideal_timeline(n_stages: int, n_micro: int, t_forward: float = 1.0, t_backward: float = 2.0) -> Timeline:
     """GPipe's schedule with equal stages and free communication: all forwards, then all backwards.
 
-    Its idle fraction is exactly :func:`bubble_fraction` ``(n_stages, n_micro)``.
+    Its idle fraction is exactly ``(n_stages - 1) / (n_micro + n_stages - 1)``.
 
     Example:
         >>> round(ideal_timeline(2, 4).idle_fraction(), 6)
         0.2
     """
+    from mgpu_lab.parallel.schedule import gpipe_schedule  # not at the top: lesson 06's notebook imports this module
+
     p, m = _positive_int("n_stages", n_stages), _positive_int("n_micro", n_micro)
     return gpipe_schedule([t_forward] * p, [t_backward] * p, m)
-
-
-def timed_step(stages, devices, x, y, loss_fn, n_micro: int, timeline: Timeline | None = None) -> float:
-    """One GPipe step on one process (all forwards, then all backwards), each stage's work timed.
-
-    The activations are cut from the graph at every stage boundary (detached,
-    moved, ``requires_grad_``), so each stage's backward is a separate call
-    that can be timed, and the gradient of the boundary is handed back by hand,
-    as it is between processes. Lanes are named ``"stage s (device)"``, s = 1, 2, ...
-
-    Returns:
-        The mean loss (micro-batch losses weighted as in :func:`pipelined_step`).
-
-    Example:
-        >>> tl = Timeline()
-        >>> s1, s2 = nn.Linear(4, 8), nn.Linear(8, 2)
-        >>> loss = timed_step([s1, s2], ["cpu", "cpu"], torch.randn(8, 4), torch.randint(0, 2, (8,)),
-        ...                   nn.CrossEntropyLoss(), 2, tl)
-        >>> sorted(tl.lanes)
-        ['stage 1 (cpu)', 'stage 2 (cpu)']
-    """
-    _positive_int("n_micro", n_micro)
-    if len(stages) != len(devices):
-        raise ValueError(f"{len(stages)} stages but {len(devices)} devices; pass one device per stage")
-    timeline = Timeline() if timeline is None else timeline
-    devices = [torch.device(d) for d in devices]
-    lanes = [f"stage {s} ({d})" for s, d in enumerate(devices, 1)]
-    saved, losses = [], []
-    for i, (xs, ys) in enumerate(zip(torch.chunk(x, n_micro), torch.chunk(y, n_micro))):
-        h, ins, outs = xs, [], []
-        for s, (stage, dev) in enumerate(zip(stages, devices)):
-            with timeline.span(lanes[s], f"F{i}", dev):
-                h_in = h.detach().to(dev).requires_grad_(s > 0)
-                h = stage(h_in)
-                if s == len(stages) - 1:
-                    h = loss_fn(h, ys.to(dev)) * (len(xs) / len(x))
-            ins.append(h_in)
-            outs.append(h)
-        saved.append((ins, outs))
-        losses.append(h.detach())  # no float() here: on a GPU it would wait for the pipe to drain
-    for i, (ins, outs) in enumerate(saved):
-        grad = None
-        for s in reversed(range(len(stages))):
-            with timeline.span(lanes[s], f"B{i}", devices[s]):
-                outs[s].backward(None if grad is None else grad.to(devices[s]))
-            grad = ins[s].grad
-    timeline.resolve()
-    return float(sum(loss.to(losses[0].device) for loss in losses))

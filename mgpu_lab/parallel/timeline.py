@@ -10,9 +10,10 @@ process of a machine, so spans recorded in different ranks line up; spans on a
 CUDA device are timed with CUDA events, so recording never makes the host wait
 for the GPU.
 
-:func:`gpipe_schedule` draws GPipe's schedule from stage times, a transfer time
-and an overhead; :func:`fit_gpipe` reads those numbers off a measured step, so
-the model says how much of the measured bubble each one causes.
+:func:`fit_gpipe` reads a measured GPipe step as a few numbers (stage times, a
+transfer time and an overhead); :func:`mgpu_lab.parallel.schedule.gpipe_schedule`, which
+lesson 06's notebook does not import (its learners model the bubble themselves),
+replays the schedule from them.
 
 Example:
     >>> tl = Timeline()
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Timeline", "gpipe_schedule", "GPipeFit", "fit_gpipe"]
+__all__ = ["Timeline", "GPipeFit", "fit_gpipe"]
 
 
 class Timeline:
@@ -206,52 +207,6 @@ class Timeline:
 
 
 # -- GPipe's schedule, and a model of it fitted to a measurement ------------------------
-def gpipe_schedule(forward, backward, n_micro: int, transfer: float = 0.0, overhead: float = 0.0,
-                   lanes=None) -> Timeline:
-    """GPipe's schedule with the given durations: every forward, then every backward, in micro-batch order.
-
-    A stage starts a micro-batch once it has finished its previous span (plus
-    ``overhead``, the host's work between two spans) and once the stage it
-    depends on has finished that micro-batch (plus ``transfer``, the time the
-    activations, or in backward the gradients, take to arrive).
-
-    Args:
-        forward, backward: seconds of one micro-batch's forward and backward on each stage.
-        n_micro: micro-batches per step.
-        transfer: seconds from the end of a span to the start of the span of the
-            next stage (forward) or previous stage (backward) that needs its result.
-        overhead: seconds between two consecutive spans of one stage.
-        lanes: the stages' lane names (default ``"stage 1"``, ``"stage 2"``, ...).
-
-    Returns:
-        A :class:`Timeline`, spans labelled ``F{i}``/``B{i}``, starting at 0. With
-        equal stages and ``transfer = overhead = 0`` its idle fraction is
-        ``(p - 1) / (m + p - 1)``, GPipe's formula.
-
-    Example:
-        >>> round(gpipe_schedule([1, 1], [2, 2], 4).idle_fraction(), 6)
-        0.2
-    """
-    forward, backward = [float(v) for v in forward], [float(v) for v in backward]
-    p, m = len(forward), int(n_micro)
-    if p < 1 or len(backward) != p or m < 1:
-        raise ValueError(f"forward and backward need one duration per stage (got {len(forward)} and "
-                         f"{len(backward)}) and n_micro={n_micro!r} must be >= 1")
-    lanes = list(lanes) if lanes is not None else [f"stage {s + 1}" for s in range(p)]
-    tl, free = Timeline(), [None] * p  # free[s]: when stage s ended its last span
-    ends = {}
-    for phase, order, durations in (("F", range(p), forward), ("B", range(p - 1, -1, -1), backward)):
-        for i in range(m):
-            for s in order:
-                ready = 0.0 if free[s] is None else free[s] + overhead
-                before = s - 1 if phase == "F" else s + 1
-                if (phase, before, i) in ends:
-                    ready = max(ready, ends[phase, before, i] + transfer)
-                ends[phase, s, i] = free[s] = ready + durations[s]
-                tl.add(lanes[s], f"{phase}{i}", ready, free[s])
-    return tl
-
-
 @dataclass(frozen=True)
 class GPipeFit:
     """A GPipe step described by a few numbers, measured from a timeline (see :func:`fit_gpipe`).
@@ -271,16 +226,6 @@ class GPipeFit:
     n_micro: int
     lanes: tuple
 
-    def timeline(self, transfer: float | None = None, overhead: float | None = None) -> Timeline:
-        """The modelled step; ``transfer=0, overhead=0`` leaves only the stages' own times."""
-        return gpipe_schedule(self.forward, self.backward, self.n_micro,
-                              self.transfer if transfer is None else transfer,
-                              self.overhead if overhead is None else overhead, self.lanes)
-
-    def bubble(self, transfer: float | None = None, overhead: float | None = None) -> float:
-        """The modelled idle fraction (the bubble)."""
-        return self.timeline(transfer, overhead).idle_fraction()
-
 
 def fit_gpipe(timeline: Timeline, rounds: int = 5) -> GPipeFit:
     """Fit :class:`GPipeFit` to a measured GPipe step (lanes in stage order, spans ``F{i}``/``B{i}``).
@@ -296,6 +241,7 @@ def fit_gpipe(timeline: Timeline, rounds: int = 5) -> GPipeFit:
         ValueError: spans that are not GPipe's ``F{i}``/``B{i}`` on every stage.
 
     Example:
+        >>> from mgpu_lab.parallel.gpipe import gpipe_schedule
         >>> fit = fit_gpipe(gpipe_schedule([1.0, 2.0], [2.0, 3.0], 4, transfer=0.5, overhead=0.1))
         >>> fit.forward, round(fit.transfer, 6), round(fit.overhead, 6)
         ((1.0, 2.0), 0.5, 0.1)

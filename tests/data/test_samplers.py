@@ -1,4 +1,4 @@
-"""mgpu_lab.data.samplers and mgpu_lab.data.uneven: planning, weighted draws, timed epochs on real ranks."""
+"""mgpu_lab.data.balanced, .samplers, .uneven and .join: planning, weighted draws, timed epochs on real ranks."""
 from __future__ import annotations
 
 import heapq
@@ -11,9 +11,9 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 from mgpu_lab import launch
-from mgpu_lab.data import samplers, uneven
-from mgpu_lab.data.samplers import (BalancedDistributedSampler, DistributedWeightedSampler, class_balanced_weights,
-                                    plan_balanced)
+from mgpu_lab.data import balanced, join, uneven
+from mgpu_lab.data.balanced import BalancedDistributedSampler, plan_balanced
+from mgpu_lab.data.samplers import DistributedWeightedSampler, class_balanced_weights
 from mgpu_lab.data.workload import distributed_sampler_lists, heavy_tailed_lengths, imbalance, step_imbalance
 
 matplotlib.use("Agg")
@@ -98,7 +98,7 @@ def test_positions_line_up_by_cost_so_steps_are_balanced():
 
 
 def test_a_huge_epoch_plans_the_cheap_tail_in_rounds(monkeypatch):
-    monkeypatch.setattr(samplers, "EXACT_LIMIT", 1000)  # the path a million samples take, on 20k
+    monkeypatch.setattr(balanced, "EXACT_LIMIT", 1000)  # the path a million samples take, on 20k
     costs = heavy_tailed_lengths(20_003, seed=4)
     for world, drop_last in ((2, False), (7, False), (7, True)):
         plan = plan_balanced(costs, world, drop_last=drop_last)
@@ -205,7 +205,7 @@ def _join_loop(counts):
     g = torch.Generator().manual_seed(dist.get_rank())
     batches = [(torch.randn(2, 4, generator=g), torch.randn(2, 1, generator=g))
                for _ in range(counts[dist.get_rank()])]
-    steps = uneven.train_with_join(model, batches, torch.optim.SGD(model.parameters(), lr=0.1))
+    steps = join.train_with_join(model, batches, torch.optim.SGD(model.parameters(), lr=0.1))
     dist.barrier()  # hangs if a rank were still in a gradient all-reduce
     return steps, model.module.weight.detach().clone()
 

@@ -2,8 +2,9 @@
 
 Every mutant is the solution cell with one learner bug put in; its check must
 fail and say the words in ``expect``. Every variant is a correct answer written
-differently; it must get full marks. The loop without Join, which hangs until
-the check's timeout, is tests/course/checks/test_checks_05.py's hang test.
+differently; it must get full marks. The loop whose ranks leave on their own,
+which hangs until the check's timeout, is tests/course/checks/test_checks_05.py's
+hang test.
 """
 from __future__ import annotations
 
@@ -13,14 +14,16 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils.data import Sampler
+import torch.distributed as tdist
+from torch.utils.data import DataLoader, Sampler
 
 from mutation import ExerciseMutants, Mutant, Variant, drop_statement, mutant_tests, replace
 
 pytestmark = pytest.mark.timeout(600)
 
 # "__main__", as in a notebook: cloudpickle then ships the answers by value without searching sys.modules
-NAMESPACE = {"__name__": "__main__", "torch": torch, "math": math, "heapq": heapq, "F": F, "Sampler": Sampler}
+NAMESPACE = {"__name__": "__main__", "torch": torch, "math": math, "heapq": heapq, "F": F, "Sampler": Sampler,
+             "tdist": tdist, "DataLoader": DataLoader}
 NB = "05_balanced_samplers.ipynb"
 SHARED_SHUFFLE = ("perm = torch.randperm(self.num_samples, generator=g).tolist()\n"
                   "            lists = [[lst[p] for p in perm] for lst in lists]")
@@ -65,37 +68,76 @@ SAMPLER_VARIANTS = [
             lists = [[lst[p] for p in perm] for lst in lists]
         return lists
 '''),
-    Variant("the library's plan_balanced", SAMPLER_HEAD + '''
+    Variant("Python's random.Random(seed + epoch), itertools padding, sorted(reverse=True)", SAMPLER_HEAD + '''
     def plan(self):
-        from mgpu_lab.data.samplers import plan_balanced
-        return plan_balanced(self.costs, self.num_replicas, seed=self.seed, epoch=self.epoch,
-                             shuffle=self.shuffle, drop_last=self.drop_last).tolist()
+        import itertools
+        import random
+        world, per, n = self.num_replicas, self.num_samples, len(self.costs)
+        rng = random.Random(self.seed + self.epoch)  # a private generator: the same draws in every process
+        order = list(range(n))
+        if self.shuffle:
+            rng.shuffle(order)
+        order = list(itertools.islice(itertools.cycle(order), per * world)) if n else []
+        order = sorted(order, key=self.costs.__getitem__, reverse=True)  # stable, also reversed
+        heap, lists = [(0.0, r) for r in range(world)], [[] for _ in range(world)]
+        for i in order:
+            load, r = heapq.heappop(heap)
+            lists[r].append(i)
+            if len(lists[r]) < per:
+                heapq.heappush(heap, (load + self.costs[i], r))
+        if self.shuffle:
+            perm = list(range(per))
+            rng.shuffle(perm)
+            lists = [[lst[p] for p in perm] for lst in lists]
+        return lists
 '''),
 ]
 
-JOIN_VARIANTS = [
-    Variant("DDP's own model.join()", '''
-def train_with_join(model, batches, optimizer):
-    with model.join():
-        for x, y in batches:
+UNEVEN_VARIANTS = [
+    Variant("DDP, the step count agreed once per epoch, a zero-weighted loss on a rank out of data", '''
+def train_uneven(model_fn, shards, epochs, batch_size, lr):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    rank = tdist.get_rank()
+    model = DDP(model_fn())
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    some = next(s[0] for s in shards if len(s))  # any sample: the shape of a batch with no weight
+    for _ in range(epochs):
+        batches = list(DataLoader(shards[rank], batch_size=batch_size))
+        steps = torch.tensor(len(batches))
+        tdist.all_reduce(steps, op=tdist.ReduceOp.MAX)
+        for k in range(int(steps)):
             optimizer.zero_grad()
-            F.mse_loss(model(x), y).backward()
+            x, y = batches[k] if k < len(batches) else (some[0][None], some[1][None])
+            (F.mse_loss(model(x), y) * (1.0 if k < len(batches) else 0.0)).backward()  # DDP divides by the world
             optimizer.step()
-    return len(batches)
+    return model.module.state_dict()
 '''),
-    Variant("an iterator, explicit Join options, enumerate", '''
-def train_with_join(model, batches, optimizer):
-    from torch.distributed.algorithms.join import Join
-    done = 0
-    with Join([model], enable=True, throw_on_early_termination=False, divide_by_initial_world_size=True):
-        for done, (x, y) in enumerate(iter(batches), start=1):
-            loss = F.mse_loss(model(x), y)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-    return done
+    Variant("per-parameter all-reduces, a MAX flag, batches sliced by hand", '''
+def train_uneven(model_fn, shards, epochs, batch_size, lr):
+    rank, world = tdist.get_rank(), tdist.get_world_size()
+    model = model_fn()
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    data = shards[rank]
+    for _ in range(epochs):
+        start = 0
+        while True:
+            mine = start < len(data)
+            flag = torch.tensor([float(mine)])
+            tdist.all_reduce(flag, op=tdist.ReduceOp.MAX)
+            if flag.item() == 0:
+                break
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p)
+            if mine:
+                xs, ys = zip(*[data[i] for i in range(start, min(start + batch_size, len(data)))])
+                F.mse_loss(model(torch.stack(xs)), torch.stack(ys)).backward()
+            for p in model.parameters():
+                tdist.all_reduce(p.grad)
+                p.grad.div_(world)
+            opt.step()
+            start += batch_size
+    return model.state_dict()
 '''),
-    Variant("the library: mgpu_lab.data.uneven.train_with_join", "from mgpu_lab.data.uneven import train_with_join\n"),
 ]
 
 SPECS = [
@@ -123,19 +165,30 @@ SPECS = [
                (replace("if self.shuffle else list(range(n))", ""), replace("if self.shuffle:", "if True:")),
                "shuffle=False"),
     ], variants=SAMPLER_VARIANTS),
-    ExerciseMutants("05.train_with_join", NB, ("train_with_join",), mutants=[
-        Mutant("Join over the optimizer", replace("Join([model])", "Join([optimizer])"), "Join([model])"),
-        Mutant("throw_on_early_termination=True",
-               replace("Join([model])", "Join([model], throw_on_early_termination=True)"),
-               "throw_on_early_termination"),
-        Mutant("averaged over the ranks still training",
-               replace("Join([model])", "Join([model], divide_by_initial_world_size=False)"),
-               "divide_by_initial_world_size"),
-        Mutant("steps never counted", drop_statement("steps += 1"), "number of optimizer steps"),
-        Mutant("zero_grad never called", drop_statement("optimizer.zero_grad()"), "zero_grad"),
+    ExerciseMutants("05.train_uneven", NB, ("train_uneven",), mutants=[
+        Mutant("divided by the ranks that still have a batch", replace("flat /= world_size", "flat /= have.item()"),
+               "full world size"),
         Mutant("a summed loss", replace("F.mse_loss(model(x), y)", "F.mse_loss(model(x), y, reduction='sum')"),
                "summed loss"),
-    ], variants=JOIN_VARIANTS),
+        Mutant("epochs run back to back on each rank",
+               replace("for epoch in range(epochs):\n        batches = iter(loader)",
+                       "for epoch in range(1):\n        batches = (b for _ in range(epochs) for b in loader)"),
+               "back to back"),
+        Mutant("the epoch ends when the first rank runs out",
+               replace("tdist.all_reduce(have)", "tdist.all_reduce(have, op=tdist.ReduceOp.MIN)"),
+               "first rank runs out"),
+        Mutant("a rank out of data keeps its old gradient",
+               replace("optimizer.zero_grad()\n            if batch is not None:\n",
+                       "if batch is not None:\n                optimizer.zero_grad()\n"), "contribute zeros"),
+        Mutant("the last, shorter batch dropped",
+               replace("DataLoader(shards[rank], batch_size=batch_size)",
+                       "DataLoader(shards[rank], batch_size=batch_size, drop_last=True)"), "last, shorter batch"),
+        Mutant("zero_grad never called", drop_statement("optimizer.zero_grad()"), "carry over"),
+        Mutant("the library's loop under Join",
+               replace("    ### BEGIN SOLUTION\n", "    ### BEGIN SOLUTION\n    from mgpu_lab.data.join import "
+                       "train_with_join\n    train_with_join(torch.nn.parallel.DistributedDataParallel(model_fn()), "
+                       "[], None)\n"), "mgpu_lab.data.join.train_with_join"),
+    ], variants=UNEVEN_VARIANTS),
 ]
 
 

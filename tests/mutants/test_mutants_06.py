@@ -11,86 +11,90 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as tdist
 from torch import nn
 
 from mutation import ExerciseMutants, Mutant, Variant, drop_statement, mutant_tests, replace, sub
 
 pytestmark = pytest.mark.timeout(300)
 NOTEBOOK = "06_model_parallel.ipynb"
-NAMESPACE = {"torch": torch, "nn": nn}
+NAMESPACE = {"__name__": "__main__", "torch": torch, "nn": nn, "tdist": tdist}
 
-TWO_STAGE = ExerciseMutants("06.TwoStageNet", NOTEBOOK, ("TwoStageNet",), mutants=[
-    Mutant("input never moved to dev1", replace("self.stage1(x.to(self.dev1))", "self.stage1(x)"),
-           ("x reached stage1 on cpu", "never moved")),
-    Mutant("input moved to a hard-coded 'cpu'", replace("x.to(self.dev1)", 'x.to("cpu")'),
-           ("x reached stage1 on cpu", "not to a fixed device")),
-    Mutant("activations never moved to dev2", replace("self.stage2(h.to(self.dev2))", "self.stage2(h)"),
-           ("activations reached stage2", "h.to(self.dev2)")),
-    Mutant("the moved activations thrown away",
-           replace("        return self.stage2(h.to(self.dev2))",
-                   "        h.to(self.dev2)\n        return self.stage2(h)"),
-           ".to() returns a moved copy"),
-    Mutant("activations detached", replace("h.to(self.dev2)", "h.detach().to(self.dev2)"), "do not detach"),
-    Mutant("stages on each other's device",
-           (replace("stage1.to(dev1)", "stage1.to(dev2)"), replace("stage2.to(dev2)", "stage2.to(dev1)")),
-           ("stage1 is on cuda:3", "not on cuda:2")),
-    Mutant("stage2 never placed", replace("self.stage2 = stage2.to(dev2)", "self.stage2 = stage2"),
-           ("stage2 is on cpu", "never moved")),
-    Mutant("stage2 moved to the activations in forward",
-           replace("        return self.stage2(h.to(self.dev2))",
-                   "        self.stage2.to(h.device)\n        return self.stage2(h)"),
-           ("forward moved stage2 to cuda:2", "place the stages once")),
-    Mutant("output brought back to the CPU",
-           replace("return self.stage2(h.to(self.dev2))", "return self.stage2(h.to(self.dev2)).cpu()"),
-           ("output moved to cpu", "the loss belongs on dev2")),
-    Mutant("hard-coded cuda:0 and cuda:1",
-           (replace("stage1.to(dev1)", 'stage1.to("cuda:0")'), replace("stage2.to(dev2)", 'stage2.to("cuda:1")'),
-            replace("self.dev1, self.dev2 = dev1, dev2", 'self.dev1, self.dev2 = "cuda:0", "cuda:1"')),
-           ("stage1 is on cuda:0", "not on cuda:2")),
-    Mutant("stages kept in a plain list",
-           (replace("self.stage1 = stage1.to(dev1)\n        self.stage2 = stage2.to(dev2)",
-                    "self.stages = [stage1.to(dev1), stage2.to(dev2)]"),
-            replace("self.stage1(", "self.stages[0]("), replace("self.stage2(", "self.stages[1](")),
-           "model.parameters() and the optimizer see both"),
-    Mutant("no super().__init__()", drop_statement("super().__init__()"),
-           ("call super().__init__() first", "before module.__init__() call")),
+STAGE = ExerciseMutants("06.stage_step", NOTEBOOK, ("stage_step",), mutants=[
+    Mutant("the received activations do not require grad", drop_statement("h.requires_grad_()"), "requires grad"),
+    Mutant("rank 0's backward from ones, not the received gradient", replace("h.backward(grad)", "h.sum().backward()"),
+           "exactly the gradient of its activations"),
+    Mutant("rank 1 sends the activations back, not their gradient",
+           replace("tdist.send(h.grad.contiguous(), dst=0)", "tdist.send(h.detach().contiguous(), dst=0)"),
+           "exactly the gradient of its activations"),
+    Mutant("zero_grad never called", drop_statement("optimizer.zero_grad()"), "never clears the gradients"),
+    Mutant("rank 0 never steps", replace("        optimizer.step()\n        return None", "        return None"),
+           "rank 0's stage (the first) never changed"),
+    Mutant("the loss returned as a tensor", replace("return loss.item()", "return loss"),
+           ("rank 1 returned a tensor", "python float")),
+    Mutant("torch's PipelineStage", replace("    ### BEGIN SOLUTION\n", "    ### BEGIN SOLUTION\n"
+                                             "    from torch.distributed.pipelining import PipelineStage\n"
+                                             "    PipelineStage(stage, tdist.get_rank(), 2, torch.device('cpu'))\n"),
+           "torch.distributed.pipelining.stage.pipelinestage"),
 ], variants=[
-    Variant("devices read from the parameters", '''
-class TwoStageNet(nn.Module):
-    def __init__(self, stage1, stage2, dev1, dev2):
-        super().__init__()
-        self.stage1 = stage1.to(dev1)
-        self.stage2 = stage2.to(dev2)
-
-    def forward(self, x):
-        h = self.stage1(x.to(next(self.stage1.parameters()).device))
-        return self.stage2(h.to(next(self.stage2.parameters()).device))
+    Variant("roles from the arguments, isend/irecv, torch.autograd.grad", '''
+def stage_step(stage, x, target, loss_fn, optimizer, act_shape):
+    dev = next(stage.parameters()).device
+    params = list(stage.parameters())
+    for p in params:
+        p.grad = None
+    if target is None:  # the first stage
+        out = stage(x.to(dev))
+        tdist.isend(out.detach(), 1).wait()
+        g = torch.zeros(out.shape, device=dev)
+        tdist.irecv(g, 1).wait()
+        torch.autograd.backward(out, g)
+        optimizer.step()
+        return None
+    buf = torch.zeros(act_shape, device=dev)
+    tdist.irecv(buf, 0).wait()
+    act = buf.clone().requires_grad_(True)
+    loss = loss_fn(stage(act), target.to(dev))
+    grads = torch.autograd.grad(loss, [act] + params)
+    tdist.isend(grads[0].contiguous(), 0).wait()
+    for p, g in zip(params, grads[1:]):
+        p.grad = g
+    optimizer.step()
+    return float(loss)
 '''),
-    Variant("a ModuleList walked in a loop, non_blocking moves", '''
-class TwoStageNet(nn.Module):
-    def __init__(self, stage1, stage2, dev1, dev2):
-        super().__init__()
-        self.devices = [torch.device(dev1), torch.device(dev2)]
-        self.stages = nn.ModuleList([stage1.to(self.devices[0]), stage2.to(self.devices[1])])
-
-    def forward(self, x):
-        for stage, device in zip(self.stages, self.devices):
-            x = stage(x.to(device, non_blocking=True))
-        return x
+    Variant("backward(inputs=...), set_to_none=False, the rank from get_rank", '''
+def stage_step(stage, x, target, loss_fn, optimizer, act_shape):
+    rank, dev = tdist.get_rank(), next(stage.parameters()).device
+    optimizer.zero_grad(set_to_none=False)
+    if rank == 1:
+        h = torch.empty(act_shape, device=dev)
+        tdist.recv(h, src=0)
+        h.requires_grad = True
+        loss = loss_fn(stage(h), target.to(dev))
+        loss.backward(inputs=[h, *stage.parameters()])
+        tdist.send(h.grad, dst=0)
+        optimizer.step()
+        return loss.detach().item()
+    out = stage(x.to(dev))
+    tdist.send(out.detach(), dst=1)
+    back = torch.empty_like(out)
+    tdist.recv(back, src=1)
+    out.backward(back)
+    optimizer.step()
 '''),
 ])
 
 PIPELINED = ExerciseMutants("06.pipelined_step", NOTEBOOK, ("pipelined_step",), mutants=[
     Mutant("micro-batches never moved to stage1's device", replace("stage1(xs.to(d1))", "stage1(xs)"),
-           ("a micro-batch reached stage1 on cpu", "xs.to(d1)")),
+           ("a micro-batch reached stage1 on cpu", "device of the parameters")),
     Mutant("activations never moved to stage2's device", replace("stage1(xs.to(d1)).to(d2)", "stage1(xs.to(d1))"),
-           ("the activations reached stage2 on cuda:2", "h.to(d2)")),
+           ("the activations reached stage2 on cuda:2", "device of the parameters")),
     Mutant("labels left on the CPU", replace("ys.to(out.device)", "ys"),
-           ("the labels reached the loss on cpu", "ys.to(out.device)")),
+           ("the labels reached the loss on cpu", "where the output is")),
     Mutant("devices hard-coded as 'cpu'",
            replace("d1, d2 = next(stage1.parameters()).device, next(stage2.parameters()).device",
                    'd1, d2 = torch.device("cpu"), torch.device("cpu")'),
-           ("reached stage1 on cpu", "next(stage1.parameters()).device")),
+           ("reached stage1 on cpu", "device of the parameters")),
     Mutant("a stage moved inside the step", sub(r"^(\s+)total = 0\.0$", r"\1stage2.to(d1)\n\1total = 0.0"),
            ("moved a stage", "already on their devices")),
     Mutant("unweighted micro-batch losses", replace(" * (len(xs) / len(x))", ""), "n_micro times too big"),
@@ -141,43 +145,52 @@ def pipelined_step(stage1, stage2, x, y, loss_fn, n_micro):
 ])
 
 BUBBLE = ExerciseMutants("06.bubble_fraction", NOTEBOOK, ("bubble_fraction",), mutants=[
-    Mutant("stages and micro-batches swapped in the numerator",
-           replace("return (n_stages - 1) / (n_micro + n_stages - 1)",
-                   "return (n_micro - 1) / (n_micro + n_stages - 1)"),
-           "(n_stages - 1) / (n_micro + n_stages - 1)"),
-    Mutant("off by one in the denominator", replace("(n_micro + n_stages - 1)", "(n_micro + n_stages)"),
-           ("bubble_fraction(2, 1) is 0.5", "p - 1 slots to fill the pipe")),
-    Mutant("// for /", replace("1) / (n_micro", "1) // (n_micro"), ("// rounds down to 0", "return a float")),
-    Mutant("a percentage", replace("return (n_stages", "return 100 * (n_stages"), "not a percentage"),
-    Mutant("no validation", drop_statement("raise ValueError"), ("raises valueerror for zero or negative",)),
-    Mutant("bools accepted", replace("isinstance(value, bool) or ", ""), "reject bools explicitly"),
-    Mutant("zero allowed (value < 0)", replace("value < 1", "value < 0"), ("bubble_fraction(0, 4) raises valueerror",)),
-    Mutant("one micro-batch rejected (value <= 1)", replace("value < 1", "value <= 1"),
-           "one micro-batch (n_micro=1) are allowed"),
-    Mutant("TypeError instead of ValueError", replace("raise ValueError", "raise TypeError"),
-           ("raises valueerror", "raised typeerror")),
+    Mutant("GPipe's formula whatever the times",
+           replace("    return 1 - busy / (p * step)", "    return (p - 1) / (m + p - 1)"),
+           "gpipe's formula for equal stages and free transfers"),
+    Mutant("transfers one way only", replace("2 * (p - 1) * transfer", "(p - 1) * transfer"),
+           "transfers counted in one direction only"),
+    Mutant("the mean stage sets the pace",
+           replace("(max(forward) + max(backward))", "(sum(forward) + sum(backward)) / p"),
+           "it is the slowest stage"),
+    Mutant("m micro-batches at the slowest pace", replace("(m - 1) * (max", "m * (max"), "m - 1 follow it"),
+    Mutant("the busy time not shared among the stages", replace("busy / (p * step)", "busy / step"),
+           "over p stages' time"),
+    Mutant("a percentage", replace("return 1 - busy / (p * step)", "return 100 * (1 - busy / (p * step))"),
+           "not a percentage"),
+    Mutant("mismatched stages accepted", drop_statement("one time per stage"), "describe no pipeline"),
+    Mutant("bools accepted", replace("isinstance(n_micro, bool) or ", ""), "true is an int in python"),
 ], variants=[
-    Variant("one minus the busy share, numbers.Integral", '''
-import numbers
-
-def bubble_fraction(n_stages, n_micro):
-    for name, value in {"n_stages": n_stages, "n_micro": n_micro}.items():
-        if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-            raise ValueError(f"{name} must be a whole number, got {value!r}")
-        if value < 1:
-            raise ValueError(f"{name}={value} must be at least 1")
-    return 1 - n_micro / (n_micro + n_stages - 1)
+    Variant("the schedule simulated span by span", '''
+def bubble_fraction(forward, backward, n_micro, transfer=0.0):
+    p = len(forward)
+    if p == 0 or len(backward) != p or type(n_micro) is not int or n_micro < 1:
+        raise ValueError("one time per stage in forward and backward, and an int n_micro >= 1")
+    free, done = [0.0] * p, {}
+    for phase, order, times in (("F", range(p), forward), ("B", range(p - 1, -1, -1), backward)):
+        for i in range(n_micro):
+            for s in order:
+                before = (phase, s - 1 if phase == "F" else s + 1, i)
+                start = max(free[s], done[before] + transfer if before in done else 0.0)
+                done[phase, s, i] = free[s] = start + times[s]
+    step = max(free)
+    return sum(step - n_micro * (f + b) for f, b in zip(forward, backward)) / (p * step)
 '''),
-    Variant("fill-and-drain slots over all slots, type() is int", '''
-def bubble_fraction(n_stages, n_micro):
-    if not all(type(v) is int and v >= 1 for v in (n_stages, n_micro)):
-        raise ValueError(f"n_stages and n_micro must be ints >= 1, got {n_stages!r}, {n_micro!r}")
-    fill = n_stages - 1
-    return float(fill) / (n_micro + fill)
+    Variant("per phase: the first micro-batch's trip plus the bottleneck", '''
+def bubble_fraction(forward, backward, n_micro, transfer=0.0):
+    import numbers
+    if not forward or len(forward) != len(backward):
+        raise ValueError(f"{len(forward)} forward times but {len(backward)} backward times")
+    if not isinstance(n_micro, numbers.Integral) or isinstance(n_micro, bool) or n_micro < 1:
+        raise ValueError(f"n_micro must be a whole number >= 1, got {n_micro!r}")
+    links = len(forward) - 1
+    phase = [sum(t) + links * transfer + (n_micro - 1) * max(t) for t in (forward, backward)]
+    work = [n_micro * (f + b) for f, b in zip(forward, backward)]
+    return float(sum(1 - w / sum(phase) for w in work) / len(work))
 '''),
 ])
 
-SPECS = [TWO_STAGE, PIPELINED, BUBBLE]
+SPECS = [STAGE, PIPELINED, BUBBLE]
 
 
 test_mutant_fails_naming_its_bug, test_correct_variant_passes, test_every_exercise_has_five_mutants_and_two_variants = \

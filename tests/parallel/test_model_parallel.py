@@ -8,10 +8,11 @@ import torch
 from torch import nn
 
 from mgpu_lab import LaunchError, launch
-from mgpu_lab.parallel.model_parallel import (TwoStageNet, bubble_fraction, ideal_timeline, mlp, pipelined_step,
-                                              replica_devices, split, stage_devices, timed_step)
+from mgpu_lab.parallel.gpipe import bubble_fraction, fit_bubble, pipelined_step, timed_step
+from mgpu_lab.parallel.schedule import gpipe_schedule
+from mgpu_lab.parallel.model_parallel import TwoStageNet, ideal_timeline, mlp, replica_devices, split, stage_devices
 from mgpu_lab.parallel.pipeline import ddp_replica_rank, run_gpipe, torch_gpipe_rank
-from mgpu_lab.parallel.timeline import Timeline, fit_gpipe, gpipe_schedule
+from mgpu_lab.parallel.timeline import Timeline, fit_gpipe
 
 pytestmark = pytest.mark.timeout(300)
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -34,15 +35,23 @@ def _close(a, b):
 
 
 # -- bubble_fraction ------------------------------------------------------------------
-@pytest.mark.parametrize("p, m, expected", [(2, 1, 0.5), (2, 4, 0.2), (4, 8, 3 / 11), (1, 5, 0.0)])
-def test_bubble_fraction_is_gpipes_formula(p, m, expected):
-    got = bubble_fraction(p, m)
-    assert isinstance(got, float) and got == pytest.approx(expected, abs=1e-15)
+@pytest.mark.parametrize("p, m", [(1, 5), (2, 1), (2, 4), (4, 8)])
+def test_bubble_fraction_with_equal_stages_and_free_transfers_is_gpipes_formula(p, m):
+    got = bubble_fraction([1.5] * p, [3.0] * p, m)
+    assert isinstance(got, float) and got == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
 
 
-@pytest.mark.parametrize("args, match", [((0, 4), "n_stages=0 must be >= 1"), ((2, -1), "n_micro=-1 must be >= 1"),
-                                         ((True, 4), "n_stages=True"), ((2, 4.0), r"n_micro=4\.0 \(float\)")])
-def test_bubble_fraction_rejects_non_positive_and_non_integers(args, match):
+@pytest.mark.parametrize("forward, backward, m, transfer", [
+    ([1, 3], [2, 6], 4, 0.0), ([1, 1], [2, 2], 4, 0.5), ([1, 2, 1], [2, 3, 2], 6, 0.25),
+    ([2.0, 1.0, 0.5, 3.0], [1.0, 4.0, 1.0, 2.0], 9, 0.7), ([1], [2], 3, 5.0), ([3, 1], [1, 3], 1, 0.1)])
+def test_bubble_fraction_is_the_idle_fraction_of_gpipes_schedule(forward, backward, m, transfer):
+    assert bubble_fraction(forward, backward, m, transfer) == pytest.approx(
+        gpipe_schedule(forward, backward, m, transfer).idle_fraction(), abs=1e-12)
+
+
+@pytest.mark.parametrize("args, match", [(([1, 1], [2], 4), "one time per stage"), (([], [], 4), "got 0 and 0"),
+                                         (([1], [2], 0), "n_micro=0 must be >= 1"), (([1], [2], True), "n_micro=True")])
+def test_bubble_fraction_rejects_mismatched_stages_and_bad_micro_batch_counts(args, match):
     with pytest.raises(ValueError, match=match):
         bubble_fraction(*args)
 
@@ -50,7 +59,7 @@ def test_bubble_fraction_rejects_non_positive_and_non_integers(args, match):
 @pytest.mark.parametrize("p, m", [(1, 1), (2, 1), (2, 3), (3, 8), (4, 4)])
 def test_the_ideal_gpipe_schedule_idles_exactly_the_formula(p, m):
     tl = ideal_timeline(p, m)
-    assert tl.idle_fraction() == pytest.approx(bubble_fraction(p, m))
+    assert tl.idle_fraction() == pytest.approx((p - 1) / (m + p - 1))
     assert tl.makespan == pytest.approx((m + p - 1) * 3.0)
     assert tl.lanes == [f"stage {s}" for s in range(1, p + 1)] and len(tl.spans) == 2 * p * m
 
@@ -148,7 +157,7 @@ def test_timed_step_on_one_process_matches_the_full_batch_and_never_overlaps():
 @pytest.mark.parametrize("p, m", [(1, 1), (2, 1), (2, 4), (3, 7), (4, 8), (8, 32)])
 def test_equal_stages_and_free_transfers_give_gpipes_formula(p, m):
     tl = gpipe_schedule([1.5] * p, [3.0] * p, m)
-    assert tl.idle_fraction() == pytest.approx(bubble_fraction(p, m), abs=1e-12)
+    assert tl.idle_fraction() == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
     assert tl.makespan == pytest.approx((m + p - 1) * 4.5)
 
 
@@ -170,9 +179,9 @@ def test_the_fit_recovers_stage_times_transfer_and_overhead_of_a_known_schedule(
     fit = fit_gpipe(tl)
     assert fit.forward == pytest.approx(forward) and fit.backward == pytest.approx(backward) and fit.n_micro == m
     assert (fit.transfer, fit.overhead) == (pytest.approx(transfer), pytest.approx(overhead, abs=1e-12))
-    assert fit.bubble() == pytest.approx(tl.idle_fraction())
+    assert fit_bubble(fit) == pytest.approx(tl.idle_fraction())
     if len(set(forward)) == 1 and len(set(backward)) == 1:  # the limit: free transfers, equal stages
-        assert fit.bubble(transfer=0, overhead=0) == pytest.approx(bubble_fraction(len(forward), m))
+        assert fit_bubble(fit, transfer=0, overhead=0) == pytest.approx((len(forward) - 1) / (m + len(forward) - 1))
 
 
 def _jittered(forward, backward, m, transfer, overhead, jitter, seed):
@@ -199,7 +208,7 @@ def test_the_fitted_model_predicts_the_bubble_of_noisy_steps_within_ten_percent(
         for transfer, overhead in ((0.0, 0.0), (0.3, 0.05), (1.0, 0.2)):
             for seed in range(3):
                 measured = _jittered(forward, backward, m, transfer, overhead, 0.1, seed)
-                predicted = fit_gpipe(measured).bubble()
+                predicted = fit_bubble(fit_gpipe(measured))
                 assert abs(predicted - measured.idle_fraction()) <= 0.1 * measured.idle_fraction(), (m, seed)
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import cloudpickle
 import pytest
 import torch
+import torch.distributed as tdist
 from torch import nn
 
 from checking import case_starting, solutions_from
@@ -21,7 +22,8 @@ from mgpu_lab.course.checks import check, exercises
 pytestmark = pytest.mark.timeout(300)
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 NOTEBOOK = Path(__file__).resolve().parents[3] / "solutions" / "06_model_parallel.ipynb"
-SOLUTION = solutions_from(NOTEBOOK, ("TwoStageNet", "pipelined_step", "bubble_fraction"), {"torch": torch, "nn": nn})
+SOLUTION = solutions_from(NOTEBOOK, ("stage_step", "pipelined_step", "bubble_fraction"),
+                          {"__name__": "__main__", "torch": torch, "nn": nn, "tdist": tdist})
 
 
 def stub(*args, **kwargs):
@@ -30,26 +32,26 @@ def stub(*args, **kwargs):
     raise NotImplementedError("write this")
 
 
-class StubNet(nn.Module):
-    def __init__(self, stage1, stage2, dev1, dev2):
-        raise NotImplementedError("write this")
+def returns_nothing(stage, x, target, loss_fn, optimizer, act_shape):
+    return None
 
 
-class PlainList:  # not a Module
-    def __init__(self, stage1, stage2, dev1, dev2):
-        self.stages = [stage1, stage2]
+def forward_only(stage, x, target, loss_fn, optimizer, act_shape):
+    """Activations forward, a loss, but no gradient back and no step: nothing trains."""
+    if tdist.get_rank() == 0:
+        tdist.send(stage(x).detach(), 1)
+        return None
+    h = torch.empty(act_shape)
+    tdist.recv(h, 0)
+    return loss_fn(stage(h), target).item()
 
-    def __call__(self, x):
-        return self.stages[1](self.stages[0](x))
 
-
-class CrashesInForward(nn.Module):
-    def __init__(self, stage1, stage2, dev1, dev2):
-        super().__init__()
-        self.stage1, self.stage2 = stage1.to(dev1), stage2.to(dev2)
-
-    def forward(self, x):
-        raise RuntimeError("boom in forward")
+def never_receives(stage, x, target, loss_fn, optimizer, act_shape):
+    """Rank 1 waits for activations that rank 0 never sends: a hang."""
+    if tdist.get_rank() == 1:
+        h = torch.empty(act_shape)
+        tdist.recv(h, 0)
+    return None
 
 
 def whole_batch(stage1, stage2, x, y, loss_fn, n_micro):  # no micro-batches at all
@@ -60,29 +62,48 @@ def whole_batch(stage1, stage2, x, y, loss_fn, n_micro):  # no micro-batches at 
 
 
 def test_the_lesson_registers_three_exercises_with_one_point_per_case():
-    assert {e.id: e.points for e in exercises("06")} == {"06.TwoStageNet": 8, "06.pipelined_step": 8,
-                                                        "06.bubble_fraction": 7}
+    assert {e.id: e.points for e in exercises("06")} == {"06.stage_step": 4, "06.pipelined_step": 8,
+                                                        "06.bubble_fraction": 6}
 
 
-@pytest.mark.parametrize("exercise_id, answer", [("06.TwoStageNet", StubNet), ("06.pipelined_step", stub),
+@pytest.mark.parametrize("exercise_id, answer", [("06.stage_step", stub), ("06.pipelined_step", stub),
                                                  ("06.bubble_fraction", stub)])
 def test_a_stub_is_not_attempted(exercise_id, answer):
     result = check(exercise_id, answer)
     assert result.status == "not attempted" and result.points == 0, str(result)
 
 
-def test_an_object_that_is_no_module_fails_the_first_case_and_the_rest_say_why():
-    result = check("06.TwoStageNet", PlainList)
-    first = case_starting(result, "is an nn.Module")
-    assert not first.passed and first.got == "a PlainList" and "subclass nn.Module" in first.hint
-    assert result.points == 0 and "the first case did not finish" in case_starting(result, "moves the input").hint
+@pytest.mark.parametrize("exercise_id", ["06.stage_step", "06.pipelined_step", "06.bubble_fraction"])
+def test_the_solution_gets_full_marks(exercise_id):
+    result = check(exercise_id, SOLUTION[exercise_id.split(".")[1]])
+    assert result.points == result.max_points, str(result)
 
 
-def test_an_error_in_forward_is_reported_with_the_line_that_raised():
-    result = check("06.TwoStageNet", CrashesInForward)
-    assert case_starting(result, "is an nn.Module").passed, str(result)
-    out = case_starting(result, "forward gives the same output")
-    assert not out.passed and "RuntimeError: boom in forward" in out.got and "in forward" in out.got, str(result)
+def test_trivial_stage_steps_pass_no_case_naming_a_behaviour_they_lack():
+    result = check("06.stage_step", returns_nothing)  # completes, but returns no loss and trains nothing
+    assert [c.passed for c in result.cases] == [True, False, False, False], str(result)
+    result = check("06.stage_step", forward_only)  # a loss on rank 1, but nothing trains
+    assert [c.passed for c in result.cases] == [True, True, False, False], str(result)
+    assert "never changed" in case_starting(result, "two ranks train").hint, str(result)
+
+
+def does_nothing(*args, **kwargs):
+    return None
+
+
+@pytest.mark.parametrize("exercise_id", ["06.pipelined_step", "06.bubble_fraction"])
+def test_an_answer_that_does_nothing_passes_no_case(exercise_id):
+    result = check(exercise_id, does_nothing)
+    assert not any(c.passed for c in result.cases), str(result)
+
+
+def test_a_stage_step_that_hangs_fails_in_bounded_time(monkeypatch):
+    from mgpu_lab.course.checks.l06 import checkers
+
+    monkeypatch.setattr(checkers, "STAGE_TIMEOUT", 6.0)
+    result = check("06.stage_step", never_receives)
+    assert result.points == 0 and "no answer within 6 s" in result.cases[0].got, str(result)
+    assert "every send needs its receive" in result.cases[0].hint
 
 
 def test_a_step_without_micro_batches_fails_only_the_micro_batch_case():

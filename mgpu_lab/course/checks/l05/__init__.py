@@ -1,4 +1,4 @@
-"""Checks of lesson 05 (balanced samplers and Join): 05.BalancedDistributedSampler, 05.train_with_join.
+"""Checks of lesson 05 (balanced samplers, uneven inputs): 05.BalancedDistributedSampler, 05.train_uneven.
 
 Every lesson's checks have the same three modules: ``checkers`` (the exercises,
 registered with their cases and hints), ``ranks`` (what runs in the check's fresh

@@ -1,4 +1,4 @@
-"""Checks of lesson 05 (balanced samplers, uneven inputs): BalancedDistributedSampler, train_with_join.
+"""Checks of lesson 05 (balanced samplers, uneven inputs): BalancedDistributedSampler, train_uneven.
 
 - ``BalancedDistributedSampler`` is built for every rank in a fresh process,
   each rank after re-seeding the global random generators differently (as
@@ -8,34 +8,37 @@
   ranks' total costs) and per step (the same max/mean, sample position by
   sample position: :func:`mgpu_lab.data.workload.step_imbalance`), and once in
   three real processes that each build only their own rank's sampler.
-- ``train_with_join`` runs in 3 real ranks, every scenario in one launch, with
-  a DDP model and a different number of batches per rank, followed by a
-  barrier (as before a checkpoint): without Join the rank that runs out waits
-  in the barrier while the others wait in the gradient all-reduce, and the
-  launch times out in bounded time.
+- ``train_uneven`` runs in 3 real ranks, every scenario in one launch, with
+  shards of different lengths (one empty) and a barrier after it (as before a
+  checkpoint): a rank that leaves on its own waits in the barrier while the
+  others wait in a collective, and the launch times out in bounded time. The
+  weights are compared with the reference computed in one process, and with
+  those of the known wrong answers, which the failure then names.
 
-Neither judges device placement: the sampler yields indices, and
-train_with_join receives a model and batches already on their device.
+Neither judges device placement: the sampler yields indices, and the
+train_uneven check runs on gloo and the CPU (it judges the loop).
 What runs in those processes is :mod:`.ranks`; this module judges, in the kernel.
 """
 from __future__ import annotations
 
-import torch
-
 from mgpu_lab.data.workload import step_imbalance
 from .._core import exercise
 from ..sim.scenarios import launch_scenarios
-from .judges import (join_diagnosis, same_tensors, sampler_cases, scenario_evidence, case_costs, join_reference, judge,
-                     partition_problem, STEP_HINT, STEP_TOL)
-from .ranks import probe_join, probe_sampler, probe_sampler_ranks
+from .judges import (case_costs, judge, partition_problem, same_state, sampler_cases, uneven_diagnosis,
+                     uneven_reference, STEP_HINT, STEP_TOL)
+from .ranks import probe_sampler, probe_sampler_ranks, probe_uneven, uneven_model
 
 
-JOIN_TIMEOUT = 20.0  # seconds: a right answer takes about one
+UNEVEN_TIMEOUT = 20.0  # seconds: a right answer takes about one
+
+
+SAMPLER_REFERENCES = ("mgpu_lab.data.balanced:plan_balanced", "mgpu_lab.data.balanced:BalancedDistributedSampler")
 
 
 @exercise("05.BalancedDistributedSampler", points=12, description="BalancedDistributedSampler(costs, "
           "num_replicas, rank, shuffle=True, seed=0, drop_last=False): equal-length, disjoint, covering, "
-          "cost-balanced per-rank lists, aligned step by step; a new order each epoch, the same in every process")
+          "cost-balanced per-rank lists, aligned step by step; a new order each epoch, the same in every process",
+          references=SAMPLER_REFERENCES)
 def _balanced(t, BalancedDistributedSampler):
     """Every configuration in one fresh process, then 3 real processes.
 
@@ -63,8 +66,8 @@ def _balanced(t, BalancedDistributedSampler):
         start += len(case["cfgs"])
     with t.case("3 real processes, each building only its own rank's sampler: the lists fit together, "
                 "step by step, in epochs 0 and 1, and match what another process computes for that rank",
-                hint="use only costs, seed and epoch (a torch.Generator seeded with seed + epoch), never the "
-                     "global random state: each process must compute the same plan"):
+                hint="the processes computed different plans: the plan may depend only on costs, seed and epoch, "
+                     "never on the global random state or the rank"):
         costs = case_costs("lengths", 200, 4)
         res = t.ranks(probe_sampler_ranks, 3, cls, costs, 5, (0, 1), backend="gloo")
         for e in (0, 1):
@@ -81,49 +84,63 @@ def _balanced(t, BalancedDistributedSampler):
             t.fail("", "process 0's plan for rank r equal to rank r's own", "different lists")
 
 
-JOIN_HINT = ("wrap the loop in `with Join([model]):` (torch.distributed.algorithms.join); a rank that runs out "
-             "of batches then shadows the others' gradient all-reduces instead of leaving them waiting")
+HANG_HINT = ("a rank that ran out of data left the loop while the others waited for it in a gradient all-reduce "
+             "(or the barrier after your function): every rank must take part in every step until the ranks "
+             "agree that none of them has a batch left")
 
 
-JOIN_SCENARIOS = [((3, 5, 1), 1), ((4, 0, 2), 2), ((2, 2, 2), 3)]  # batches per rank, seed
+UNEVEN_REFERENCES = ("mgpu_lab.data.join:train_with_join", "torch.distributed.algorithms.join:Join")
 
 
-@exercise("05.train_with_join", points=5, description="train_with_join(model, batches, optimizer) -> int: "
-          "a DDP training loop under Join, so ranks with different numbers of batches all finish")
-def _train_with_join(t, train_with_join):
-    """One launch of 3 ranks (gloo on the CPU on any machine: the check judges the loop), three scenarios.
+UNEVEN_SCENARIOS = [((10, 23, 0), 2, 4, 1), ((7, 7, 7), 1, 3, 2), ((5, 0, 12), 3, 3, 3), ((1, 9, 4), 2, 2, 4)]
 
-    Catches: no Join (a hang, reported after JOIN_TIMEOUT), Join over the
-    optimizer, throw_on_early_termination=True, a wrong step count, no
-    zero_grad, a summed loss, the step outside the loop,
-    divide_by_initial_world_size=False.
+
+@exercise("05.train_uneven", points=6, description="train_uneven(model_fn, shards, epochs, batch_size, lr) -> "
+          "state_dict: ranks with shards of unequal lengths train without Join, agree each step whether anyone "
+          "still has a batch, and stop together", references=UNEVEN_REFERENCES)
+def _train_uneven(t, train_uneven):
+    """One launch of 3 ranks (gloo on the CPU on any machine: the check judges the loop), four scenarios.
+
+    Catches: a rank that leaves on its own (a hang, reported after UNEVEN_TIMEOUT), division by the
+    ranks still training, a summed loss, epochs run back to back, stopping when the first rank runs
+    out, a stale gradient from a rank out of data, the last short batch dropped, Join or the library.
     """
-    evidence = launch_scenarios(t, probe_join, 3, train_with_join, JOIN_SCENARIOS, timeout=JOIN_TIMEOUT)
-    counts, seed = JOIN_SCENARIOS[0]
+    evidence = launch_scenarios(t, probe_uneven, 3, train_uneven, UNEVEN_SCENARIOS, timeout=UNEVEN_TIMEOUT)
+    scenario = UNEVEN_SCENARIOS[0]
     res = None
-    with t.case("3 ranks with 3, 5 and 1 batches: no hang, and each returns its own step count (3, 5, 1)",
-                hint=JOIN_HINT):
-        res = scenario_evidence(t, evidence, 0)
-        t.equal([r["steps"] for r in res], list(counts),
-                hint="return the number of optimizer steps this rank took: one per batch it was given")
-    with t.case("after the loop every rank holds the same weights",
-                hint="Join's DDP hook makes every rank end with the same model; keep the model "
-                     "wrapped in DDP and use it (not model.module) in the loop"):
-        if res is None:
-            t.fail("not judged: the first case did not finish")
-        if not all(torch.equal(a, b) for r in res for a, b in zip(r["weights"], res[0]["weights"])):
-            t.fail("", "identical weights on ranks 0, 1 and 2", "different weights")
-    with t.case("the weights equal Join's updates (loss = mse_loss(model(x), y), zero_grad, backward, step "
-                "for every batch)"):
-        if res is None:
-            t.fail("not judged: the first case did not finish")
-        if not same_tensors(res[0]["weights"], join_reference(counts, seed)):
-            t.fail(join_diagnosis(res[0]["weights"], counts, seed), "the weights of the reference loop",
+    with t.case("3 ranks with 10, 23 and 0 samples, batch_size=4, 2 epochs: every rank returns its model's "
+                "state_dict (no hang, with a barrier after your function)", hint=HANG_HINT):
+        res = evidence.get(t, 0)
+        for r, got in enumerate(res):
+            if got["state"] is None:
+                t.fail("return model.state_dict() on every rank", "a state_dict",
+                       f"rank {r} returned {got['returned']}")
+            keys = sorted(uneven_model(scenario[3]).state_dict())
+            if sorted(got["state"]) != keys:
+                t.fail("return the state_dict of the model that model_fn() built (a DDP wrapper's keys start "
+                       "with 'module.')", f"keys {keys}", f"rank {r}: keys {sorted(got['state'])[:4]}")
+    with t.case("every rank ends with the same weights, and they moved from the initial ones"):
+        if res is None or any(got["state"] is None for got in res):
+            t.fail("not judged: the first case did not pass")
+        if not all(same_state(got["state"], res[0]["state"]) for got in res):
+            t.fail("every rank applies the same averaged gradient at every step, so the models stay identical",
+                   "identical weights on ranks 0, 1 and 2", "different weights")
+        if same_state(res[0]["state"], uneven_model(scenario[3]).state_dict()):
+            t.fail("the weights are those model_fn() returned: no step was taken", "trained weights",
+                   "the initial weights")
+    with t.case("the weights equal the reference: at each step the sum of the gradients of the ranks that still "
+                "have a batch (zeros from the others) divided by the world size, 3; each epoch ends together"):
+        if res is None or any(got["state"] is None for got in res):
+            t.fail("not judged: the first case did not pass")
+        if not same_state(res[0]["state"], uneven_reference(*scenario)):
+            t.fail(uneven_diagnosis(res[0]["state"], scenario), "the weights of the reference",
                    "different weights")
-    for k, (counts, seed) in enumerate(JOIN_SCENARIOS[1:], start=1):
-        with t.case(f"3 ranks with {', '.join(map(str, counts))} batches: counts, same weights, reference",
-                    hidden=True):
-            got = scenario_evidence(t, evidence, k)
-            t.equal([r["steps"] for r in got], list(counts))
-            if not all(same_tensors(r["weights"], join_reference(counts, seed)) for r in got):
-                t.fail("weights differ")
+    for k, (lengths, epochs, batch_size, seed) in enumerate(UNEVEN_SCENARIOS[1:], start=1):
+        with t.case(f"3 ranks with {', '.join(map(str, lengths))} samples, batch_size={batch_size}, "
+                    f"{epochs} epoch(s): the reference weights on every rank", hidden=True):
+            got = evidence.get(t, k)
+            want = uneven_reference(lengths, epochs, batch_size, seed)
+            if not all(g["state"] is not None and same_state(g["state"], want) for g in got):
+                bad = next(g["state"] for g in got if g["state"] is not None)
+                t.fail(uneven_diagnosis(bad, UNEVEN_SCENARIOS[k]) if bad else "return model.state_dict()",
+                       "the reference weights", "different weights")

@@ -1,20 +1,23 @@
-"""How lesson 05's BalancedDistributedSampler check judges the lists the learner's sampler yields.
+"""How lesson 05's checks judge: the sampler's lists, and train_uneven's weights against the reference.
 
 The cost distributions (:func:`case_costs`) are ones the notebook never shows;
 a list of per-rank index lists is judged as a partition (equal lengths, every
 index covered, only the padding repeated), per rank (max/mean of the ranks'
 total costs) and per step (the same max/mean sample position by sample
 position, :func:`mgpu_lab.data.workload.step_imbalance` with one sample per step).
+``train_uneven``'s weights are compared with :func:`uneven_reference`, computed in one
+process, and with the weights of the known wrong answers (:func:`uneven_diagnosis`).
 """
 from __future__ import annotations
 
 import math
+
 import torch
+import torch.nn.functional as F
 
 from mgpu_lab.data.workload import distributed_sampler_lists, step_imbalance
-from mgpu_lab.launcher.errors import LaunchError
 from ..sim.outcome import in_words
-from .ranks import join_batches, join_model
+from .ranks import LR, uneven_model, uneven_shards
 
 
 def _case(name, cfg, hint="", balance=False, steps=False, differ=False, hidden=False) -> dict:
@@ -29,13 +32,16 @@ def sampler_cases() -> list[dict]:
     fresh = dict(balance=True, steps=True, differ=True, hidden=True)  # the hidden cases judge everything
     return [
         _case("a torch Sampler; len() is ceil(n / num_replicas): n=10, 3 ranks give 4 each", config([1.0] * 10, 3),
-              "len() must be ceil(n / num_replicas) when drop_last=False (pad by repeating indices)"),
+              "your len() is not what every rank needs: with drop_last=False each rank gets ceil(n / num_replicas) "
+              "indices, the shortfall made up by repeating some"),
         _case("drop_last=False, n=103, 4 ranks: 26 each, together every index, repeats only the padding (1)",
               config(case_costs("lengths", 103, 1), 4),
-              "pad the index list by repeating indices up to num_samples * num_replicas, then split it"),
+              "your ranks together miss indices or repeat more than the padding: with drop_last=False the lists cover "
+              "every index, and only the shortfall to num_samples x num_replicas is repeated"),
         _case("drop_last=True, n=103, 4 ranks: 25 each, no index twice, only 103 % 4 = 3 left out",
               config(case_costs("lengths", 103, 2), 4, drop_last=True),
-              "with drop_last, num_samples = n // num_replicas: drop the tail of the shuffled list, never repeat"),
+              "with drop_last a rank gets n // num_replicas indices and none repeats: the rest is left out, "
+              "never padded"),
         _case(f"balanced: max/mean per-rank cost <= {BALANCE_TOL} on heavy-tailed costs, n=400, 4 ranks "
               f"(DistributedSampler: {ds_balance(heavy, 4):.2f})", config(heavy, 4), SAMPLER_HINT, balance=True),
         _case(f"balanced step by step: the k-th samples of all ranks cost about the same, per-step max/mean <= "
@@ -43,10 +49,11 @@ def sampler_cases() -> list[dict]:
               config(heavy, 4, epochs=(0, 1)), STEP_HINT, balance=True, steps=True),
         _case("set_epoch: epoch 1 gives a new order, epoch 0 again the same lists; each a balanced partition",
               config(heavy, 4, epochs=(0, 1, 0)),
-              "build the plan in __iter__ from a generator seeded with seed + epoch, not once in __init__",
+              "your lists do not follow the epoch set last: each epoch needs its own order, and the same epoch the "
+              "same lists",
               balance=True, differ=True),
         _case("shuffle=False: the same balanced lists in every epoch", config(heavy, 4, shuffle=False, epochs=(0, 5)),
-              "with shuffle=False do not shuffle; the epoch must not change anything", balance=True),
+              "with shuffle=False your lists changed with the epoch: nothing may depend on it", balance=True),
         _case("fresh costs: log-normal, n=1001, 2 ranks, seed=7",
               config(case_costs("lognormal", 1001, 11), 2, seed=7, epochs=(0, 3)), **fresh),
         _case("fresh costs: capped Pareto, n=240, 3 ranks, drop_last=True",
@@ -60,51 +67,80 @@ def sampler_cases() -> list[dict]:
     ]
 
 
-# -- train_with_join ------------------------------------------------------------------
-def join_reference(counts: tuple, seed: int, initial: bool = True, reduction: str = "mean") -> list:
-    """The weights Join gives: each step averages the gradients of the ranks that still have a
-    batch, zeros from the others, divided by the world size (``initial=False``: by the ranks still
-    training); every rank ends with the same model."""
-    model = join_model(seed)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    batches = [join_batches(seed, r, c) for r, c in enumerate(counts)]
-    for k in range(max(counts)):
-        total = [torch.zeros_like(p) for p in model.parameters()]
-        for r in range(len(counts)):
-            if k < counts[r]:
-                model.zero_grad()
-                x, y = batches[r][k]
-                torch.nn.functional.mse_loss(model(x), y, reduction=reduction).backward()
-                total = [s + p.grad for s, p in zip(total, model.parameters())]
-        active = sum(1 for c in counts if k < c)
-        for p, s in zip(model.parameters(), total):
-            p.grad = s / (len(counts) if initial else active)
-        optimizer.step()
-    return [p.detach() for p in model.parameters()]
+# -- train_uneven ---------------------------------------------------------------------
+def _rank_batches(shard, batch_size: int, drop_last: bool = False) -> list:
+    x, y = shard.tensors
+    ends = range(0, len(x) - (batch_size - 1 if drop_last else 0), batch_size)
+    return [(x[i:i + batch_size], y[i:i + batch_size]) for i in ends if i < len(x)]
 
 
-def same_tensors(a, b) -> bool:
-    return all(torch.allclose(x, y, atol=1e-5) for x, y in zip(a, b))
+def uneven_reference(lengths, epochs: int, batch_size: int, seed: int, bug: str = "") -> dict:
+    """The weights of ``train_uneven``: at each step of an epoch, the sum of the mean-loss gradients of the
+    ranks that still have a batch (zeros from the others) over the world size; an epoch ends when no rank
+    has a batch left, and every rank starts the next one together.
+
+    ``bug`` gives the weights of a known wrong answer: ``"active"`` (divided by the ranks still training),
+    ``"sum"`` (a summed loss), ``"back_to_back"`` (each rank runs its epochs back to back), ``"first_out"``
+    (the epoch ends when the first rank runs out), ``"stale"`` (a rank out of data adds the last averaged
+    gradient instead of zeros), ``"drop_last"`` (the last, shorter batch dropped).
+    """
+    model = uneven_model(seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    world = len(lengths)
+    per_epoch = [_rank_batches(s, batch_size, bug == "drop_last") for s in uneven_shards(seed, lengths)]
+    if bug == "back_to_back":
+        plan = [[b for _ in range(epochs) for b in mine] for mine in per_epoch]
+        rounds = [plan]
+    else:
+        rounds = [per_epoch] * epochs
+    last = [torch.zeros_like(p) for p in model.parameters()]
+    for batches in rounds:
+        steps = (min if bug == "first_out" else max)(len(b) for b in batches)
+        for k in range(steps):
+            total = [torch.zeros_like(p) for p in model.parameters()]
+            for r in range(world):
+                if k < len(batches[r]):
+                    model.zero_grad()
+                    x, y = batches[r][k]
+                    F.mse_loss(model(x), y, reduction="sum" if bug == "sum" else "mean").backward()
+                    total = [s + p.grad for s, p in zip(total, model.parameters())]
+                elif bug == "stale":
+                    total = [s + g for s, g in zip(total, last)]
+            active = sum(1 for b in batches if k < len(b))
+            last = [s / (active if bug == "active" else world) for s in total]
+            for p, g in zip(model.parameters(), last):
+                p.grad = g.clone()
+            optimizer.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def join_diagnosis(weights, counts, seed) -> str:
-    if same_tensors(weights, join_reference(counts, seed, initial=False)):
-        return ("your weights average each step over the ranks still training: keep Join's default "
-                "divide_by_initial_world_size=True")
-    if same_tensors(weights, join_reference(counts, seed, reduction="sum")):
-        return "your weights match a summed loss: use F.mse_loss(model(x), y) (the mean)"
-    return "per batch: optimizer.zero_grad(); F.mse_loss(model(x), y).backward(); optimizer.step()"
+def same_state(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
 
 
-def scenario_evidence(t, evidence, k):
-    try:
-        return evidence.get(t, k)
-    except LaunchError as exc:
-        if exc.exc_type and "exhausted inputs" in str(exc):
-            t.fail("Join(..., throw_on_early_termination=True) makes every rank raise as soon as one runs out "
-                   "of batches: leave it False (the default) so that the others go on", "every rank finishes",
-                   str(exc).splitlines()[0][:200])
-        raise
+UNEVEN_BUGS = {
+    "active": "your weights average each step over the ranks that still have a batch: a rank out of data still "
+              "counts, its zero gradient included, so the sum is divided by the full world size (Join's default)",
+    "sum": "your weights match a summed loss: each rank's gradient must be that of the mean loss over its batch",
+    "back_to_back": "your weights match ranks that run their epochs back to back: a rank with a short shard began "
+                    "its next epoch while the others were still in this one; an epoch ends on every rank at the "
+                    "step where no rank has a batch left, and the next starts together",
+    "first_out": "your weights match an epoch that ends when the first rank runs out of data: the samples the "
+                 "other ranks still had were never trained on; go on while any rank has a batch",
+    "stale": "your weights match a rank out of data that adds the gradient it still holds from an earlier step: "
+             "it must contribute zeros",
+    "drop_last": "your weights match training without each shard's last, shorter batch: it counts as a batch",
+}
+
+
+def uneven_diagnosis(state: dict, scenario) -> str:
+    """What a wrong ``train_uneven`` did, when its weights match a known wrong answer."""
+    for bug, words in UNEVEN_BUGS.items():
+        if same_state(state, uneven_reference(*scenario, bug=bug)):
+            return words
+    return ("each step's update must be -lr x (the sum over ranks of the gradient of the mean loss of this "
+            "step's batch, zeros from a rank out of data) / world size, with the batches in the shard's order; "
+            "no gradient of an earlier step may carry over")
 
 
 BALANCE_TOL = 1.05  # max/mean of the ranks' total costs a balanced sampler must reach
@@ -113,18 +149,19 @@ BALANCE_TOL = 1.05  # max/mean of the ranks' total costs a balanced sampler must
 STEP_TOL = 1.35  # per-step max/mean, one sample per step: the reference reaches <= 1.21, a rank's own shuffle >= 1.5
 
 
-SAMPLER_HINT = ("sort the (shuffled) indices costliest first and give each to the rank with the smallest "
-                "total cost so far that still has room; every rank computes this same plan")
+SAMPLER_HINT = ("your ranks' total costs are further apart than a greedy plan leaves them: it places the samples "
+                "costliest first, each on the rank with the smallest total cost so far that still has room, so the "
+                "costly ones are spread first and the cheap ones fill the gaps")
 
 
-STEP_HINT = ("position k must hold similar costs on every rank: keep each rank's samples costliest first and apply "
-             "ONE permutation of positions, from the generator seeded with seed + epoch, to every rank's list "
-             "(a seed with the rank in it shuffles each rank its own way)")
+STEP_HINT = ("position k holds very different costs on different ranks, so each step waits for the costliest: "
+             "the ranks' lists must stay aligned by cost, reordered by ONE permutation of positions shared by "
+             "every rank (a seed with the rank in it shuffles each rank its own way)")
 
 
-GLOBAL_HINT = ("the ranks' plans differ: the plan may depend only on costs, seed and epoch; draw every random "
-               "number from torch.Generator().manual_seed(seed + epoch) (no rank in the seed), never from the "
-               "global random state (torch.randperm(n) without generator=, random, numpy)")
+GLOBAL_HINT = ("the ranks' plans differ: your plan depends on something besides costs, seed and epoch, such as the "
+               "global random state (which differs between processes) or the rank; every process must draw the "
+               "same random numbers")
 
 
 def config(costs, world, drop_last=False, shuffle=True, seed=0, epochs=(0,)):
@@ -216,12 +253,12 @@ def judge(t, got, cfg, check_balance=True, steps=False, epochs_differ=False, hin
     by_epoch: dict = {}
     for e, lists in res["epochs"]:
         if by_epoch.setdefault(e, lists) != lists:
-            t.fail("the plan must depend only on costs, seed and epoch: set_epoch(e) again must give the same "
-                   "lists (seed a fresh torch.Generator with seed + epoch in __iter__)",
+            t.fail("set_epoch(e) a second time gave other lists: your plan draws from random state that carries "
+                   "over between calls; it may depend only on costs, seed and epoch",
                    f"epoch {e} twice: the same lists", "different lists the second time")
     if not cfg["shuffle"] and any(v != res["epochs"][0][1] for v in by_epoch.values()):
-        t.fail("with shuffle=False the plan must not depend on the epoch: no generator draws at all",
+        t.fail("with shuffle=False your lists changed with the epoch: nothing may depend on it",
                "the same lists in every epoch", "different lists in another epoch")
     if epochs_differ and len(by_epoch) > 1 and all(v == res["epochs"][0][1] for v in by_epoch.values()):
-        t.fail("shuffle with torch.Generator().manual_seed(seed + epoch) so each epoch gets a new order",
+        t.fail("every epoch gave the same lists: a new order each epoch needs the epoch in the randomness",
                "a different order in each epoch", "the same lists in every epoch")

@@ -1,11 +1,11 @@
-"""What lesson 05's checks run in the learner's processes: building the sampler, the Join loop.
+"""What lesson 05's checks run in the learner's processes: building the sampler, training on uneven shards.
 
 :func:`probe_sampler` builds the learner's sampler for every rank of many
 configurations in one fresh process, re-seeding the global random generators
 before each rank as separate processes would differ (and records whether the
-ranks' whole plans agree); :func:`probe_sampler_ranks` and :func:`probe_join`
+ranks' whole plans agree); :func:`probe_sampler_ranks` and :func:`probe_uneven`
 run in real ranks, the latter every scenario in one launch. Each returns plain
-evidence (the lists, step counts, weights) that :mod:`.checkers` judges in the kernel. They
+evidence (the lists, the weights) that :mod:`.checkers` judges in the kernel. They
 are module-level functions of an importable module, so a rank receives them by
 name and imports this module, which holds no judging.
 """
@@ -70,36 +70,38 @@ def probe_sampler_ranks(cls, costs: list, seed: int, epochs: tuple) -> dict:
     return {"mine": mine, "seen": seen}
 
 
-# -- train_with_join ------------------------------------------------------------------
-def join_model(seed: int):
-    """The model of the train_with_join check: the same initial weights for a seed."""
+# -- train_uneven ---------------------------------------------------------------------
+LR = 0.1  # the learning rate the check passes
+
+
+def uneven_model(seed: int):
+    """The check's ``model_fn``: the same initial weights on every rank for a seed."""
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
 
 
-def join_batches(seed: int, rank: int, count: int) -> list:
-    """Rank ``rank``'s ``count`` batches of 6 samples (4 features, 1 target) for a seed."""
-    g = torch.Generator().manual_seed(1000 * seed + rank)
-    return [(torch.randn(6, 4, generator=g), torch.randn(6, 1, generator=g)) for _ in range(count)]
+def uneven_shards(seed: int, lengths) -> list:
+    """Every rank's data set for a seed: ``lengths[r]`` samples of 4 features and 1 target."""
+    g = torch.Generator().manual_seed(1000 * seed + 7)
+    return [torch.utils.data.TensorDataset(torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g))
+            for n in lengths]
 
 
-def probe_join(train_with_join, scenarios: list, log_dir: str) -> list:
-    """In a real rank, per scenario ``(counts, seed)``: a DDP model, this rank's batches; the learner's
-    loop, then a barrier. Returns per scenario this rank's step count and final weights."""
+def probe_uneven(train_uneven, scenarios: list, log_dir: str) -> list:
+    """In a real rank, per scenario ``(lengths, epochs, batch_size, seed)``: the learner's training, then a
+    barrier (as before a checkpoint). Returns per scenario this rank's state_dict (or what it returned)."""
+    import functools
     import torch.distributed as tdist
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     from ..sim.scenarios import run_scenarios
 
-    rank = tdist.get_rank()
-
     def one(scenario):
-        counts, seed = scenario
-        model = DDP(join_model(seed))
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        steps = train_with_join(model, join_batches(seed, rank, counts[rank]), optimizer)
-        tdist.barrier()  # as before saving a checkpoint: hangs if a rank is still in a gradient all-reduce
-        return {"steps": steps if isinstance(steps, int) else repr(steps)[:100],
-                "weights": [p.detach().clone() for p in model.module.parameters()]}
+        lengths, epochs, batch_size, seed = scenario
+        state = train_uneven(functools.partial(uneven_model, seed), uneven_shards(seed, lengths), epochs,
+                             batch_size, LR)
+        tdist.barrier()  # hangs if a rank were still in a collective of the training
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            return {"state": None, "returned": repr(state)[:100]}
+        return {"state": {k: v.detach().cpu().clone() for k, v in state.items()}}
 
     return run_scenarios(log_dir, one, scenarios)

@@ -1,37 +1,40 @@
-"""Lesson 06's placement verdicts: the evidence of the virtual GPUs (:mod:`..sim.devices`), in words.
+"""Lesson 06's verdicts, in words: stage_step against one process, pipelined_step, bubble_fraction.
 
-:mod:`.checkers` asks these for the cases about devices: where each stage was
-put, and on which device each input, activation and label reached what used it.
-Each names the bug as it shows on two GPUs.
+:mod:`.checkers` asks these for ``stage_step``'s comparison with one process training
+the whole model (:func:`stage_diagnosis` names the known mistake the weights match),
+for ``pipelined_step``'s gradients and placement (the evidence of the virtual GPUs,
+:mod:`..sim.devices`: on which device each input, activation and label reached what
+used it, named as the bug shows on two GPUs), and for ``bubble_fraction``'s values
+against the simulated schedule (:func:`judge_bubble`, naming the wrong model a value matches).
 """
 from __future__ import annotations
+
+import torch
+from torch import nn
 
 from ..sim.outcome import in_words
 
 
 # -- pipelined_step -----------------------------------------------------------------
 _BUGS = {
-    "unscaled": "the gradients are the sum of the micro-batch gradients, n_micro times too big: scale each "
-                "micro-batch's loss by len(micro-batch) / len(x) (1/n_micro when they are equal) before backward",
+    "unscaled": "the gradients are the sum of the micro-batch gradients, n_micro times too big: each micro-batch's "
+                "loss is a mean over that micro-batch, so taken as it is it counts as much as the whole batch",
     "one_over_n": "with uneven micro-batches, 1/n_micro is the wrong weight (and torch.chunk may give fewer than "
-                  "n_micro pieces): weight each micro-batch's mean loss by len(micro-batch) / len(x)",
-    "last_only": "only the last micro-batch's gradient is left: zero the gradients once, before the step (the "
-                 "caller does), never inside the micro-batch loop, so backward adds up all micro-batches",
-    "dropped": "the last len(x) % n_micro samples were left out: torch.chunk(x, n_micro) keeps every sample (the "
-               "last chunk is smaller), and each chunk's loss weighs len(x_i) / len(x)",
+                  "n_micro pieces): a micro-batch of 1 sample then counts as much as one of 3",
+    "last_only": "only the last micro-batch's gradient is left: the gradients were cleared between micro-batches; "
+                 "the caller zeroes them once, before the step, and backward must add up every micro-batch",
+    "dropped": "the last len(x) % n_micro samples were left out: every sample of the batch must count (torch.chunk's "
+               "last chunk is the smaller one)",
     "zeroed": "the gradients .grad held before the step are gone: the caller zeroes the gradients (and may "
               "accumulate several steps first); pipelined_step must only add to them, never call zero_grad",
     "detached": "stage1 got no gradient: the activations were cut from the graph (.detach(), .data or "
-                "torch.no_grad()); h.to(dev2) keeps the graph, so backward reaches stage1",
-    "no_grads": "no gradients: call backward on the (weighted) loss",
+                "torch.no_grad()); a move with .to() keeps the graph, so backward reaches stage1",
+    "no_grads": "no gradients: nothing ran backward",
 }
 
 
-STEP_HINT = ("split with torch.chunk(x, n_micro) and torch.chunk(y, n_micro); loss_i = loss_fn(out_i, y_i) * "
-             "len(x_i) / len(x); backward the sum (or each); return the sum of the weighted losses as a float")
-
-
-FORMULA = "(n_stages - 1) / (n_micro + n_stages - 1)"
+STEP_HINT = ("the gradients added to .grad must be those of the mean loss over the whole batch, what one backward "
+             "of the unsplit model on the whole batch adds, and the value returned that mean loss")
 
 
 def require_ran(t, run) -> None:
@@ -64,15 +67,54 @@ class Results(list):
         return next(r for a, r in self if a == args and list(map(type, a)) == list(map(type, args)))
 
 
-def judge_value(t, args, got, expected) -> None:
+def schedule_bubble(forward, backward, n_micro, transfer=0.0) -> float:
+    """The idle fraction of GPipe's schedule, simulated span by span (the check's reference)."""
+    from mgpu_lab.parallel.schedule import gpipe_schedule
+
+    return gpipe_schedule(forward, backward, n_micro, transfer).idle_fraction()
+
+
+def _wrong_models(forward, backward, m, c=0.0) -> dict:
+    """The values of known wrong answers, by what they did."""
+    p, f, b = len(forward), sum(forward), sum(backward)
+    busy = m * (f + b)
+
+    def idle(step, per_stage=True):
+        return 1 - busy / ((p if per_stage else 1) * step) if step else float("nan")
+
+    slow = max(forward) + max(backward)
+    return {
+        "GPipe's formula for equal stages and free transfers, whatever the stage and transfer times":
+            (p - 1) / (m + p - 1),
+        "transfers counted in one direction only: the gradients travel back through the same p - 1 links":
+            idle(f + b + (p - 1) * c + (m - 1) * slow),
+        "the mean stage sets the pace: it is the slowest stage that the micro-batches queue behind":
+            idle(f + b + 2 * (p - 1) * c + (m - 1) * (f + b) / p),
+        "all m micro-batches at the slowest stage's pace on top of the first one's trip: m - 1 follow it":
+            idle(f + b + 2 * (p - 1) * c + m * slow),
+        "the busy time of all stages over one stage's time: the idle fraction is over p stages' time":
+            idle(f + b + 2 * (p - 1) * c + (m - 1) * slow, per_stage=False),
+    }
+
+
+def judge_bubble(t, args, extra, got) -> None:
+    """Fail unless ``got`` is the schedule's idle fraction; name the known wrong answer it matches."""
+    expected = schedule_bubble(*args, *extra)
+    shown = f"bubble_fraction{tuple(args) + tuple(extra)}"
     if got[0] != "ok":
-        one = " one stage (n_stages=1) and one micro-batch (n_micro=1) are allowed;" if 1 in args else ""
-        t.fail(f"bubble_fraction{args} must not raise:{one} compute {FORMULA}", repr(expected), in_words(got))
+        t.fail(f"{shown} describes a pipeline and must not raise", repr(expected), in_words(got))
     if not isinstance(got[1], (int, float)):
         t.fail("return the fraction, a number", repr(expected), in_words(got))
-    if expected and abs(got[1] - 100 * expected) < 1e-9:
-        t.fail("a fraction in [0, 1), not a percentage: drop the * 100", repr(expected), in_words(got))
-    t.close(got[1], expected, atol=1e-12, rtol=1e-12)
+    value = got[1]
+    if expected and abs(value - 100 * expected) < 1e-9:
+        t.fail("a fraction in [0, 1), not a percentage", repr(expected), f"{shown}: {value!r}")
+    if abs(value - expected) <= 1e-9 * max(1.0, abs(expected)):
+        return
+    wrong = next((why for why, v in _wrong_models(*args, *extra).items() if abs(value - v) <= 1e-9), None)
+    t.fail(f"your value matches {wrong}" if wrong else
+           "your value is not the idle fraction of GPipe's schedule: every stage runs every forward, then every "
+           "backward, each as soon as its previous span is done and the result it needs has arrived",
+           f"{expected:.6f}", f"{shown}: {value!r}")
 
 
 def judge_raises(t, results, calls) -> None:
@@ -86,76 +128,69 @@ def judge_raises(t, results, calls) -> None:
 SAME_DEVICE = "on two GPUs this raises 'Expected all tensors to be on the same device'"
 
 
-# -- TwoStageNet --------------------------------------------------------------------
-def inputs_of(run, stage):
-    """``(tag, device)`` of every input that ``stage`` got in one run."""
-    return [(tag, dev) for name, event, *rest in run.get("stage_log", []) if name == stage and event == "input"
-            for tag, dev in [rest[:2]]]
+# -- stage_step ---------------------------------------------------------------------
+def stage_reference(scenario, accumulate: bool = False) -> dict:
+    """One process training ``nn.Sequential(stage0, stage1)`` as the two ranks should: the losses and each
+    stage's parameters after every step (``accumulate``: zero_grad never called)."""
+    from .ranks import stage_setup
+
+    stages, loss_fn, make_optimizer, data, _ = stage_setup(*scenario)
+    model = nn.Sequential(*stages)
+    optimizer = make_optimizer(model.parameters())
+    losses, first = [], None
+    for x, target in data:
+        if not accumulate:
+            optimizer.zero_grad()
+        loss = loss_fn(model(x), target)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+        first = first or [[p.detach().clone() for p in s.parameters()] for s in stages]
+    return {"losses": losses, "params": [[p.detach().clone() for p in s.parameters()] for s in stages], "first": first,
+            "initial": [[p.detach().clone() for p in s.parameters()] for s in stage_setup(*scenario)[0]]}
 
 
-def started(t, run) -> None:
-    """Fail the case when the net was not built or raised (the earlier cases say why)."""
-    if "raised" in run:
-        t.fail("fix the error first", "", "your code raised " + run["raised"])
-    if not run.get("module"):
-        t.fail("the first case did not finish")
+def _same(a, b) -> bool:
+    return len(a) == len(b) and all(torch.allclose(x, y, atol=1e-5, rtol=1e-4) for x, y in zip(a, b))
 
 
-def judge_stages(t, run) -> None:
-    """Each stage on its device: ``stage1.to(dev1)``, ``stage2.to(dev2)``."""
-    started(t, run)
-    for name, dev in (("stage1", run["dev1"]), ("stage2", run["dev2"])):
-        placed = run["placed"].get(name)
-        if placed != dev:
-            moves = [rest[0] for who, event, *rest in run["stage_log"] if who == name and event == "to"]
-            t.fail(f"{name} is on {placed or 'no device'}, not on {dev}: "
-                   + ("it was never moved" if not moves else f"it was moved to {moves[-1]}"),
-                   f"{name}.to({dev})", f"moves of {name}: {moves or 'none'}")
-        after = run.get("placed_after", {}).get(name, placed)
-        if after != dev:
-            t.fail(f"forward moved {name} to {after}: place the stages once, in __init__, and move the tensors "
-                   "to them in forward", f"{name} stays on {dev}", f"{name} on {after} after forward")
+def stage_returns_problem(res) -> str:
+    """What the two ranks returned, when it is not None on rank 0 and a float on rank 1."""
+    for r, want in ((0, "none"), (1, "float")):
+        for k, got in enumerate(res[r]["returns"]):
+            if got[0] != want:
+                shown = "None" if got[0] == "none" else f"a {got[1]} ({got[2]})" if got[0] == "other" else \
+                    f"the float {got[1]:.4g}"
+                return f"step {k + 1}: rank {r} returned {shown}"
+    return ""
 
 
-def judge_input(t, run) -> None:
-    """x reached stage1 on dev1."""
-    started(t, run)
-    seen = inputs_of(run, "stage1")
-    if not seen:
-        t.fail("stage1 never ran")
-    wrong = [dev for _, dev in seen if dev != run["dev1"]]
-    if wrong:
-        how = "never moved" if not [m for m in run["moves"] if m[0] == "inputs"] else \
-            "moved to " + ", ".join(sorted({m[2] for m in run["moves"] if m[0] == "inputs"}))
-        t.fail(f"x reached stage1 on {wrong[0]} ({how}), but stage1 is on dev1 = {run['dev1']}: move it with "
-               f"x.to(self.dev1), not to a fixed device; {SAME_DEVICE}", f"x on {run['dev1']}", f"x on {wrong[0]}")
-
-
-def judge_activations(t, run) -> None:
-    """The activations reached stage2 on dev2 (moved, and the moved copy used)."""
-    started(t, run)
-    seen = inputs_of(run, "stage2")
-    if not seen:
-        t.fail("stage2 never ran")
-    wrong = [(tag, dev) for tag, dev in seen if dev != run["dev2"]]
-    if wrong:
-        moved = [m[2] for m in run["moves"] if m[0] == "activations"]
-        if run["dev2"] in moved:
-            t.fail(".to() returns a moved copy and leaves the tensor where it was: pass the copy to stage2",
-                   "stage2 gets the moved activations", f"stage2 got the activations on {wrong[0][1]}")
-        t.fail(f"the activations reached stage2 on {wrong[0][1]}, but stage2 is on dev2 = {run['dev2']}: "
-               f"{SAME_DEVICE}; move them with h.to(self.dev2)", f"activations.to({run['dev2']})",
-               f"moves of the activations: {moved or 'none'}")
-
-
-def judge_output(t, run) -> None:
-    """The output returned where stage2 made it, on dev2."""
-    started(t, run)
-    if run.get("output_type") != "Tensor":
-        t.fail("forward must return the output tensor")
-    away = [m[2] for m in run["moves"] if m[0] == "output"]
-    if away or run["out_device"] != run["dev2"]:
-        t.fail("", f"the output left on {run['dev2']}", f"output moved to {away[-1] if away else run['out_device']}")
+def stage_diagnosis(res, scenario) -> tuple[str, str]:
+    """``(hint, got)`` for the first way the two ranks' training differs from one process's, or ``("", "")``."""
+    ref = stage_reference(scenario)
+    losses = [got[1] for got in res[1]["returns"]]
+    own = [res[0]["params"], res[1]["params"]]
+    if all(_same(own[r], ref["params"][r]) for r in (0, 1)) and \
+            all(abs(a - b) <= 1e-5 * max(1.0, abs(b)) for a, b in zip(losses, ref["losses"])):
+        return "", ""
+    acc = stage_reference(scenario, accumulate=True)
+    if all(_same(own[r], acc["params"][r]) for r in (0, 1)):
+        return ("your stages match training that never clears the gradients: each step's gradients were added "
+                "to the previous steps'; every step must start from zero gradients"), "accumulated gradients"
+    for r, name in ((0, "rank 0's stage (the first)"), (1, "rank 1's stage (the last)")):
+        if _same(own[r], ref["initial"][r]):
+            return (f"{name} never changed: it got no gradient or took no optimizer step; "
+                    + ("rank 0's backward starts from the gradient of the activations that rank 1 sends back"
+                       if r == 0 else "rank 1 runs backward from the loss and steps its own optimizer")), \
+                f"{name}: the initial weights"
+    if _same(res[1]["first"], ref["first"][1]) and not _same(res[0]["first"], ref["first"][0]):
+        return ("rank 1's stage and losses are right but rank 0's stage is not: its backward must start from "
+                "exactly the gradient of its activations that rank 1 computed and sent back"), "rank 0's weights differ"
+    if losses and abs(losses[0] - ref["losses"][0]) > 1e-5 * max(1.0, abs(ref["losses"][0])):
+        return ("the first step's loss differs from one process's: rank 1 must run its stage on the activations "
+                "rank 0 computed from x, and compute loss_fn(output, target)"), f"loss {losses[0]:.5g}"
+    return ("the ranks' weights drift from one process's: each step, both stages' gradients must be those of "
+            "the whole model's loss, and each rank steps once"), "different weights"
 
 
 # -- pipelined_step -----------------------------------------------------------------
@@ -165,15 +200,14 @@ def placement_problem(run) -> str:
     moved = [f"{name}.to({rest[0]})" for name, event, *rest in run["stage_log"] if event == "to"]
     if moved:
         return (f"your code moved a stage ({moved[0]}): the stages are already on their devices ({d1}, {d2}); "
-                "read the devices from their parameters, next(stage1.parameters()).device, and move the tensors")
+                "the tensors must go to them, whatever devices they are on")
     for name, event, *rest in run["stage_log"]:
         if event == "input" and rest[1] != rest[2]:
             what = "a micro-batch" if name == "stage1" else "the activations"
-            fix = "xs.to(d1) with d1 = next(stage1.parameters()).device" if name == "stage1" else \
-                "h.to(d2) with d2 = next(stage2.parameters()).device"
-            return f"{what} reached {name} on {rest[1]}, but {name} is on {rest[2]}: {SAME_DEVICE}; move with {fix}"
+            return (f"{what} reached {name} on {rest[1]}, but {name} is on {rest[2]}: {SAME_DEVICE}; a tensor "
+                    f"must be on the device of the parameters of the stage that uses it")
     for out_dev, labels_dev, _ in run["loss_log"]:
         if out_dev != labels_dev:
-            return (f"the labels reached the loss on {labels_dev}, the output is on {out_dev}: move each "
-                    f"micro-batch's labels to the output's device, ys.to(out.device)")
+            return (f"the labels reached the loss on {labels_dev}, the output is on {out_dev}: the labels must be "
+                    f"where the output is")
     return ""

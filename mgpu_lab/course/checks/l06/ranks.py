@@ -1,7 +1,7 @@
-"""What lesson 06's checks run in a fresh process: the learner's net and step on virtual GPUs.
+"""What lesson 06's checks run: the learner's stage in real ranks, its step on virtual GPUs.
 
-:func:`run_two_stage` builds the learner's ``TwoStageNet`` from stages that are
-placed only by its own ``.to`` calls and runs it on a batch on the CPU;
+:func:`probe_stage` trains the two stages of a model with the learner's
+``stage_step``, one stage in each of 2 real ranks (gloo), every scenario in one launch;
 :func:`run_pipelined` runs the learner's ``pipelined_step`` on several batches
 with the stages on ``cuda:2`` and ``cuda:3`` and names the gradient the answer
 matches; :func:`evaluate` calls a function on many arguments. The devices are
@@ -19,7 +19,7 @@ import traceback
 from pathlib import Path
 from torch import nn
 
-from ..sim.devices import CPU, place, Placed, PlacedLoss, PlacedModule, plain, reset, where
+from ..sim.devices import CPU, place, Placed, PlacedLoss, PlacedModule, plain, reset
 from ..sim.outcome import in_words, one_thread, outcomes, raised_outcome
 
 
@@ -50,61 +50,61 @@ def _logs() -> dict:
     return {"stage_log": stages + inputs, "moves": list(Placed.moves), "loss_log": list(PlacedLoss.calls)}
 
 
-# -- TwoStageNet --------------------------------------------------------------------
-def _stages(conv: bool):
-    torch.manual_seed(1)
-    if conv:
-        return (nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU()),
-                nn.Sequential(nn.Flatten(), nn.Linear(4 * 5 * 5, 3))), torch.randn(3, 2, 5, 5)
-    return (nn.Sequential(nn.Linear(6, 8), nn.Tanh()), nn.Sequential(nn.Linear(8, 8), nn.ReLU(),
-                                                                   nn.Linear(8, 4))), torch.randn(5, 6)
+# -- stage_step ---------------------------------------------------------------------
+STAGE_SCENARIOS = [("mlp", 8, 3, 1), ("regression", 5, 4, 2)]  # (model, batch, steps, seed)
 
 
-def run_two_stage(TwoStageNet, configs) -> list[dict]:
-    """For each ``(conv, dev1, dev2)``: the learner's net on a batch on the CPU, against the unsplit model."""
-    one_thread()
-    return [_two_stage(TwoStageNet, *config) for config in configs]
+def stage_setup(kind: str, batch: int, steps: int, seed: int):
+    """The two stages, loss, optimizer factory, batches and activation shape of one scenario."""
+    torch.manual_seed(seed)
+    if kind == "mlp":
+        stages = [nn.Sequential(nn.Linear(6, 16), nn.Tanh()), nn.Sequential(nn.Linear(16, 16), nn.ReLU(),
+                                                                            nn.Linear(16, 3))]
+        loss_fn, width = nn.CrossEntropyLoss(), 16
+        data = [(torch.randn(batch, 6), torch.randint(0, 3, (batch,))) for _ in range(steps)]
+    else:
+        stages = [nn.Sequential(nn.Linear(3, 12), nn.ReLU(), nn.Linear(12, 12)), nn.Linear(12, 1)]
+        loss_fn, width = nn.MSELoss(), 12
+        data = [(torch.randn(batch, 3), torch.randn(batch, 1)) for _ in range(steps)]
+
+    def optimizer(params):
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+    return stages, loss_fn, optimizer, data, (batch, width)
 
 
-def _two_stage(TwoStageNet, conv: bool, dev1, dev2) -> dict:
-    (inner1, inner2), x = _stages(conv)
-    ref = nn.Sequential(copy.deepcopy(inner1), copy.deepcopy(inner2))
-    s1, s2 = _stage(inner1, "stage1", "activations"), _stage(inner2, "stage2", "output")
-    reset()
-    out = {"dev1": str(torch.device(dev1)), "dev2": str(torch.device(dev2))}
-    try:
-        net = TwoStageNet(s1, s2, dev1, dev2)
-        out.update(module=isinstance(net, nn.Module), type=type(net).__name__)
-        if not out["module"]:
-            return out
-        params = list(net.parameters())
-        out["n_params"], out["n_expected"] = len(params), len(list(ref.parameters()))
-        out["placed"] = {m.name: str(m.vdev) for m in net.modules() if isinstance(m, PlacedModule)}
-        got = net(place(x.clone(), "inputs", CPU))
-    except NotImplementedError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - judged as evidence
-        return {**out, "raised": _raised(exc), **_logs()}
-    out.update(_logs())
-    out["placed_after"] = {m.name: str(m.vdev) for m in net.modules() if isinstance(m, PlacedModule)}
-    out["output_type"] = "Tensor" if isinstance(got, torch.Tensor) else type(got).__name__
-    if not isinstance(got, torch.Tensor):
-        return out
-    out["out_device"], out["out_tag"] = str(where(got)), getattr(got, "tag", "")
-    got = plain(got)
-    expected = ref(x)
-    out["same_output"] = got.shape == expected.shape and torch.allclose(got, expected, atol=1e-6)
-    weight = torch.randn(expected.shape, generator=torch.Generator().manual_seed(2))
-    (expected * weight).sum().backward()
-    if out["same_output"]:
-        (got * weight).sum().backward()
-        ref_grads = [p.grad for p in ref.parameters()]
-        own = [p.grad for p in list(inner1.parameters()) + list(inner2.parameters())]
-        if any(g is None for g in own):  # the net copied the stages: judge its own parameters
-            own = [p.grad for p in params]
-        out["same_grads"] = len(own) == len(ref_grads) and all(
-            g is not None and torch.allclose(g, r, atol=1e-6) for g, r in zip(own, ref_grads))
-    return out
+def _returned(value) -> tuple:
+    if value is None:
+        return ("none",)
+    if isinstance(value, float):
+        return ("float", value)
+    return ("other", type(value).__name__, repr(value)[:80])
+
+
+def probe_stage(stage_step, scenarios: list, log_dir: str) -> list:
+    """In each of 2 real ranks, per scenario: this rank's stage trained by the learner's ``stage_step``
+    for a few steps (rank 0 passes x, rank 1 the target). Returns per scenario what each step returned
+    and the stage's final parameters."""
+    import torch.distributed as tdist
+
+    from ..sim.scenarios import run_scenarios
+
+    rank = tdist.get_rank()
+
+    def one(scenario):
+        stages, loss_fn, make_optimizer, data, act_shape = stage_setup(*scenario)
+        stage = stages[rank]
+        optimizer = make_optimizer(stage.parameters())
+        returns, first = [], None
+        for x, target in data:
+            got = stage_step(stage, x if rank == 0 else None, None if rank == 0 else target, loss_fn, optimizer,
+                             act_shape)
+            returns.append(_returned(got))
+            first = first or [p.detach().clone() for p in stage.parameters()]  # after the first step
+        tdist.barrier()
+        return {"returns": returns, "params": [p.detach().clone() for p in stage.parameters()], "first": first}
+
+    return run_scenarios(log_dir, one, scenarios)
 
 
 # -- pipelined_step -----------------------------------------------------------------
