@@ -34,8 +34,13 @@ def ours(obj) -> bool:
     return name == "mgpu_lab" or name.startswith("mgpu_lab.")
 
 
-def reachable(roots: dict, targets: dict) -> dict:
-    """``{reference: path}`` for every target function reachable from ``roots`` (name -> object)."""
+def reachable(roots: dict, targets: dict, loaded: set | None = None) -> dict:
+    """``{reference: path}`` for every target function reachable from ``roots`` (name -> object).
+
+    ``loaded``: the names of the modules the notebook's imports loaded; when given, a module outside it is
+    not walked (importing a reference to resolve it makes it an attribute of its package: not the notebook's
+    doing).
+    """
     found, seen = {}, set()
     queue = list(roots.items())
     while queue:
@@ -45,6 +50,8 @@ def reachable(roots: dict, targets: dict) -> dict:
             if func is target and ref not in found:
                 found[ref] = path
         if id(obj) in seen or not (isinstance(obj, (types.ModuleType, type)) and ours(obj)):
+            continue
+        if loaded is not None and isinstance(obj, types.ModuleType) and obj.__name__ not in loaded:
             continue
         seen.add(id(obj))
         for name, value in list(vars(obj).items()):
@@ -60,9 +67,10 @@ def main(notebook: str, refs: list[str]) -> None:
     namespace: dict = {}
     for line in import_lines(notebook):
         exec(line, namespace)  # noqa: S102 - the course's own notebooks
+    loaded = set(sys.modules)  # before resolve() imports the references' modules
     targets = {ref: resolve(ref) for ref in refs}
     roots = {k: v for k, v in namespace.items() if k != "__builtins__"}
-    print(json.dumps(reachable(roots, targets)))
+    print(json.dumps(reachable(roots, targets, loaded)))
 
 
 if __name__ == "__main__":

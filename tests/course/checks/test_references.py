@@ -150,6 +150,14 @@ def test_the_walk_finds_a_function_through_modules_and_classes_and_not_elsewhere
     assert found == {"p": "fake.inner.Holder.make"}  # not into modules that are not the package's
 
 
+def test_a_module_the_notebook_s_imports_did_not_load_is_not_walked(module):
+    pkg = types.ModuleType("mgpu_lab.fake")
+    pkg.inner = types.ModuleType("mgpu_lab.fake.inner")  # as resolve() leaves it: imported to find the reference
+    pkg.inner.plain = module.plain
+    assert reach.reachable({"fake": pkg}, {"p": module.plain}) == {"p": "fake.inner.plain"}
+    assert reach.reachable({"fake": pkg}, {"p": module.plain}, loaded={"mgpu_lab.fake"}) == {}
+
+
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.stem)
 def test_no_reference_of_a_lesson_is_reachable_from_its_notebook_s_imports(notebook):
     lesson = notebook.name[:2]
