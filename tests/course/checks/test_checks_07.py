@@ -1,7 +1,7 @@
 """Checkers of lesson 07 against the solution, a stub, and answers that are no mutant of it.
 
 The right answers are the ones in solutions/07_multi_node.ipynb, read from the
-notebook itself; torchrun_command and node_env run them for real on simulated
+notebook itself; torchrun_command and pick_interface run them for real on simulated
 nodes (network namespaces where possible, else 127.0.0.1). The wrong answers
 made by editing the solution are in tests/mutants/test_mutants_07.py.
 """
