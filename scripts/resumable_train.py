@@ -28,7 +28,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from mgpu_lab.data import datasets
 from mgpu_lab import dist as mdist
-from mgpu_lab.failures.snapshot import atomic_save, resumable_train
+from mgpu_lab.failures.resume import atomic_save, resumable_train
 
 
 def parse_args(argv=None) -> argparse.Namespace:

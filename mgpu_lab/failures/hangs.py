@@ -9,8 +9,8 @@ never gets there (stuck reading data). The tools, all usable on a cluster:
 - ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` checks every collective's op and shapes
   across the ranks before running it, and raises an error naming both sides;
 - the **flight recorder** (``TORCH_FR_BUFFER_SIZE``) keeps each rank's last
-  collective calls; :func:`collective_log` reads this rank's, and
-  :func:`first_desync` finds where the ranks' logs part;
+  collective calls; :func:`collective_log` reads this rank's (where the ranks'
+  logs part is the first call they disagree on);
 - ``py-spy dump --pid PID`` prints the Python stack of a live process from
   outside; :class:`StackWatcher` runs it on every rank of a hung launch.
 
@@ -26,7 +26,7 @@ Example:
     ...     return collective_log()
     >>> logs = launch(job, 2, init=False)
     launch: 2 ranks · ...
-    >>> first_desync(logs) is None                                 # every rank made the same calls
+    >>> logs[0] == logs[1] == [("all_reduce", (2,))]               # every rank made the same calls
     True
 """
 from __future__ import annotations
@@ -39,11 +39,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections import Counter
 
 from mgpu_lab import dist as mdist
 
-__all__ = ["init", "collective_log", "first_desync", "py_spy", "StackWatcher"]
+__all__ = ["init", "collective_log", "py_spy", "StackWatcher"]
 
 
 def init(timeout: float = 300.0, flight_recorder: int = 0, debug: str | None = None, backend: str | None = None):
@@ -111,37 +110,6 @@ def collective_log(pg_name: str | None = None) -> list[tuple[str, tuple[int, ...
         sizes = entry.get("input_sizes") or [[]]
         out.append((op, tuple(int(s) for s in sizes[0])))
     return out
-
-
-def first_desync(logs: list[list[tuple[str, tuple[int, ...]]]]) -> tuple[int, list[int]] | None:
-    """Where the ranks' collective logs first disagree, and which ranks differ there.
-
-    At each index the majority's call is the reference: the most common
-    ``(op, shape)`` among the ranks that still have a call there, a tie going
-    to the call of the lowest rank in it (rank 0's when rank 0 is in the tie).
-    A rank whose log has already ended differs.
-
-    Args:
-        logs: one list per rank of ``(op, shape)`` calls, in call order.
-
-    Returns:
-        ``(index, sorted ranks that differ from the majority)``, or None when all logs agree.
-
-    Example:
-        >>> first_desync([[("all_reduce", (3,))], [("all_reduce", (4,))], [("all_reduce", (3,))]])
-        (0, [1])
-        >>> first_desync([[("barrier", ())], [("barrier", ())]]) is None
-        True
-    """
-    for i in range(max((len(log) for log in logs), default=0)):
-        calls = [log[i] if i < len(log) else None for log in logs]
-        counts = Counter(c for c in calls if c is not None)
-        best = max(counts.values())
-        majority = next(c for c in calls if c is not None and counts[c] == best)
-        odd = [r for r, c in enumerate(calls) if c != majority]
-        if odd:
-            return i, odd
-    return None
 
 
 def py_spy_path() -> str | None:

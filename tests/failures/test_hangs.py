@@ -1,4 +1,4 @@
-"""mgpu_lab.failures.hangs: first_desync, the flight recorder's logs of a real hang, DETAIL, py-spy."""
+"""mgpu_lab.failures.hangs and .desync: first_desync, the flight recorder's logs of a real hang, DETAIL, py-spy."""
 from __future__ import annotations
 
 import subprocess
@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from mgpu_lab import launch
 from mgpu_lab.failures import hangs
+from mgpu_lab.failures.desync import first_desync
 
 pytestmark = pytest.mark.timeout(120)
 AR3, AR4, BAR = ("all_reduce", (3,)), ("all_reduce", (4,)), ("barrier", ())
@@ -25,7 +26,7 @@ AR3, AR4, BAR = ("all_reduce", (3,)), ("all_reduce", (4,)), ("barrier", ())
     ([[AR3], [AR3, BAR]], (1, [0])),                     # the only remaining call is the majority
 ])
 def test_first_desync(logs, expected):
-    assert hangs.first_desync(logs) == expected
+    assert first_desync(logs) == expected
 
 
 def _skip_second_all_reduce():
@@ -46,7 +47,7 @@ def test_the_flight_recorder_logs_a_real_hang_and_first_desync_finds_it():
     assert log1 == [("all_reduce", (3,)), ("barrier", ())]
     # the first rank to time out leaves; the other may see that ("Connection closed by peer") before its own timeout
     assert err0 and err1 and "Timed out" in err0 + err1, (err0, err1)
-    assert hangs.first_desync([log0, log1]) == (1, [1])
+    assert first_desync([log0, log1]) == (1, [1])
 
 
 def _mismatch():

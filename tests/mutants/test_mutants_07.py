@@ -15,57 +15,75 @@ from mutation import ExerciseMutants, Mutant, Variant, drop_statement, mutant_te
 pytestmark = pytest.mark.timeout(400)
 NOTEBOOK = "07_multi_node.ipynb"
 NAMESPACE: dict = {}
+exec("import json, os\nimport torch\nimport torch.distributed as dist\n", NAMESPACE)  # the notebook's first cell
 
-GLOBAL_RANK = ExerciseMutants("07.global_rank", NOTEBOOK, ("global_rank",), mutants=[
-    Mutant("node and local rank swapped",
-           replace("return node_rank * nproc_per_node + local_rank", "return local_rank * nproc_per_node + node_rank"),
-           ("global_rank(1, 3, 4) == 7", "node_rank * nproc_per_node + local_rank")),
-    Mutant("node rank not multiplied", replace("return node_rank * nproc_per_node + local_rank",
-                                               "return node_rank + local_rank"),
-           "the ranks of node n follow those of nodes 0..n-1"),
-    Mutant("local rank == nproc_per_node allowed (off by one)",
-           replace("if not 0 <= local_rank < nproc_per_node:", "if not 0 <= local_rank <= nproc_per_node:"),
-           "4 of 4 is one too many"),
-    Mutant("negative node rank allowed", drop_statement("must be >= 0"), "node ranks start at 0"),
-    Mutant("node 0 rejected (node_rank < 1)", replace("if node_rank < 0:", "if node_rank < 1:"),
-           ("global_rank(0, 2, 4) == 2", "raised valueerror")),
-    Mutant("local rank 0 rejected", replace("if not 0 <= local_rank", "if not 1 <= local_rank"),
-           ("global_rank(2, 0, 8) == 16", "raised valueerror")),
-    Mutant("bools accepted", replace("isinstance(value, bool) or ", ""), "not isinstance(x, bool)"),
-    Mutant("TypeError for non-ints", replace('raise ValueError(f"{name}={value!r} must be an int")',
-                                             'raise TypeError(f"{name}={value!r} must be an int")'),
-           ("raises valueerror", "raised typeerror")),
+HIER = ExerciseMutants("07.hierarchical_allreduce", NOTEBOOK, ("hierarchical_allreduce",), mutants=[
+    Mutant("a flat all_reduce over every rank",
+           replace("    dist.reduce(tensor, dst=leader, group=node_groups[node])\n    if rank == leader:\n"
+                   "        dist.all_reduce(tensor, group=leaders)\n"
+                   "    dist.broadcast(tensor, src=leader, group=node_groups[node])\n",
+                   "    dist.all_reduce(tensor)\n"),
+           ("all communicate across nodes", "only those leaders talk to the other nodes")),
+    Mutant("nodes as rank % LOCAL_WORLD_SIZE",
+           (replace("node, nodes = rank // per_node, world // per_node",
+                    "node, nodes = rank % per_node, world // per_node"),
+            replace("list(range(n * per_node, (n + 1) * per_node))", "list(range(n, world, per_node))"),
+            replace("leaders = dist.new_group([n * per_node for n in range(nodes)])",
+                    "leaders = dist.new_group(list(range(nodes)))"),
+            replace("leader = node * per_node", "leader = node")),
+           ("not rank % local_world_size", "all communicate across nodes")),
+    Mutant("the leaders' all-reduce on the world group",
+           replace("dist.all_reduce(tensor, group=leaders)", "dist.all_reduce(tensor)"),
+           "hangs"),
+    Mutant("the broadcast within the node forgotten",
+           drop_statement("dist.broadcast(tensor, src=leader"), "never came back from the node's leader"),
+    Mutant("the reduce within the node forgotten",
+           drop_statement("dist.reduce(tensor, dst=leader"), "the reduce within the node is missing"),
+    Mutant("the node-local rank 0 given where torch wants a global rank",
+           (replace("dist.reduce(tensor, dst=leader,", "dist.reduce(tensor, dst=0,"),
+            replace("dist.broadcast(tensor, src=leader,", "dist.broadcast(tensor, src=0,")),
+           "your code raised"),
+    Mutant("the non-leaders return a fresh tensor, not the one the broadcast filled",
+           replace("    return tensor\n",
+                   "    return tensor.clone() if rank == leader else torch.zeros_like(tensor)\n"),
+           "never came back"),
 ], variants=[
-    Variant("type() is int, the rank from a range of the node's ranks", '''
-def global_rank(node_rank, local_rank, nproc_per_node):
-    args = {"node_rank": node_rank, "local_rank": local_rank, "nproc_per_node": nproc_per_node}
-    bad = [f"{k}={v!r}" for k, v in args.items() if type(v) is not int]
-    if bad:
-        raise ValueError("not ints: " + ", ".join(bad))
-    if nproc_per_node < 1 or node_rank < 0 or local_rank not in range(nproc_per_node):
-        raise ValueError(f"out of range: {args}")
-    first = node_rank * nproc_per_node
-    return range(first, first + nproc_per_node)[local_rank]
-'''),
-    Variant("one check per argument, numbers.Integral", '''
-import numbers
+    Variant("all_reduce inside the node, group_src, the last rank of a node leads, groups made once", """
+_groups = {}
 
-def global_rank(node_rank, local_rank, nproc_per_node):
-    def whole(name, value, low, high=None):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise ValueError(f"{name}={value!r} is not an int")
-        if value < low or (high is not None and value >= high):
-            raise ValueError(f"{name}={value} is out of range")
-    whole("nproc_per_node", nproc_per_node, 1)
-    whole("node_rank", node_rank, 0)
-    whole("local_rank", local_rank, 0, nproc_per_node)
-    return nproc_per_node * node_rank + local_rank
-'''),
+
+def hierarchical_allreduce(tensor):
+    n = int(os.environ["LOCAL_WORLD_SIZE"])
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if n not in _groups:
+        nodes = [dist.new_group(list(range(first, first + n))) for first in range(0, world, n)]
+        _groups[n] = (nodes, dist.new_group([first + n - 1 for first in range(0, world, n)]))
+    nodes, heads = _groups[n]
+    mine = nodes[rank // n]
+    out = tensor.clone()
+    dist.all_reduce(out, group=mine)
+    if rank % n == n - 1:
+        dist.all_reduce(out, group=heads)
+    dist.broadcast(out, group=mine, group_src=n - 1)
+    return out
+"""),
+    Variant("new_subgroups_by_enumeration for the nodes, reduce with group_dst", """
+def hierarchical_allreduce(tensor):
+    per = int(os.environ["LOCAL_WORLD_SIZE"])
+    world = dist.get_world_size()
+    mine, _ = dist.new_subgroups_by_enumeration([list(range(s, s + per)) for s in range(0, world, per)])
+    leaders = dist.new_group(list(range(0, world, per)))
+    dist.reduce(tensor, group=mine, group_dst=0)
+    if dist.get_rank() % per == 0:
+        dist.all_reduce(tensor, group=leaders)
+    dist.broadcast(tensor, group=mine, group_src=0)
+    return tensor
+"""),
 ])
 
 TORCHRUN = ExerciseMutants("07.torchrun_command", NOTEBOOK, ("torchrun_command",), mutants=[
     Mutant("node rank hard-coded to 0", replace('f"--node-rank={node_rank}"', '"--node-rank=0"'),
-           ("f'--node-rank={node_rank}'", "not run until the cases above pass")),
+           ("claim the same place in the job", "not run until the cases above pass")),
     Mutant("node rank off by one", replace("--node-rank={node_rank}", "--node-rank={node_rank + 1}"),
            "--node-rank=0 (got 1)"),
     Mutant("nnodes and nproc_per_node swapped",
@@ -107,43 +125,66 @@ def torchrun_command(script, nnodes, nproc_per_node, node_rank, master_addr, mas
 '''),
 ])
 
-NODE_ENV = ExerciseMutants("07.node_env", NOTEBOOK, ("node_env",), mutants=[
-    Mutant("gloo's variable forgotten", replace(', "GLOO_SOCKET_IFNAME": interface', ""),
-           ("gloo_socket_ifname='eth0'", "gloo", "only reads gloo_socket_ifname")),
-    Mutant("NCCL's variable forgotten", replace('"NCCL_SOCKET_IFNAME": interface, ', ""),
-           "nccl only reads nccl_socket_ifname"),
-    Mutant("interface hard-coded to eth0", replace('": interface', '": "eth0"', count=0),
-           "nccl_socket_ifname='ib0'"),
-    Mutant("interface excluded instead of chosen (^eth0)",
-           replace('"NCCL_SOCKET_IFNAME": interface', '"NCCL_SOCKET_IFNAME": "^" + interface'),
-           ("nccl_socket_ifname='eth0'", "'^eth0'")),
-    Mutant("InfiniBand switched off", replace('env = {"NCCL_SOCKET_IFNAME"', 'env = {"NCCL_IB_DISABLE": "1", '
-                                                                           '"NCCL_SOCKET_IFNAME"'),
-           ("nccl_ib_disable=1 switches a transport off", "infiniband")),
-    Mutant("debug always on", replace("if debug:", "if True:"), "no nccl_debug=info with debug=false"),
-    Mutant("debug replaces the interface variables", replace("env.update(", "env = dict("),
-           "keeps the interface variables"),
-    Mutant("NCCL_DEBUG given a bool", replace('NCCL_DEBUG="INFO"', "NCCL_DEBUG=True"),
-           ("a dict of str to str", "os.environ takes strings only")),
+PICK = ExerciseMutants("07.pick_interface", NOTEBOOK, ("pick_interface",), mutants=[
+    Mutant("the first subnet that holds the peer, not the most specific",
+           replace("(best is None or net.prefixlen > best[0])", "best is None"), "longest prefix"),
+    Mutant("the leading digits of the text compared instead of the subnet",
+           replace("target in net", "peer.split('.')[0] == info['local'].split('.')[0]"),
+           ("ib0", "compare the network")),
+    Mutant("IPv4 only", replace("net.version == target.version and", "net.version == 4 and"), "ipv6"),
+    Mutant("no ValueError when no subnet holds the peer",
+           replace("        raise ValueError(", "        return None\n        raise ValueError("), "valueerror"),
+    Mutant("a ValueError that names no interface",
+           replace("{', '.join(seen) or 'no addresses at all'}", "check the network"), "name the interfaces"),
+    Mutant("the first interface returned (loopback)",
+           replace("    return best[1]\n", "    return addrs[0]['ifname']\n"),
+           "loopback carries nothing between nodes"),
 ], variants=[
-    Variant("dict.fromkeys, debug merged in", '''
-def node_env(interface, debug=False):
-    env = dict.fromkeys(("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"), str(interface))
-    return {**env, "NCCL_DEBUG": "INFO"} if debug else env
-'''),
-    Variant("NCCL's exact-name syntax (=eth0), NCCL_DEBUG=WARN when not debugging, IB explicitly on", '''
-def node_env(interface: str, debug: bool = False) -> dict:
-    return {"GLOO_SOCKET_IFNAME": interface, "NCCL_SOCKET_IFNAME": "=" + interface, "NCCL_IB_DISABLE": "0",
-            "NCCL_DEBUG": "INFO" if debug else "WARN"}
-'''),
+    Variant("ip_network(strict=False), sorted by prefix length", """
+import ipaddress
+
+def pick_interface(addrs, peer):
+    ip = ipaddress.ip_address(peer)
+    found = []
+    for a in addrs:
+        for i in a.get("addr_info") or []:
+            net = ipaddress.ip_network(f"{i['local']}/{i['prefixlen']}", strict=False)
+            if ip.version == net.version and ip in net:
+                found.append((net.prefixlen, a["ifname"]))
+    if not found:
+        names = [a["ifname"] for a in addrs]
+        raise ValueError(f"{peer} is on none of the subnets of {names}")
+    return sorted(found)[-1][1]
+"""),
+    Variant("integer arithmetic on the address bits", """
+import ipaddress
+
+def pick_interface(addrs, peer):
+    p = ipaddress.ip_address(peer)
+    best, best_len = None, -1
+    for entry in addrs:
+        for info in entry.get("addr_info", []):
+            local = ipaddress.ip_address(info["local"])
+            if local.version != p.version:
+                continue
+            bits = local.max_prefixlen
+            mask = ((1 << info["prefixlen"]) - 1) << (bits - info["prefixlen"])
+            if int(local) & mask == int(p) & mask and info["prefixlen"] > best_len:
+                best, best_len = entry["ifname"], info["prefixlen"]
+    if best is None:
+        raise ValueError("no route to " + peer + " from " + ", ".join(e["ifname"] for e in addrs))
+    return best
+"""),
 ])
 
-SPECS = [GLOBAL_RANK, TORCHRUN, NODE_ENV]
+SPECS = [HIER, TORCHRUN, PICK]
 
 
 def no_torchrun_started(mutant, result):
     """A mutant that fails the quick cases must not start torchrun: the real runs wait for them."""
     real = [c for c in result.cases if c.name.startswith(("run for real", "gloo across"))]
+    if mutant in HIER.mutants:
+        return
     assert all("not run until the cases above pass" in c.hint for c in real), str(result)
 
 

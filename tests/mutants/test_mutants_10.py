@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from mutation import ExerciseMutants, Mutant, Variant, drop_statement, mutant_tests, replace
+from mutation import ExerciseMutants, Mutant, Variant, cell_of, drop_statement, mutant_tests, replace
 
 
 pytestmark = pytest.mark.timeout(600)
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(600)
 NOTEBOOK = "10_failures.ipynb"
 # What the solution cells take from the notebook's first cell.
 PRELUDE = """
-import os, tempfile, shutil
+import functools, os, tempfile, shutil, time
 from collections import Counter
 import torch
 import torch.distributed as dist
@@ -26,13 +26,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 from mgpu_lab.failures import snapshot
 from mgpu_lab import dist as mdist
-from mgpu_lab.failures.snapshot import atomic_save
 """
 
 
 def namespace() -> dict:
+    """The prelude, and the learner's own atomic_save (resumable_train calls it), from the solution cell."""
     ns: dict = {}
     exec(PRELUDE, ns)
+    exec(cell_of(ATOMIC), ns)
     return ns
 
 
@@ -78,45 +79,82 @@ def atomic_save(obj, path):
 """),
 ])
 
-DESYNC = ExerciseMutants("10.first_desync", NOTEBOOK, ("first_desync",), mutants=[
-    Mutant("stops at the shortest log (zip)", replace("longest = max(", "longest = min("), expect="ended"),
-    Mutant("compares with rank 0's call", replace(
-        "majority = next(call for call in calls if call is not None and counts[call] == top)", "majority = calls[0]"),
-        expect="majority"),
-    Mutant("compares the op names only", replace("calls = [log[i] if i < len(log)", "calls = [log[i][0] if i < len(log)"),
-           expect="shape"),
-    Mutant("a tie goes to the highest rank", replace("next(call for call in calls if", "next(call for call in reversed(calls) if"),
-           expect="tie"),
-    Mutant("[] instead of None when the logs agree", replace("    return None\n", "    return []\n"), expect="none"),
-    Mutant("an ended log counted as agreeing",
-           replace("if call != majority]", "if call is not None and call != majority]"), expect="ended"),
+GUARD = ExerciseMutants("10.guarded", NOTEBOOK, ("guarded",), mutants=[
+    Mutant("the collective's name only compared (shape and dtype let through)",
+           replace('mine = collective.__name__ + (f" of shape {list(tensor.shape)}, {tensor.dtype}" if tensor is not '
+                   'None else "")', "mine = collective.__name__"),
+           ("the collective of call 1 ran", "compare the shapes too")),
+    Mutant("a count per collective instead of per rank",
+           (replace("    @functools.wraps(collective)\n",
+                    "    own = {\"calls\": 0}\n\n    @functools.wraps(collective)\n"),
+            replace('_guard["calls"]', 'own["calls"]', count=2)),
+           "over every guarded collective"),
+    Mutant("rank 0's call taken as the reference", replace(
+        "majority = max(calls, key=lambda c: (counts[c], -calls.index(c)))", "majority = calls[0]"),
+        ("rank 0, call 1", "majority")),
+    Mutant("raises on the odd rank only", replace("        if odd:\n", "        if rank in odd:\n"),
+           "the collective of call 1 ran on rank 0"),
+    Mutant("the count never advances", replace('        _guard["calls"] += 1\n', ""),
+           ("rank 0, call 1", "counted from 0")),
+    Mutant("no bound on the wait", replace("deadline = time.monotonic() + GUARD_WAIT", "deadline = float('inf')"),
+           ("hangs", "deadline")),
+    Mutant("checks, but never runs the collective", replace("return collective(*args, **kwargs)", "return None"),
+           "exactly once"),
 ], variants=[
-    Variant("Counter.most_common on rank-ordered calls", """
-def first_desync(logs):
-    i = 0
-    while any(i < len(log) for log in logs):
-        calls = [tuple(log[i]) if i < len(log) else None for log in logs]
-        present = [c for c in calls if c is not None]
-        counts = Counter(present)  # insertion order = rank order, so most_common keeps the lowest rank on a tie
-        majority = counts.most_common(1)[0][0]
-        odd = sorted(r for r, c in enumerate(calls) if c != majority)
-        if odd:
-            return (i, odd)
-        i += 1
-    return None
+    Variant("store.wait with a timeout, json descriptions, most_common", """
+import itertools, json, datetime
+
+_count = itertools.count()
+
+
+def guarded(collective):
+    def run(*args, **kwargs):
+        t = kwargs["tensor"] if "tensor" in kwargs else (args[0] if args and torch.is_tensor(args[0]) else None)
+        me = [collective.__name__, None if t is None else list(t.shape), None if t is None else str(t.dtype)]
+        n = next(_count)
+        store = dist.distributed_c10d._get_default_store()
+        keys = [f"g{n}:{r}" for r in range(dist.get_world_size())]
+        store.set(keys[dist.get_rank()], json.dumps(me))
+        try:
+            store.wait(keys, datetime.timedelta(seconds=3))
+        except Exception:
+            late = [r for r, k in enumerate(keys) if not store.check([k])]
+            raise RuntimeError(f"rank {late[0]} never reached call {n}") from None
+        seen = [json.loads(store.get(k)) for k in keys]
+        top = Counter(json.dumps(c) for c in seen).most_common(1)[0][0]
+        bad = [r for r, c in enumerate(seen) if json.dumps(c) != top]
+        if bad:
+            raise RuntimeError(f"desync at call {n}: rank {bad[0]} is doing {seen[bad[0]]}, the rest {top}")
+        return collective(*args, **kwargs)
+    return run
 """),
-    Variant("scores by (count, -first rank)", """
-def first_desync(logs):
-    for i in range(max(map(len, logs), default=0)):
-        calls = [log[i] if i < len(log) else None for log in logs]
-        first = {}
-        for r, c in enumerate(calls):
-            if c is not None:
-                first.setdefault(c, r)
-        majority = max(first, key=lambda c: (calls.count(c), -first[c]))
-        odd = [r for r in range(len(logs)) if calls[r] != majority]
-        if odd:
-            return i, odd
+    Variant("a class with the count, polling each key", """
+class _Guard:
+    calls = 0
+
+
+def guarded(collective):
+    import pickle
+
+    def wrapper(*args, **kwargs):
+        tensor = next((a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        what = (collective.__name__,) + ((tuple(tensor.shape), str(tensor.dtype)) if tensor is not None else ())
+        call, _Guard.calls = _Guard.calls, _Guard.calls + 1
+        store, world = dist.distributed_c10d._get_default_store(), dist.get_world_size()
+        store.set(f"guarded-{call}-{dist.get_rank()}", pickle.dumps(what))
+        waiting, t0 = set(range(world)), time.time()
+        while waiting and time.time() - t0 < 4:
+            waiting = {r for r in waiting if not store.check([f"guarded-{call}-{r}"])}
+            time.sleep(0.01)
+        if waiting:
+            raise RuntimeError(f"call {call}: no answer from rank {min(waiting)}")
+        whats = [pickle.loads(store.get(f"guarded-{call}-{r}")) for r in range(world)]
+        best = sorted(set(whats), key=lambda w: (-whats.count(w), whats.index(w)))[0]
+        for r, w in enumerate(whats):
+            if w != best:
+                raise RuntimeError(f"call {call}: rank {r} does {w}, the majority {best}")
+        return collective(*args, **kwargs)
+    return wrapper
 """),
 ])
 
@@ -126,7 +164,7 @@ RESUME = ExerciseMutants("10.resumable_train", NOTEBOOK, ("resumable_train",), m
     Mutant("the RNG restored before iter(loader)", (
         replace("        batches = iter(loader)", "        if rng is not None:\n            snapshot.set_rng_state(rng)\n"
                                                  "            rng = None\n        batches = iter(loader)"),),
-        expect="iter(loader)"),
+        expect=("random state", "iterator was made")),
     Mutant("resumes at the start of the epoch", replace("for _ in range(step - epoch * per_epoch):", "for _ in range(0):"),
            expect="samples"),
     Mutant("the snapshot written in place", replace("atomic_save({", "torch.save({"), expect="atomic_save"),
@@ -135,7 +173,7 @@ RESUME = ExerciseMutants("10.resumable_train", NOTEBOOK, ("resumable_train",), m
     Mutant("snapshots only at the end of an epoch", replace("if step % snapshot_every == 0:", "if step % per_epoch == 0:"),
            expect="snapshot_every"),
 ], variants=[
-    Variant("epoch and batch index in the snapshot, islice, the library's helpers", """
+    Variant("epoch and batch index in the snapshot, islice, the library's RNG helpers", """
 def resumable_train(model_fn, dataset, epochs, batch_size, lr, snapshot_path, snapshot_every):
     import itertools
     device = mdist.device()
@@ -169,17 +207,47 @@ def resumable_train(model_fn, dataset, epochs, batch_size, lr, snapshot_path, sn
                 dist.all_gather_object(rngs, snapshot.rng_state())
                 nxt = (epoch, b + 1) if b + 1 < len(loader) else (epoch + 1, 0)
                 if mdist.is_main_process():
-                    snapshot.atomic_save({"model": model.state_dict(), "opt": opt.state_dict(), "epoch": nxt[0],
-                                          "batch": nxt[1], "done": done, "rngs": rngs}, snapshot_path)
+                    atomic_save({"model": model.state_dict(), "opt": opt.state_dict(), "epoch": nxt[0],
+                                 "batch": nxt[1], "done": done, "rngs": rngs}, snapshot_path)
     return {k: v.cpu() for k, v in model.state_dict().items()}
 """),
-    Variant("the library's resumable_train", """
+    Variant("skips done batches with continue, map_location to the device, torch's RNG calls", """
 def resumable_train(model_fn, dataset, epochs, batch_size, lr, snapshot_path, snapshot_every):
-    return snapshot.resumable_train(model_fn, dataset, epochs, batch_size, lr, snapshot_path, snapshot_every)
+    device = mdist.device()
+    net = model_fn().to(device)
+    wrapped = DDP(net, device_ids=[device.index]) if device.type == "cuda" else DDP(net)
+    sgd = torch.optim.SGD(wrapped.parameters(), lr=lr, momentum=0.9)
+    sampler = DistributedSampler(dataset)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+    steps, pending = 0, None
+    if os.path.isfile(snapshot_path):
+        saved = torch.load(snapshot_path, map_location=device, weights_only=True)
+        net.load_state_dict(saved["net"])
+        sgd.load_state_dict(saved["sgd"])
+        steps, pending = saved["steps"], saved["cpu_rng"][dist.get_rank()]
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for b, (x, y) in enumerate(loader):
+            if epoch * len(loader) + b < steps:
+                continue
+            if pending is not None:
+                torch.set_rng_state(pending.cpu())
+                pending = None
+            sgd.zero_grad()
+            nn.CrossEntropyLoss()(wrapped(x.to(device)), y.to(device)).backward()
+            sgd.step()
+            steps += 1
+            if steps % snapshot_every == 0:
+                states = [None] * dist.get_world_size()
+                dist.all_gather_object(states, torch.get_rng_state())
+                if dist.get_rank() == 0:
+                    atomic_save({"net": net.state_dict(), "sgd": sgd.state_dict(), "steps": steps,
+                                 "cpu_rng": states}, snapshot_path)
+    return net.state_dict()
 """),
 ])
 
-SPECS = [ATOMIC, DESYNC, RESUME]
+SPECS = [ATOMIC, GUARD, RESUME]
 
 
 def needs_a_second_file_system(mutant):

@@ -1,7 +1,7 @@
 """Checkers of lesson 07 against the solution, a stub, and answers that are no mutant of it.
 
 The right answers are the ones in solutions/07_multi_node.ipynb, read from the
-notebook itself; torchrun_command and node_env run them for real on simulated
+notebook itself; torchrun_command and pick_interface run them for real on simulated
 nodes (network namespaces where possible, else 127.0.0.1). The wrong answers
 made by editing the solution are in tests/mutants/test_mutants_07.py.
 """
@@ -22,8 +22,8 @@ pytestmark = pytest.mark.timeout(400)
 # The answers below travel to the check's processes by value, as notebook functions do.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 NOTEBOOK = Path(__file__).resolve().parents[3] / "solutions" / "07_multi_node.ipynb"
-IDS = ["07.global_rank", "07.node_env", "07.torchrun_command"]
-SOLUTION = solutions_from(NOTEBOOK, ("global_rank", "torchrun_command", "node_env"))
+IDS = ["07.hierarchical_allreduce", "07.pick_interface", "07.torchrun_command"]
+SOLUTION = solutions_from(NOTEBOOK, ("hierarchical_allreduce", "torchrun_command", "pick_interface"))
 
 
 def stub(*args, **kwargs):
@@ -40,7 +40,7 @@ def right_on_paper_only(script, nnodes, nproc_per_node, node_rank, master_addr, 
 
 
 def test_the_lesson_registers_its_three_exercises():
-    assert {e.id: e.points for e in exercises("07")} == {"07.global_rank": 6, "07.node_env": 5,
+    assert {e.id: e.points for e in exercises("07")} == {"07.hierarchical_allreduce": 3, "07.pick_interface": 6,
                                                         "07.torchrun_command": 7}
 
 
@@ -63,3 +63,28 @@ def test_the_real_run_forks_the_workers_without_changing_the_job():
         assert (after.start_method, after.run_path) == ("fork", True)
         assert {k: v for k, v in vars(after).items() if k not in ("start_method", "run_path")} == \
             {k: v for k, v in vars(before).items() if k not in ("start_method", "run_path")}
+
+
+# -- trivially wrong answers pass no case that names a behaviour they lack -----------------------------------
+def returns_its_input(tensor):
+    return tensor
+
+
+def returns_none(*args):
+    return None
+
+
+def test_an_answer_that_returns_its_input_unchanged_passes_no_case_of_the_hierarchy():
+    result = check("07.hierarchical_allreduce", returns_its_input)
+    assert result.points == 0, str(result)
+    assert "own node" in str(result) or "differs from all_reduce" in str(result), str(result)
+
+
+def test_an_answer_that_returns_none_passes_no_case_of_pick_interface():
+    result = check("07.pick_interface", returns_none)
+    assert result.points == 0, str(result)
+
+
+def test_an_answer_that_returns_none_passes_no_case_of_torchrun_command():
+    result = check("07.torchrun_command", returns_none)
+    assert result.points == 0, str(result)

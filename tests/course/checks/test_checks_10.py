@@ -31,11 +31,11 @@ from mgpu_lab import dist as mdist
 
 def test_lesson_10_registers_its_three_exercises_with_one_point_per_case():
     got = {e.id: e.points for e in exercises("10")}
-    assert got == {"10.atomic_save": 6, "10.first_desync": 8, "10.resumable_train": 7}
+    assert got == {"10.atomic_save": 6, "10.guarded": 6, "10.resumable_train": 7}
 
 
 @pytest.mark.parametrize("exercise_id,answer", [
-    ("10.atomic_save", stub), ("10.first_desync", stub), ("10.resumable_train", stub)])
+    ("10.atomic_save", stub), ("10.guarded", stub), ("10.resumable_train", stub)])
 def test_a_stub_is_not_attempted(exercise_id, answer):
     assert check(exercise_id, answer).status == "not attempted"
 
@@ -73,7 +73,7 @@ def _trace(n, w=None, x=None, rng=None):
     (_trace(18)[8:], None),
     (_trace(18)[6:], "weights after step 6"),
     ([dict(r, x=-1.0) for r in _trace(18)[8:]], "other samples"),
-    ([dict(r, rng="other") for r in _trace(18)[8:]], "iter(loader)"),
+    ([dict(r, rng="other") for r in _trace(18)[8:]], "iterator was made"),
     ([r if r["f"] == 9 else dict(r, w=[-1.0, 0.0]) for r in _trace(18)[8:]], "optimizer"),
     (_trace(18)[8:12], "stopped after step 12"),
 ])
@@ -82,7 +82,18 @@ def test_first_difference_names_the_first_thing_that_differs_after_a_resume(step
     assert (why is None) if words is None else (words in why), why
 
 
-def test_first_difference_of_a_fresh_run_points_at_set_epoch_after_the_first_epoch():
+def test_first_difference_of_a_fresh_run_points_at_the_epoch_s_reshuffle_after_the_first_epoch():
     ref = _trace(18)
     steps = [dict(r, x=-1.0) if r["f"] > 6 else r for r in ref]
-    assert "set_epoch" in judges.first_difference(steps, ref, 0, 0)
+    assert "reshuffles only when told the epoch" in judges.first_difference(steps, ref, 0, 0)
+
+
+# -- trivially wrong answers pass no case that names a behaviour they lack -----------------------------------
+def does_nothing(*args, **kwargs):
+    return None
+
+
+@pytest.mark.parametrize("exercise_id", ["10.atomic_save", "10.guarded", "10.resumable_train"])
+def test_an_answer_that_does_nothing_passes_no_case(exercise_id):
+    result = check(exercise_id, does_nothing)
+    assert result.points == 0, str(result)

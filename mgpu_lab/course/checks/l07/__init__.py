@@ -1,4 +1,5 @@
-"""Checks of lesson 07 (multi-node torchrun): 07.global_rank, 07.torchrun_command, 07.node_env.
+"""Checks of lesson 07 (multi-node torchrun): 07.hierarchical_allreduce, 07.torchrun_command,
+07.pick_interface.
 
 Every lesson's checks have the same three modules: ``checkers`` (the exercises,
 registered with their cases and hints), ``ranks`` (what runs in the check's fresh

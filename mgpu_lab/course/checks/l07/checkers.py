@@ -1,74 +1,97 @@
-"""Checks of lesson 07 (multi-node): global_rank, torchrun_command, node_env.
+"""Checks of lesson 07 (multi-node): hierarchical_allreduce, torchrun_command, pick_interface.
 
-The learner's functions run in fresh processes, every call of a check in one
-process. What they return is judged the way a cluster would judge it: torchrun's
-own argument parser reads the commands, and the variables are compared with what
-NCCL and gloo read. Only an answer that passes those cases is then run for real:
-one ``torchrun`` per simulated node (:mod:`mgpu_lab.cluster.multinode`), with a
-small script that reports RANK, LOCAL_RANK, WORLD_SIZE and GROUP_RANK and runs
-an all_reduce; every run is bounded by a timeout. A wrong command makes torchrun
-wait rather than fail, so the wrong answers fail within a second, before any run.
+hierarchical_allreduce runs in 4 real ranks as 2 nodes x 2 (LOCAL_WORLD_SIZE=2), and
+torch's flight recorder says what each rank communicated, in which group.
+torchrun_command and pick_interface run in fresh processes, every call of a check
+in one process, and are judged the way a cluster would judge them: torchrun's own
+argument parser reads the commands, and the interface must hold the peer's subnet.
+Only an answer that passes those cases is then run for real: one ``torchrun`` per
+simulated node (:mod:`mgpu_lab.cluster.multinode`), with a small script that
+reports RANK, LOCAL_RANK, WORLD_SIZE and GROUP_RANK and runs an all_reduce; every
+run is bounded by a timeout. A wrong command makes torchrun wait rather than fail,
+so the wrong answers fail within a second, before any run.
 """
 from __future__ import annotations
 
+import json
+
 from .._core import exercise
 from ..sim.outcome import in_words, outcomes
-from .judges import judge_interface, runnable, IFACE_HINT, judge_static, key, parse_torchrun
-from .ranks import failure_text, fast, PG_TIMEOUT, run_commands, where
+from .judges import (hier_expected, judge_leaders, judge_static, node_of, NO_ROUTE, parse_torchrun, pick_hint, PICKS,
+                     runnable)
+from .ranks import failure_text, fast, hier_probe, PG_TIMEOUT, run_commands, where
 
 
-RANK_HINT = "the ranks of node n follow those of nodes 0..n-1: global_rank = node_rank * nproc_per_node + local_rank"
+# -- hierarchical_allreduce ------------------------------------------------------------
+@exercise("07.hierarchical_allreduce", points=3, description="hierarchical_allreduce(tensor): the sum over all "
+          "ranks, reduced within each node, all-reduced among one leader per node, broadcast within the node; "
+          "judged on 4 ranks as 2 nodes x 2 (LOCAL_WORLD_SIZE=2)")
+def _hierarchical_allreduce(t, hierarchical_allreduce):
+    """One launch of 4 ranks, three calls each; what each rank communicated comes from torch's flight recorder.
 
-
-# -- global_rank -------------------------------------------------------------------
-@exercise("07.global_rank", points=6, description="global_rank(node_rank, local_rank, nproc_per_node): the "
-          "global rank torchrun gives that process; ValueError for out-of-range or non-int arguments")
-def _global_rank(t, global_rank):
-    """Judges 30 calls made in one process.
-
-    Catches: node and local rank swapped, a missing factor, node 0 or local rank
-    0 rejected; no ValueError for a negative node rank, a local rank outside
-    0..nproc_per_node-1 (4 of 4 included) or nproc_per_node < 1; bools, floats,
-    strings or None accepted, or TypeError raised for them (the one, hidden,
-    case about types).
+    Catches: a flat all_reduce over the world (every rank crosses nodes); nodes taken as rank % LOCAL_WORLD_SIZE
+    (a "node" group that spans both nodes); the leaders' all-reduce on the world group; the broadcast
+    within the node forgotten (non-leaders keep a partial sum); the reduce within the node forgotten (the
+    leaders sum only their own values); broadcast or reduce given the node-local rank 0 where torch wants a
+    global rank.
     """
-    examples = [((1, 3, 4), 7), ((0, 2, 4), 2), ((2, 0, 8), 16)]
-    grid = [(n, l, 4) for n in range(3) for l in range(4)]
-    bad_range = [(-1, 0, 4), (0, 4, 4), (0, -1, 4), (0, 0, 0), (1, 0, -2)]
-    bad_type = [(True, 0, 2), (0, 1.0, 2), ("1", 0, 2), (0, 0, 2.0), (None, 0, 2)]
-    calls = [a for a, _ in examples] + grid + bad_range + bad_type
-    got = {}
-    with t.case("global_rank(1, 3, 4) == 7, global_rank(0, 2, 4) == 2, global_rank(2, 0, 8) == 16",
-                hint=RANK_HINT):
-        got = dict(zip(map(key, calls), t.call(outcomes, global_rank, calls)))
-        for args, expected in examples:
-            if got[key(args)] != ("ok", expected):
-                t.fail(RANK_HINT, f"global_rank{args} == {expected}", in_words(got[key(args)]))
-    with t.case("3 nodes x 4 processes: ranks 0..11, each once, node 0's first", hint=RANK_HINT):
-        if not got:
-            t.fail("the first case did not finish")
-        ranks = [got[key(a)][1] if got[key(a)][0] == "ok" else None for a in grid]
-        if ranks != list(range(12)):
-            t.fail(RANK_HINT, "[0, 1, ..., 11] for (node 0, local 0..3), (node 1, local 0..3), ...", ranks)
-    cases = [
-        ("ValueError for a negative node_rank: global_rank(-1, 0, 4)", bad_range[:1], False,
-         "node ranks start at 0: raise ValueError naming the bad node_rank"),
-        ("ValueError for local_rank outside 0..nproc_per_node-1: global_rank(0, 4, 4), global_rank(0, -1, 4)",
-         bad_range[1:3], False, "a node runs nproc_per_node processes, local ranks 0..nproc_per_node-1: "
-                                "raise ValueError otherwise (4 of 4 is one too many)"),
-        ("ValueError for nproc_per_node < 1: global_rank(0, 0, 0), global_rank(1, 0, -2)", bad_range[3:], False,
-         "every node runs at least one process: raise ValueError for nproc_per_node < 1"),
-        ("ValueError for arguments that are not plain ints (True, 1.0, '1', None)", bad_type, True,
-         "check isinstance(x, int) and not isinstance(x, bool) for each argument; raise ValueError otherwise"),
-    ]
-    for name, args_list, hidden, hint in cases:
-        with t.case(name, hidden=hidden, hint=hint):
-            if not got:
-                t.fail("the first case did not finish")
-            for args in args_list:
-                outcome = got[key(args)]
-                if outcome[0] != "raised" or outcome[1] != "ValueError":
-                    t.fail(hint, f"global_rank{args!r} raises ValueError", in_words(outcome))
+    expected, got = hier_expected(), None
+    with t.case("2 nodes x 2 ranks: every rank returns what all_reduce (sum) gives, a tensor of the input's "
+                "shape and dtype (float32 (5,), float64 (2, 3), int64 (4,), one call after the other)",
+                hint="the result on every rank of every node is the sum of all 4 ranks' tensors"):
+        got = t.ranks(hier_probe, 4, hierarchical_allreduce, timeout=HIER_TIMEOUT)
+        for r, g in enumerate(got):
+            for call, (res, exp) in enumerate(zip(g["results"], expected)):
+                if res != exp:
+                    why = _hier_why(r, res, exp, call)
+                    right = [q for q in range(4) if node_of(q) == node_of(r) and got[q]["results"][call] == exp]
+                    if right and why.endswith("sum over the 4 ranks"):
+                        why = (f"rank {right[0]} of the same node holds the right sum but rank {r} does not: the "
+                               "result never came back from the node's leader to the other ranks of the node")
+                    t.fail(why, f"rank {r}, call {call}: {exp}", f"{res}")
+    with t.case("only one rank per node (its leader) communicates across nodes; the other rank talks within its "
+                "node only (every collective and send of every group, from the flight recorder)",
+                hint="reduce within the node, all-reduce among the leaders, broadcast within the node"):
+        if got is None:
+            t.fail("not judged: the first case did not finish")
+        judge_leaders(t, got)
+    with t.case("the nodes are rank // LOCAL_WORLD_SIZE: every rank combines its values in a group of exactly "
+                "its node's ranks (0 and 1 on node 0, 2 and 3 on node 1)",
+                hint="torchrun numbers the ranks node after node: node = rank // LOCAL_WORLD_SIZE"):
+        if got is None:
+            t.fail("not judged: the first case did not finish")
+        for r, g in enumerate(got):
+            node = [q for q in range(4) if node_of(q) == node_of(r)]
+            if not any(ranks is not None and sorted(ranks) == node for _, ranks in g["comm"]):
+                groups = sorted({tuple(ranks) for _, ranks in g["comm"] if ranks is not None})
+                t.fail(f"rank {r} took part in no collective of its node, ranks {node}: it communicated in the "
+                       f"groups {groups}; nodes are rank // LOCAL_WORLD_SIZE (LOCAL_WORLD_SIZE=2 here), not "
+                       "rank % LOCAL_WORLD_SIZE, and a flat all_reduce has no node groups at all",
+                       f"a group of ranks {node}", groups)
+
+
+HIER_TIMEOUT = 20.0  # seconds for the 4 ranks' three calls (about 1 s): a collective some ranks never join hangs
+
+
+def _hier_why(r: int, res, exp, call: int) -> str:
+    if res[0] != exp[0] or res[1] != exp[1]:
+        return (f"rank {r} returned {res[0]} of shape {res[1]}: a right answer returns the summed tensor, with the "
+                "input's shape and dtype")
+    own = [q for q in range(4) if node_of(q) == node_of(r)]
+    if res[2] == _partial(own, call):
+        return (f"rank {r} holds the sum of its own node (ranks {own}) only: the other node's values never reached "
+                "it (the all-reduce between the leaders, or the broadcast within the node, is missing)")
+    if res[2] == _partial([q for q in range(4) if q % 2 == 0], call):
+        return (f"rank {r} holds the sum of the leaders' own tensors only: the values of the other rank of each "
+                "node never reached its leader (the reduce within the node is missing)")
+    return f"rank {r}'s result differs from all_reduce's sum over the 4 ranks"
+
+
+def _partial(ranks: list, call: int):
+    from .ranks import HIER_CALLS, hier_input
+
+    dtype, shape = HIER_CALLS[call]
+    return sum(hier_input(q, dtype, shape) for q in ranks).tolist()
 
 
 # -- torchrun_command ---------------------------------------------------------------
@@ -98,7 +121,7 @@ def _torchrun_command(t, torchrun_command):
     calls = [(script, 2, 2, 0, *STATIC), (script, 2, 2, 1, *STATIC), other, hidden]
     got, parsed = [], [None] * len(calls)
     with t.case("returns a list of strings that torchrun can read, starting with 'torchrun'",
-                hint="e.g. ['torchrun', f'--nnodes={nnodes}', ..., script]; every item a str"):
+                hint="torchrun reads a list of strings (an argv): the launcher, its options, the script"):
         got = t.call(outcomes, torchrun_command, calls)
         for i, outcome in enumerate(got):
             if outcome[0] == "ok":
@@ -108,13 +131,14 @@ def _torchrun_command(t, torchrun_command):
             if parsed[i] is None and i < 2:
                 t.fail(why, "['torchrun', '--nnodes=2', ...]", repr(outcome[1])[:300] if outcome[0] == "ok"
                        else in_words(outcome))
-    hint = "--nnodes, --nproc-per-node, --node-rank, --master-addr, --master-port from the arguments, the script last"
+    hint = "each number of the job in the option torchrun reads it from, and the script last"
     with t.case(f"node 0: --nnodes=2 --nproc-per-node=2 --node-rank=0 --master-addr={STATIC[0]} "
                 f"--master-port={STATIC[1]}, then the script", hint=hint):
         if parsed[0] is None:
             t.fail("not judged: the first case failed")
         judge_static(t, parsed[0], script, 2, 2, 0, *STATIC, hint)
-    rank_hint = "pass node_rank on: f'--node-rank={node_rank}'"
+    rank_hint = ("node 1's command must tell torchrun it is node 1: with another node rank both nodes claim the "
+                 "same place in the job")
     with t.case("node 1's command says --node-rank=1", hint=rank_hint):
         if parsed[1] is None:
             t.fail("not judged: the first case failed")
@@ -130,7 +154,8 @@ def _torchrun_command(t, torchrun_command):
                        f"standalone={p.standalone}, rdzv_backend={p.rdzv_backend!r}, rdzv_endpoint={p.rdzv_endpoint!r}")
     for args, hidden_case in ((other, False), (hidden, True)):
         i = calls.index(args)
-        belongs = "use each argument where it belongs: --nnodes=nnodes, --nproc-per-node=nproc_per_node"
+        belongs = ("use each argument where it belongs: --nnodes counts machines, --nproc-per-node the processes "
+                   "on each")
         with t.case(f"another job: {args[1]} nodes x {args[2]} processes, this is node {args[3]}, master "
                     f"{args[4]}:{args[5]}, script {args[0]}", hidden=hidden_case, hint=belongs):
             if parsed[i] is None:
@@ -168,81 +193,64 @@ def _run_static(t, torchrun_command, script) -> None:
 GRADED_ENV = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_DEBUG", "NCCL_DEBUG_SUBSYS")
 
 
-# -- node_env -------------------------------------------------------------------------
-TRANSPORTS = ("NCCL_IB_DISABLE", "NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE")
+# -- pick_interface ---------------------------------------------------------------------
+@exercise("07.pick_interface", points=6, description="pick_interface(addrs, peer): from `ip -j addr` output, the "
+          "interface whose subnet holds the peer's address (the most specific one); ValueError naming the "
+          "interfaces when none does")
+def _pick_interface(t, pick_interface):
+    """Judges six calls made in one process, then, once they pass, gloo across 2 simulated nodes.
 
-
-@exercise("07.node_env", points=5, description="node_env(interface, debug=False): the environment variables that "
-          "make NCCL's and gloo's sockets use that interface (and NCCL log at INFO level when debug)")
-def _node_env(t, node_env):
-    """Judges five calls made in one process, then, once they pass, gloo across 2 simulated nodes.
-
-    Catches: no dict, or values that are not strings (a bool, None); NCCL's or
-    gloo's variable missing, hard-coded to eth0, or an exclusion (^eth0); a
-    transport switched off (NCCL_IB_DISABLE=1 would move NCCL's data from
-    InfiniBand onto sockets); NCCL_DEBUG=INFO always or never, or debug
-    replacing the interface variables. The real run (only once the other cases
-    pass) starts torchrun on both nodes with the variables.
+    Catches: the first interface (loopback) or the first with an IPv4 address; the text's leading digits
+    compared instead of the subnet; the first subnet that holds the peer instead of the most specific one;
+    IPv6 ignored (or compared with IPv4 subnets); no ValueError, or one that names no interface, when no
+    subnet holds the peer. The real run takes `ip -j addr` inside node 0, node 1's address as the peer, and
+    runs gloo across the nodes with GLOO_SOCKET_IFNAME set to the answer.
     """
-    calls = [("eth0",), ("ib0",), ("eth0", True), ("eth0", False)]
-    got = []
-    with t.case("node_env('eth0'): a dict of str to str; NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME are 'eth0'",
-                hint=IFACE_HINT):
-        got = t.call(outcomes, node_env, calls)
-        for args, outcome in zip(calls, got):
-            env = outcome[1] if outcome[0] == "ok" else None
-            if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
-                t.fail("return a dict of str to str: os.environ takes strings only",
-                       "{'NCCL_SOCKET_IFNAME': ..., 'GLOO_SOCKET_IFNAME': ...}", f"node_env{args}: {in_words(outcome)}")
-        judge_interface(t, got[0][1], "eth0")
-    with t.case("node_env('ib0'): both name ib0, and no transport is switched off (NCCL keeps InfiniBand)",
-                hint="NCCL_SOCKET_IFNAME picks the interface of NCCL's sockets (its bootstrap, and its data only "
-                     "where there is no InfiniBand); over InfiniBand NCCL moves the data with IB verbs"):
-        if not got:
-            t.fail("the first case did not finish")
-        env = got[1][1] if got[1][0] == "ok" and isinstance(got[1][1], dict) else {}
-        judge_interface(t, env, "ib0")
-        off = [f"{name}={value}" for outcome in got if outcome[0] == "ok" and isinstance(outcome[1], dict)
-               for name, value in outcome[1].items() if name in TRANSPORTS and str(value) not in ("0", "")]
-        if off:
-            t.fail(f"{off[0]} switches a transport off: NCCL_IB_DISABLE=1 moves NCCL's data from InfiniBand onto "
-                   "TCP sockets (much slower); these variables rule a transport out while debugging, they do not "
-                   "pick an interface", "no *_DISABLE variable", off[0])
-    with t.case("node_env('eth0', debug=True) adds NCCL_DEBUG=INFO; debug=False leaves it out",
-                hint="NCCL_DEBUG=INFO makes NCCL log how it sets up (interfaces, transports); add it only when debug"):
-        if not got:
-            t.fail("the first case did not finish")
-        on, off = (got[2][1] if got[2][0] == "ok" else {}), (got[3][1] if got[3][0] == "ok" else {})
-        if not isinstance(on, dict) or on.get("NCCL_DEBUG") != "INFO":
-            t.fail("", "NCCL_DEBUG='INFO' with debug=True", in_words(got[2]))
-        if not isinstance(off, dict) or off.get("NCCL_DEBUG") in ("INFO", "TRACE"):
-            t.fail("", "no NCCL_DEBUG=INFO with debug=False", in_words(got[3]))
-    with t.case("node_env('eth0', True) keeps the interface variables",
-                hint="debug adds to the interface variables, it does not replace them", hidden=True):
-        on = got[2][1] if got and got[2][0] == "ok" else {}
-        if not isinstance(on, dict) or on.get("GLOO_SOCKET_IFNAME") != "eth0" \
-                or on.get("NCCL_SOCKET_IFNAME") not in ("eth0", "=eth0"):
-            t.fail("", "both *_SOCKET_IFNAME='eth0'", repr(on))
-    with t.case("gloo across 2 simulated nodes with your variables: the all_reduce completes",
-                hint="without GLOO_SOCKET_IFNAME gloo uses the address of the host name, 127.0.0.1 here, "
-                     "which the other node cannot reach"):
+    calls = [(addrs, peer) for _, addrs, peer, _, _ in PICKS] + [(NO_ROUTE[1], NO_ROUTE[0])]
+    got = None
+    for i, (name, addrs, peer, expected, hint) in enumerate(PICKS):
+        with t.case(name, hint=hint):
+            if got is None and i == 0:
+                got = t.call(outcomes, pick_interface, calls)
+            if got is None:
+                t.fail("not judged: the first case did not finish")
+            outcome = got[i]
+            if outcome != ("ok", expected):
+                t.fail(pick_hint(expected, outcome, peer, addrs) + "; " + hint, expected, in_words(outcome))
+    with t.case("no subnet holds 192.168.9.9: ValueError that names the interfaces it looked at",
+                hint="when no interface's subnet holds the peer, say so with the interfaces there are: the cluster "
+                     "network is missing or the peer's address is wrong"):
+        if got is None:
+            t.fail("not judged: the first case did not finish")
+        outcome = got[-1]
+        if outcome[0] != "raised" or outcome[1] != "ValueError":
+            t.fail("", "ValueError", in_words(outcome))
+        missing = [n for n in ("eth0", "ib0", "docker0") if n not in outcome[2]]
+        if missing:
+            t.fail(f"the message names no {missing[0]}: name the interfaces (and their subnets) so that the reader "
+                   "sees which network is missing", "a message naming eth0, docker0, ib0, ...", outcome[2])
+    with t.case("gloo across 2 simulated nodes with GLOO_SOCKET_IFNAME = your pick from node 0's `ip -j addr` "
+                "and node 1's address: the all_reduce completes",
+                hint="without the right interface gloo uses the address of the host name, 127.0.0.1 here"):
         if not all(c.passed for c in t.cases):
-            t.fail("not run until the cases above pass: with the wrong variables gloo waits for a connection "
+            t.fail("not run until the cases above pass: with the wrong interface gloo waits for a connection "
                    "that never comes")
-        _run_node_env(t, node_env)
+        _run_pick(t, pick_interface)
 
 
-def _run_node_env(t, node_env) -> None:
+def _run_pick(t, pick_interface) -> None:
     from mgpu_lab.cluster.multinode import PROBE_SCRIPT, SimCluster
 
     with SimCluster(2) as cluster:
-        got = t.call(outcomes, node_env, [(cluster.interface,)])[0]
-        mine = got[1] if got[0] == "ok" else None
-        if not isinstance(mine, dict):
-            t.fail("node_env must return a dict", "a dict", in_words(got))
-        env = {**{str(k): str(v) for k, v in mine.items() if not t.grading or k in GRADED_ENV},
-               "ALLREDUCE_CHECK_TIMEOUT": "3"}
+        seen = cluster.run([["ip", "-j", "addr"], ["ip", "-j", "addr"]], timeout=30, echo=False)
+        addrs = json.loads("".join(seen.nodes[0].lines) or "[]")
+        peer = cluster.nodes[1].addr
+        got = t.call(outcomes, pick_interface, [(addrs, peer)])[0]
+        if got[0] != "ok" or not isinstance(got[1], str):
+            t.fail(f"on node 0 of {where(cluster)}, peer {peer}", cluster.interface, in_words(got))
+        env = {"GLOO_SOCKET_IFNAME": got[1], "ALLREDUCE_CHECK_TIMEOUT": "3"}
         result, reports = run_commands(cluster, cluster.torchrun(PROBE_SCRIPT, fork=True), env)
         if len(reports) != 2 or not all(r["ok"] for r in reports):
-            t.fail(f"on {where(cluster)} with {mine}: {failure_text(result)}", "both ranks: all_reduce sum 3",
-                   f"{len(reports)} rank(s) finished; " + result.summary().replace("\n", " "))
+            t.fail(f"on {where(cluster)} with GLOO_SOCKET_IFNAME={got[1]}: {failure_text(result)}",
+                   "both ranks: all_reduce sum 3", f"{len(reports)} rank(s) finished; "
+                   + result.summary().replace("\n", " "))

@@ -107,3 +107,93 @@ def judge_static(t, args, script, nnodes, nproc, node_rank, addr, port, hint: st
             args.nproc_per_node, str(args.nnodes).split(":")[0])
         t.fail("torchrun reads your command differently: it needs " + "; ".join(problems)
                + (f" ({hint})" if hint else "") + (f"; {WORLD_HINT}" if confused else ""), "; ".join(problems), "")
+
+
+# -- hierarchical_allreduce ------------------------------------------------------------
+def hier_expected() -> list:
+    """``[dtype, shape, values]`` of every call of the check: the sum over the 4 ranks, as all_reduce gives it."""
+    from .ranks import HIER_CALLS, hier_input
+
+    out = []
+    for dtype, shape in HIER_CALLS:
+        total = sum(hier_input(r, dtype, shape) for r in range(4))
+        out.append([str(total.dtype), list(shape), total.tolist()])
+    return out
+
+
+def node_of(rank: int) -> int:
+    from .ranks import PER_NODE
+
+    return rank // PER_NODE
+
+
+def crossing(comm: list) -> list:
+    """The entries of one rank's communication whose group spans more than one node (or is unknown)."""
+    return [(op, ranks) for op, ranks in comm if ranks is None or len({node_of(r) for r in ranks}) > 1]
+
+
+def judge_leaders(t, got: list) -> None:
+    """At most one rank per node communicates across nodes, and every group that crosses nodes holds one per node."""
+    talkers = {r: crossing(g["comm"]) for r, g in enumerate(got) if crossing(g["comm"])}
+    for node in sorted({node_of(r) for r in range(len(got))}):
+        mine = [r for r in talkers if node_of(r) == node]
+        if len(mine) > 1:
+            r = mine[-1]
+            t.fail(f"ranks {mine} of node {node} all communicate across nodes, e.g. rank {r}: "
+                   f"{talkers[r][0][0]} in the group of ranks {talkers[r][0][1]}. A right answer gathers a "
+                   "node's values on one rank of that node, and only those leaders talk to the other nodes",
+                   "one rank per node in communication that crosses nodes",
+                   "; ".join(f"rank {q}: {talkers[q][:3]}" for q in mine))
+    for r, entries in talkers.items():
+        for op, ranks in entries:
+            if ranks is None or len({node_of(q) for q in ranks}) != len(ranks):
+                t.fail(f"rank {r}'s {op} crossed nodes in the group of ranks {ranks}, which holds more than one "
+                       "rank of a node: the group between the nodes holds one leader per node",
+                       "groups across nodes of one rank per node", f"{op} in {ranks}")
+    if not talkers:
+        t.fail("no rank communicated across nodes, so no node learned the other's values",
+               "each node's leader in a collective across nodes", "none")
+
+
+# -- pick_interface ----------------------------------------------------------------------
+def iface(name: str, *addrs: str, up: bool = True) -> dict:
+    """One entry of ``ip -j addr``: ``addrs`` as ``"10.0.0.2/24"`` (IPv4 or IPv6)."""
+    info = [{"family": "inet6" if ":" in a else "inet", "local": a.split("/")[0], "prefixlen": int(a.split("/")[1]),
+             "scope": "host" if a.startswith(("127.", "::1")) else "global", "valid_life_time": 4294967295,
+             "preferred_life_time": 4294967295} for a in addrs]
+    flags = ["BROADCAST", "MULTICAST", "UP", "LOWER_UP"] if up else ["BROADCAST"]
+    return {"ifindex": 1, "ifname": name, "flags": flags,
+            "mtu": 1500, "operstate": "UP" if up else "DOWN", "link_type": "ether", "address": "02:00:00:00:00:01",
+            "addr_info": info}
+
+
+LO = iface("lo", "127.0.0.1/8", "::1/128")
+NODE = [LO, iface("eth0", "10.1.0.5/24", "fe80::1/64"), iface("docker0", "172.17.0.1/16"),
+        iface("ib0", "10.2.0.5/16", "fd00:2::5/64"), iface("eno2", up=False)]
+
+PICKS = [  # (name, addrs, peer, expected interface, hint)
+    ("eth0 10.1.0.5/24, docker0 172.17.0.1/16, ib0 10.2.0.5/16, lo: peer 10.1.0.7 is on eth0's subnet",
+     NODE, "10.1.0.7", "eth0", "the interface whose subnet (its address and prefix length) holds the peer's address"),
+    ("peer 10.2.200.9: on ib0's /16, not eth0's /24 (10.1.0.0-10.1.0.255), though both begin with 10.",
+     NODE, "10.2.200.9", "ib0", "a subnet is the address with its prefix length: compare the network, not the "
+     "leading digits of the text"),
+    ("overlapping subnets, eth0 10.0.0.2/8 and ib0 10.7.0.2/16: peer 10.7.1.1 goes to ib0, the most specific, as "
+     "the kernel routes it", [LO, iface("eth0", "10.0.0.2/8"), iface("ib0", "10.7.0.2/16")], "10.7.1.1", "ib0",
+     "where several subnets hold the peer, the kernel sends through the longest prefix (the smallest subnet)"),
+    ("an IPv6 peer fd00:2::9: ib0, whose fd00:2::5/64 holds it", NODE, "fd00:2::9", "ib0",
+     "IPv6 addresses too: compare the peer with the subnets of its own family"),
+]
+NO_ROUTE = ("192.168.9.9", NODE)  # no subnet of NODE holds it
+
+
+def pick_hint(expected: str, outcome, peer: str, addrs: list) -> str:
+    """What a wrong pick did, in words."""
+    if outcome[0] == "raised":
+        return f"your function raised {outcome[1]} for peer {peer}, whose subnet is on {expected}"
+    got = outcome[1]
+    names = [a["ifname"] for a in addrs]
+    if got == names[0]:
+        return f"you returned the first interface, {got}: loopback carries nothing between nodes"
+    if got not in names:
+        return f"{got!r} is not an interface name of the input (the 'ifname' of an entry)"
+    return f"{got} does not hold {peer} in its subnet as tightly as {expected}"

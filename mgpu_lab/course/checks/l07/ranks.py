@@ -11,6 +11,7 @@ Example:
 """
 from __future__ import annotations
 
+import os
 import re
 
 
@@ -48,3 +49,53 @@ def fast(argv: list) -> list:
     """The same command with torchrun's workers forked from it (the script path is absolute)."""
     cut = 1 if re.fullmatch(r"(.*/)?torchrun", argv[0]) else 3
     return argv[:cut] + FAST + argv[cut:]
+
+
+# -- hierarchical_allreduce ------------------------------------------------------------
+PER_NODE = 2  # LOCAL_WORLD_SIZE of the check's 4 ranks: 2 simulated nodes x 2 ranks
+
+
+HIER_CALLS = (("float32", (5,)), ("float64", (2, 3)), ("int64", (4,)))  # (dtype, shape) of each call
+
+
+def hier_input(rank: int, dtype: str, shape: tuple):
+    """What rank ``rank`` passes in for one call: distinct per rank, exact in every dtype."""
+    import torch
+
+    n = 1
+    for s in shape:
+        n *= s
+    return (torch.arange(n, dtype=torch.float64).reshape(shape) * (rank + 1) + 10 ** rank).to(getattr(torch, dtype))
+
+
+def hier_probe(hierarchical_allreduce) -> dict:
+    """Probe (4 ranks): the learner's function on the calls of :data:`HIER_CALLS`, as 2 nodes x 2 ranks.
+
+    LOCAL_WORLD_SIZE, LOCAL_RANK and GROUP_RANK are set as torchrun sets them for 2 nodes of 2 ranks
+    (node = rank // 2). What this rank took part in comes from torch's flight recorder (on by default; it
+    sees every collective and point-to-point call of every process group, whatever API issued it):
+    each entry's operation and the global ranks of its group.
+    """
+    import json
+
+    import torch
+    import torch.distributed as tdist
+    from torch._C import _distributed_c10d as c10d
+
+    rank = tdist.get_rank()
+    os.environ.update(LOCAL_WORLD_SIZE=str(PER_NODE), LOCAL_RANK=str(rank % PER_NODE), GROUP_RANK=str(rank // PER_NODE))
+
+    def entries():
+        return json.loads(c10d._dump_fr_trace_json(includeCollectives=True)).get("entries", [])
+
+    seen = {e["record_id"] for e in entries()}
+    results = []
+    for dtype, shape in HIER_CALLS:
+        got = hierarchical_allreduce(hier_input(rank, dtype, shape))
+        results.append([str(got.dtype), list(got.shape), got.tolist()] if isinstance(got, torch.Tensor)
+                       else ["not a tensor", type(got).__name__, None])
+    world = tdist.distributed_c10d._world
+    groups = {name: tdist.get_process_group_ranks(pg) for pg, name in world.pg_names.items()}
+    comm = [[e["profiling_name"].split(":", 1)[-1], groups.get(e["process_group"][0])]
+            for e in sorted(entries(), key=lambda e: e["record_id"]) if e["record_id"] not in seen]
+    return {"results": results, "comm": comm}

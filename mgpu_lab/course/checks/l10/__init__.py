@@ -1,4 +1,4 @@
-"""Checks of lesson 10 (failures and restarts): 10.atomic_save, 10.first_desync, 10.resumable_train.
+"""Checks of lesson 10 (failures and restarts): 10.atomic_save, 10.guarded, 10.resumable_train.
 
 Every lesson's checks have the same three modules: ``checkers`` (the exercises,
 registered with their cases and hints), ``ranks`` (what runs in the check's fresh

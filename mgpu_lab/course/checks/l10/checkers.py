@@ -1,4 +1,4 @@
-"""Checks of lesson 10 (failures): atomic_save, resumable_train, first_desync.
+"""Checks of lesson 10 (failures): atomic_save, resumable_train, guarded.
 
 atomic_save runs in forked writers killed at every file operation of the save
 and at byte offsets of its writes; what each leaves at the path is loaded.
@@ -7,30 +7,29 @@ learner does not know (or while a snapshot is written), restarted as torchrun
 restarts them, and finally under real ``torchrun --max-restarts``; the final
 weights are compared with an uninterrupted run of the library's version, and
 per-step logs (batch, RNG state, weights) name the first thing that differs.
-first_desync gets hand-made logs and logs recorded by the flight recorder in
-real hung runs. What runs in processes is :mod:`.ranks`; this module judges.
+guarded wraps the collectives of the lesson's hang programs (a skipped
+all_reduce, a shape mismatch, a broadcast against an all_reduce, a rank that
+never comes), each run in 3 fresh ranks. What runs in processes is :mod:`.ranks`; this module judges.
 """
 from __future__ import annotations
 
 import os
-import random
 
 from mgpu_lab.launcher import elastic
 from mgpu_lab.launcher.errors import LaunchError, LaunchTimeout
 from .._core import _error_text, CaseFailed, exercise
-from ..sim.outcome import in_words
-from .judges import (count_saves, expected_desync, judge_run, judge_trials, other_filesystem, random_logs,
-                     recorded_logs, AR3, AR4, BAR, BC, CFG, read_logs, resumed_from, RUN_TIMEOUT, STEPS,
-                     WORLD)
-from .ranks import atomic_probe, first_desync_all, HANGS, read_log, run_resumable
+from .judges import (agreed_results, count_saves, judge_guard, judge_run, judge_trials, other_filesystem, CFG,
+                     read_logs, resumed_from, RUN_TIMEOUT, STEPS, WITHIN, WORLD)
+from .ranks import atomic_probe, guard_probe, read_log, run_resumable
 
 
-ATOMIC_HINT = ("write to a temporary file in the same directory as path, then os.replace(tmp, path): the "
-               "rename is atomic, so path holds the old file or the new one at every moment")
+ATOMIC_HINT = ("a right save leaves path untouched until the new content is complete on path's file system, "
+               "then swaps it in with one atomic step: path holds the old file or the new one at every moment")
 
 
 @exercise("10.atomic_save", points=6, description="atomic_save(obj, path): torch.save such that a process killed "
-          "at any moment leaves the old file or the new one at path, never a torn one")
+          "at any moment leaves the old file or the new one at path, never a torn one",
+          references=("mgpu_lab.failures.resume:atomic_save",))
 def _atomic_save(t, atomic_save):
     root = t.scratch("mgpu-lab-10-atomic-")  # where the learner's code runs (a grader's sandbox)
     other = t.remove_after(t.local(other_filesystem, root))
@@ -48,21 +47,20 @@ def _atomic_save(t, atomic_save):
         trial["at"] = got["dry"]["events"][trial["k"] - 1] if trial["k"] <= len(got["dry"]["events"]) else "?"
     with t.case("SIGKILL at each file operation of a save over an old file (open, rename, remove, copy, ...): "
                 "the old or the new object, never a torn file or none", hint=ATOMIC_HINT):
-        if got is None:
-            t.fail("the first case did not finish")
+        _saved_at_all(t, got)
         judge_trials(t, got["events"], ("old", "new"),
-                      "path must never be missing or half written: don't remove it before the rename, "
-                      + ATOMIC_HINT)
+                      "killed there, your save left path missing or half written: it removes, truncates or "
+                      "writes path itself before the new content is complete; " + ATOMIC_HINT)
     with t.case("killed mid-write (the writer dies the moment a file it writes reaches 1 byte, or half the "
                 "object's size: RLIMIT_FSIZE), from the start and after each file operation: the old or "
                 "the new object", hint=ATOMIC_HINT):
-        if got is None:
-            t.fail("the first case did not finish")
+        _saved_at_all(t, got)
         judge_trials(t, got["bytes"], ("old", "new"),
-                      "path was left half written: never write (or copy) into path itself; " + ATOMIC_HINT)
+                      "path was left half written: your save writes (or copies) into path itself, so a kill "
+                      "mid-write tears it; " + ATOMIC_HINT)
     with t.case("an object torch.save cannot pickle: the error reaches the caller and the old file is intact",
-                hint="let torch.save's exception propagate (no bare except), and write to a temporary file "
-                     "so that a failed save never touches path"):
+                hint="a failed torch.save must reach the caller with its error and leave path as it was: your "
+                     "save swallowed the error, or had already changed path"):
         if got is None:
             t.fail("the first case did not finish")
         bad = got["bad"]
@@ -73,13 +71,11 @@ def _atomic_save(t, atomic_save):
             t.fail("the failed save damaged path: " + ATOMIC_HINT, "old", bad["outcome"])
     with t.case("no old file yet: a writer killed at any point leaves no file or the complete new one",
                 hidden=True):
-        if got is None:
-            t.fail("the first case did not finish")
+        _saved_at_all(t, got)
         judge_trials(t, got["fresh"], ("missing", "new"), ATOMIC_HINT)
     with t.case("the temporary file is made in path's directory (it works with the system temp dir on "
-                "another file system)", hint="os.replace cannot move a file across file systems: create the "
-                "temporary file next to path, e.g. tempfile.mkstemp(dir=os.path.dirname(path)) or path + "
-                "'.tmp', not in the system temp dir"):
+                "another file system)", hint="with the system temp dir on another file system your save failed: a "
+                "rename cannot cross file systems, so the new content must be written on path's own file system"):
         if got is None:
             t.fail("the first case did not finish")
         cross = got["cross"]
@@ -88,54 +84,80 @@ def _atomic_save(t, atomic_save):
                    f"raised {cross['raised']}" if cross.get("raised") else cross["outcome"])
 
 
-FIXED = [
-    ("the logs of 2 ranks agree: None", [[AR3, BAR], [AR3, BAR]], False,
-     "return None when every index holds the same call on every rank"),
-    ("3 ranks, rank 2 all-reduces 4 numbers at call 1: (1, [2])", [[AR3, AR3], [AR3, AR3], [AR3, AR4]], False,
-     "compare op and shape (the whole tuple), and return (index, [ranks that differ])"),
-    ("rank 0 is the odd one out (ranks 1 and 2 agree): (1, [0])", [[AR3, BC], [AR3, AR3], [AR3, AR3]], False,
-     "the reference is the majority's call, not rank 0's: count the calls at that index"),
-    ("rank 1's log ends before the others': (2, [1])", [[AR3, AR3, BAR], [AR3, AR3], [AR3, AR3, BAR]], False,
-     "a rank whose log has ended differs (it never made that call): don't stop at the shortest log (zip)"),
-    ("2 against 2: the tie goes to rank 0's call: (0, [2, 3])", [[AR3], [AR3], [AR4], [AR4]], False,
-     "on a tie take the call of the lowest rank among the tied ones (rank 0's here)"),
-    ("every rank but rank 3 has ended: (2, [0, 1, 2])", [[AR3, AR3], [AR3, AR3], [AR3, AR3], [AR3, AR3, BAR]], True,
-     "ended logs differ; the majority is counted among the ranks that still have a call"),
+def _saved_at_all(t, got) -> None:
+    """A kill proves nothing about a save that never puts the new object at path: such a case fails."""
+    if got is None:
+        t.fail("the first case did not finish")
+    if got["dry"].get("raised") or got["dry"]["outcome"] != "new":
+        t.fail("not judged: a complete save of yours leaves no new object at path, so what a kill leaves proves "
+               "nothing", "new after a complete save", got["dry"].get("raised") or got["dry"]["outcome"])
+
+
+SCENARIOS = [  # (scenario, odd rank, what the program did, hidden)
+    ("skip", 2, "rank 2 skips the second all_reduce and calls the barrier that the others call after it", False),
+    ("shape", 0, "rank 0 all-reduces 4 numbers where ranks 1 and 2 all-reduce 3", False),
+    ("order", 1, "rank 1 broadcasts where ranks 0 and 2 all-reduce", False),
+    ("dtype", 1, "rank 1 all-reduces float64 where ranks 0 and 2 all-reduce float32", True),
 ]
 
 
-@exercise("10.first_desync", points=8, description="first_desync(logs): the first index at which the ranks' "
-          "collective calls disagree and the ranks that differ from the majority; None when all agree")
-def _first_desync(t, first_desync):
-    sweep = [random_logs(random.Random(seed)) for seed in range(300)]
-    cases = [logs for _, logs, _, _ in FIXED] + sweep
-    results = None
-    for name, logs, hidden, hint in FIXED:
-        with t.case(name, hidden=hidden, hint=hint):
-            if results is None:
-                results = t.call(first_desync_all, first_desync, cases)
-            outcome = results[[c for c in cases].index(logs)]
-            if outcome != ("ok", expected_desync(logs)):
-                t.fail(hint, expected_desync(logs), in_words(outcome))
-    with t.case("logs recorded by the flight recorder in real hung runs (gloo, 3 ranks): a skipped all_reduce, "
-                "a shape mismatch, a broadcast against an all_reduce",
-                hint="the same rules on real logs: e.g. the skipping rank's log holds a barrier where the others "
-                     "hold their second all_reduce"):
-        recorded = recorded_logs(t)
-        got = t.call(first_desync_all, first_desync, [recorded[n] for n in HANGS])
-        for name, outcome in zip(HANGS, got):
-            if outcome != ("ok", expected_desync(recorded[name])):
-                t.fail(f"hung run '{name}', logs {recorded[name]}", expected_desync(recorded[name]), in_words(outcome))
-    with t.case("300 random logs of 1 to 5 ranks agree with the reference", hidden=True):
-        if results is None:
-            t.fail("the first case did not finish")
-        for logs, outcome in zip(sweep, results[len(FIXED):]):
-            if outcome != ("ok", expected_desync(logs)):
-                t.fail(f"logs {logs}", expected_desync(logs), in_words(outcome))
+@exercise("10.guarded", points=6, description="guarded(collective): the collective, but the ranks first agree on "
+          "(call number, op, shape, dtype) with a bounded wait; a mismatch raises on every rank naming the odd "
+          "rank and the call instead of hanging", references=("mgpu_lab.failures.desync:first_desync",))
+def _guarded(t, guarded):
+    """Each scenario in 3 fresh ranks (the guard's call count starts at 0), its collectives on a group with a 2 s
+    timeout, so that a mismatched collective the guard let through fails instead of hanging.
+
+    Catches: a wrapper that does not run the collective or changes its result; comparing op only (shape,
+    dtype let through); a count per wrapper instead of per rank (the skipped call paired with another one);
+    rank 0's call taken as the reference instead of the majority's; raising on the odd rank only; no bound
+    on the wait for a rank that never comes.
+    """
+    with t.case("3 ranks agree on 12 guarded calls (all_reduce, broadcast with src and group, barrier): every "
+                "collective runs once with the results and return values of the plain one",
+                hint="when the ranks agree, the wrapper calls the collective with the arguments it was given and "
+                     "returns what it returns"):
+        got = t.ranks(guard_probe, 3, guarded, "agree", timeout=GUARD_TIMEOUT)
+        for r, g in enumerate(got):
+            if g["raised"]:
+                t.fail(f"rank {r} raised although every rank made the same calls", "no error",
+                       f"{g['raised'][0]}: {g['raised'][1][:300]}")
+            if g["ran"] != ["all_reduce", "broadcast", "barrier"] * 4:
+                t.fail("each guarded call must run its collective exactly once", "['all_reduce', 'broadcast', "
+                       "'barrier'] x 4", g["ran"])
+            expected = agreed_results()
+            if g["results"] != expected:
+                t.fail("the results differ from the plain collectives' (a False: the wrapper did not return the "
+                       "collective's own return value, None)", expected, g["results"])
+    for scenario, odd, what, hidden in SCENARIOS:
+        with t.case(f"{what}: every rank raises at call 1, before that collective runs, naming rank {odd} and "
+                    "call 1", hidden=hidden, hint=GUARD_HINTS[scenario]):
+            judge_guard(t, t.ranks(guard_probe, 3, guarded, scenario, timeout=GUARD_TIMEOUT), odd, (0, 1, 2), what,
+                        GUARD_HINTS[scenario])
+    absent = ("a right guard waits for the other ranks' calls up to a deadline; a rank that has not made the call "
+              "by then is the odd rank, and the ranks that waited raise naming it")
+    with t.case(f"rank 2 never makes call 1: ranks 0 and 1 raise within {WITHIN:.0f} s naming rank 2 and call 1",
+                hint=absent):
+        judge_guard(t, t.ranks(guard_probe, 3, guarded, "absent", timeout=GUARD_TIMEOUT), 2, (0, 1),
+                    "rank 2 never makes a second call", absent)
 
 
-ATOMIC = ("a rank killed while writing the snapshot left it torn: write it with atomic_save (a temporary file "
-          "in the same directory, then os.replace)")
+GUARD_TIMEOUT = 25.0  # seconds for one scenario's 3 ranks (a guard with no bound on its wait hangs this long)
+
+
+GUARD_HINTS = {
+    "skip": "the calls are paired by each rank's count of guarded calls, over all collectives: rank 2's call 1 "
+            "is its barrier, the others' call 1 their second all_reduce; a count per collective pairs rank 2's "
+            "barrier with the others' barrier, and names the wrong call",
+    "shape": "compare the shapes too: a gloo all_reduce of 4 numbers against one of 3 does not fail where it is "
+             "called; the odd rank is the one whose call differs from the majority's (here rank 0 itself)",
+    "order": "compare the collective itself (all_reduce against broadcast), not only the shapes",
+    "dtype": "compare the dtypes too: an all_reduce of float64 against float32 mixes bytes or hangs",
+}
+
+
+ATOMIC = ("a rank killed while writing the snapshot left it torn: the snapshot was written in place, not with "
+          "your atomic_save")
 
 
 def _attempts(t, resumable_train, schedule: list, work: str) -> tuple[list, int]:
@@ -171,7 +193,8 @@ def _run_case(t, resumable_train, schedule: list):
 
 @exercise("10.resumable_train", points=7, description="resumable_train(model_fn, dataset, epochs, batch_size, lr, "
           "snapshot_path, snapshot_every): DDP training that snapshots every snapshot_every steps and, started "
-          "again after a SIGKILL, resumes exactly (the weights of an uninterrupted run)")
+          "again after a SIGKILL, resumes exactly (the weights of an uninterrupted run)",
+          references=("mgpu_lab.failures.resume:resumable_train", "mgpu_lab.failures.resume:atomic_save"))
 def _resumable_train(t, resumable_train):
     every, passed = CFG["every"], []
     fresh_logs = killed_logs = None
@@ -185,8 +208,8 @@ def _resumable_train(t, resumable_train):
               hint="resumable_train runs in every rank with the process group initialised"):
         fresh_logs = _run_case(t, resumable_train, [None])
     with case(f"a snapshot every snapshot_every={every} steps: {STEPS // every} in {STEPS} steps",
-              hint="count optimizer steps across epochs and save when step % snapshot_every == 0 "
-                   "(rank 0 writes; the other ranks need not)"):
+              hint="a snapshot after every snapshot_every optimizer steps, counted across epochs, written by "
+                   "one rank"):
         if fresh_logs is None:
             t.fail("the first case did not finish")
         saves = count_saves(fresh_logs)
@@ -197,8 +220,9 @@ def _resumable_train(t, resumable_train):
               "snapshot) and ends with the uninterrupted weights"):
         killed_logs = _run_case(t, resumable_train, [["step", 0, 1, 10], None])
     with case("the restart loads the snapshot with torch.load(..., map_location=...)",
-              hint="without map_location, tensors saved from cuda:0 load back onto cuda:0 on every rank of a GPU "
-                   "node; load with map_location='cpu' (or this rank's device)"):
+              hint="your torch.load of the snapshot named no map_location: tensors saved from cuda:0 then load "
+                   "onto cuda:0 on every rank of a GPU node; a right restart says where they go (the CPU, or "
+                   "this rank's device)"):
         if killed_logs is None:
             t.fail("the previous case did not finish")
         loads = [[rec["load"] for rec in log if "load" in rec] for log in killed_logs[WORLD:]]

@@ -3,20 +3,13 @@ from __future__ import annotations
 
 import math
 import os
-import random
 import shutil
 import tempfile
 
-from mgpu_lab.failures import hangs, snapshot
+from mgpu_lab.failures import resume
+from .._core import CaseFailed
 from mgpu_lab.parallel import ddp
-from .ranks import HANGS, read_log, record_hangs, run_resumable
-
-
-# -- first_desync ----------------------------------------------------------------------
-AR3, AR4, BAR, BC = ["all_reduce", [3]], ["all_reduce", [4]], ["barrier", []], ["broadcast", [2]]
-
-
-_recorded: dict = {}
+from .ranks import read_log, run_resumable
 
 
 CFG = {"n": 48, "epochs": 3, "batch_size": 4, "lr": 0.1, "every": 4}
@@ -68,45 +61,17 @@ def judge_trials(t, trials, allowed, hint):
             t.fail(f"{_where(trial)}: {hint}", " or ".join(allowed), trial["outcome"])
 
 
-def random_logs(rng: random.Random) -> list:
-    calls = [AR3, AR4, BAR, BC]
-    world, length = rng.randint(1, 5), rng.randint(0, 5)
-    base = [rng.choice(calls) for _ in range(length)]
-    logs = []
-    for _ in range(world):
-        log = list(base)
-        if rng.random() < 0.5 and log:
-            log[rng.randrange(len(log))] = rng.choice(calls)
-        if rng.random() < 0.3:
-            log = log[:rng.randint(0, len(log))]
-        logs.append(log)
-    return logs
-
-
-def recorded_logs(t) -> dict:
-    """Logs of real hung runs (3 ranks, flight recorder, 1 s timeout), recorded once per process."""
-    if not _recorded:
-        from mgpu_lab.launcher.launch import run
-
-        t._skip_if_hung()
-        ranks = run(record_hangs, 3, (1.0,), init=False, quiet=True, echo=False, timeout=90)
-        _recorded.update({name: [r[name] for r in ranks] for name in HANGS})
-    return _recorded
-
-
-def expected_desync(logs):
-    got = hangs.first_desync([[(op, tuple(shape)) for op, shape in log] for log in logs])
-    return None if got is None else [got[0], list(got[1])]
-
-
 def reference() -> dict:
-    """The uninterrupted run of the library's resumable_train: final weights and each rank's per-step log."""
+    """The uninterrupted run of the library's resumable_train (:mod:`mgpu_lab.failures.resume`).
+
+    Its final weights and each rank's per-step log.
+    """
     if not _reference:
         from mgpu_lab.launcher.launch import run
 
         work = tempfile.mkdtemp(prefix="mgpu-lab-10-ref-")
         try:
-            res = run(run_resumable, WORLD, (snapshot.resumable_train, CFG, os.path.join(work, "s.pt"), work, 0,
+            res = run(run_resumable, WORLD, (resume.resumable_train, CFG, os.path.join(work, "s.pt"), work, 0,
                                              None), quiet=True, echo=False, timeout=RUN_TIMEOUT)
             _reference.update(state=res[0]["state"], trace=[_steps(read_log(work, 0, r)) for r in range(WORLD)])
         finally:
@@ -153,28 +118,29 @@ def first_difference(steps: list, ref: list, start: int, rank: int) -> str | Non
                 if match:
                     return (f"the restart began from the weights after step {match[0]}, expected those after step "
                             f"{start} (the last snapshot before the kill; one every {CFG['every']} steps): "
-                            "snapshot every snapshot_every steps and load the model's state_dict from it")
-                return ("the weights the restart began from are none of the uninterrupted run's: load the "
-                        "model's state_dict from the snapshot")
+                            "a right restart begins from the weights of the last snapshot written")
+                return ("the weights the restart began from are none of the uninterrupted run's: a right "
+                        "restart begins from the snapshot's weights")
             if j == 0:
                 return "the initial weights differ: use model_fn() as given (DDP broadcasts rank 0's weights)"
             return (f"step {i} changed the weights differently from the uninterrupted run although its batch and "
-                    "random state were the same: " + ("restore the optimizer's state from the snapshot "
-                    "(optimizer.load_state_dict: SGD's momentum buffers)" if resumed else
+                    "random state were the same: " + ("the optimizer's state (SGD's momentum buffers) was not the one "
+                    "saved with the snapshot" if resumed else
                     "train with SGD(lr, momentum=0.9), mean CrossEntropyLoss, DDP, one step per batch"))
         if not math.isclose(rec["x"], exp["x"], rel_tol=1e-9, abs_tol=1e-9):
             epoch = i // PER_EPOCH
             if resumed:
                 return (f"after resuming, rank {rank} trained step {i + 1} on other samples than the uninterrupted "
-                        f"run: resume at the snapshot's position in epoch {epoch} (sampler.set_epoch(epoch), then "
-                        "skip the batches already done)")
+                        f"run: a right restart continues epoch {epoch} in that epoch's order, with the batch after "
+                        "the snapshot's")
             return (f"rank {rank} trained step {i + 1} (epoch {epoch}) on other samples than the reference: "
-                    + ("call sampler.set_epoch(epoch) at the start of every epoch" if epoch else
-                       "use DataLoader(dataset, batch_size, sampler=DistributedSampler(dataset))"))
+                    + ("it kept an earlier epoch's order: the DistributedSampler reshuffles only when told the "
+                       "epoch" if epoch else "the batches are not the DistributedSampler's shard of the dataset, "
+                       "batch_size samples per rank"))
         if rec["rng"] != exp["rng"]:
             return (f"at step {i + 1} rank {rank}'s random state (dropout's) differs from the uninterrupted run's: "
-                    "save every rank's torch.get_rng_state() in the snapshot and restore it with "
-                    "torch.set_rng_state after iter(loader), which draws a seed from it")
+                    "a right restart gives each rank the random state it had at the snapshot, as it stood once "
+                    "the epoch's iterator was made (making one draws from it)")
     if start + len(steps) != len(ref):
         return f"rank {rank} stopped after step {start + len(steps)} of {len(ref)}"
     return None
@@ -204,3 +170,60 @@ def read_logs(log_dir: str, attempts: int, world: int) -> list[list[dict]]:
 
 def count_saves(logs: list) -> list[int]:
     return [sum(1 for rec in log if "save" in rec) for log in logs]
+
+
+# -- guarded ---------------------------------------------------------------------------
+WITHIN = 10.0  # seconds within which every rank must raise (the bounded wait included)
+
+
+def agreed_results() -> list:
+    """What the ``agree`` scenario's collectives give on every rank of 3 (guard_probe's calls)."""
+    out = []
+    for step in range(4):
+        out.append([3.0 * i + 3 + 3 * step for i in range(3)])   # all_reduce of arange(3) + rank + step
+        src = step % 3
+        out.append([float(src * 10 + step)] * 2)                  # broadcast from rank step % 3
+    return out
+
+
+def names(message: str, odd: int, call: int) -> bool:
+    """Whether an error message names rank ``odd`` and call ``call`` (as "rank R" and "call N")."""
+    import re
+
+    text = message.lower()
+    return bool(re.search(rf"\brank {odd}\b", text)) and bool(re.search(rf"\bcall {call}\b", text))
+
+
+def judge_guard(t, got: list, odd: int, ranks: tuple, what: str, hint: str = "") -> None:
+    """Every rank of ``ranks`` raised at call 1, before its collective ran, naming ``odd`` and call 1."""
+    try:
+        _judge_guard(t, got, odd, ranks, what)
+    except CaseFailed as failed:
+        failed.hint = f"{failed.hint}; {hint}" if hint else failed.hint
+        raise
+
+
+def _judge_guard(t, got: list, odd: int, ranks: tuple, what: str) -> None:
+    for r in ranks:
+        said, ran = got[r]["raised"], got[r]["ran"]
+        if said is None:
+            t.fail(f"rank {r} raised nothing: {what}; your guard let the ranks go on" + _ran(ran), "a RuntimeError on "
+                   f"every rank naming rank {odd} and call 1", f"rank {r}: no error")
+        if len(ran) > 1:
+            t.fail(f"the collective of call 1 ran on rank {r} (the calls that ran: {ran}): the guard must stop a "
+                   "mismatched call before it starts; a mismatched collective hangs or mixes data", "the collective of "
+                   "call 1 not run", f"ran {ran}, then raised {said[0]}: {said[1][:200]}")
+        if not ran:
+            t.fail(f"on rank {r} call 0, which every rank made alike, did not run: {said[0]}: {said[1][:200]}",
+                   "call 0 runs, call 1 raises", "call 0 raised")
+        if not names(said[1], odd, 1):
+            t.fail(f"rank {r}'s error does not name the odd rank and the call as 'rank {odd}' and 'call 1' (calls "
+                   "counted from 0 on each rank, over every guarded collective): " + what, f"rank {odd}, call 1",
+                   f"rank {r} raised {said[0]}: {said[1][:300]}")
+        if got[r]["seconds"] > WITHIN:
+            t.fail(f"rank {r} raised only after {got[r]['seconds']} s: bound the wait", f"within {WITHIN:.0f} s",
+                   f"{got[r]['seconds']} s")
+
+
+def _ran(ran: list) -> str:
+    return f" (the calls that ran: {ran})" if ran else ""

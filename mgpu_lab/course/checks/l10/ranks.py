@@ -8,9 +8,9 @@
   logs, at every forward pass, a checksum of the batch, of the RNG state and of
   the weights to a file (a killed rank's log survives it), and kills the rank
   at a step, or while it writes a snapshot, on the attempt the check chose;
-- :func:`record_hangs` runs small programs that really hang (a skipped
-  collective, a shape mismatch) with a 1 s collective timeout and returns each
-  rank's flight-recorder log.
+- :func:`guard_probe` runs the hang programs of the lesson (a skipped
+  all_reduce, a shape mismatch, a broadcast against an all_reduce, ...) with
+  the learner's guarded collectives, and returns what ran and what was raised.
 
 Everything returned is plain data; :mod:`.checkers` judges it in the kernel.
 """
@@ -27,8 +27,6 @@ import tempfile
 import torch
 
 from mgpu_lab.data.datasets import synthetic_classification
-from mgpu_lab.failures import hangs
-from ..sim.outcome import outcomes
 
 
 # -- atomic_save -----------------------------------------------------------------------
@@ -248,56 +246,74 @@ def read_log(log_dir: str, attempt: int, rank: int) -> list[dict]:
     return out
 
 
-# -- first_desync ----------------------------------------------------------------------
-def first_desync_all(first_desync, cases: list) -> list:
-    """Probe: ``first_desync(logs)`` for each case: ("ok", result as lists) or ("raised", type, message)."""
-    def call(logs):
-        return first_desync([[(op, tuple(shape)) for op, shape in log] for log in logs])
-
-    return outcomes(call, [(logs,) for logs in cases], keep=_plain)
+# -- guarded ---------------------------------------------------------------------------
+GUARD_SCENARIOS = ("agree", "skip", "shape", "order", "dtype", "absent")
+PROBE_TIMEOUT = 2.0  # seconds a collective the guard let through may wait (the probe's own group) before it fails
+ABSENT_WAIT = 30.0  # seconds the absent rank waits for the others to finish (it makes no guarded call)
 
 
-def _plain(value):
-    if isinstance(value, (tuple, list)):
-        return [_plain(v) for v in value]
-    if hasattr(value, "item"):
-        return value.item()
-    return value
+def _counted(collective, ran: list):
+    """``collective``, noting each call that really ran (its name keeps: a guard may read ``__name__``)."""
+    import functools
+
+    @functools.wraps(collective)
+    def call(*args, **kwargs):
+        ran.append(collective.__name__)
+        return collective(*args, **kwargs)
+
+    return call
 
 
-HANGS = ("skip", "shape", "order")
+def guard_probe(guarded, scenario: str) -> dict:
+    """Probe (3 ranks): one scenario of guarded collectives; what ran, what came back, what was raised and when.
 
-
-def record_hangs(timeout: float = 1.0) -> dict:
-    """Probe (3 ranks, launched with init=False): each rank's flight-recorder log in programs that really hang.
-
-    - ``skip``: rank 2 skips the second all_reduce;
-    - ``shape``: rank 0 all-reduces 4 numbers where ranks 1 and 2 all-reduce 3;
-    - ``order``: rank 1 calls broadcast where ranks 0 and 2 call all_reduce.
+    ``agree``: 12 agreeing calls; ``skip``: rank 2 skips the second all_reduce; ``shape``: rank 0
+    all-reduces 4 numbers where the others all-reduce 3; ``order``: rank 1 broadcasts where the others
+    all-reduce; ``dtype``: rank 1 all-reduces float64 where the others float32; ``absent``: rank 2 makes
+    no second call at all. Every collective runs on a group of the probe's with a short timeout, so a
+    mismatched collective the guard lets through fails in seconds instead of hanging.
     """
     import datetime
+    import time
 
     import torch.distributed as tdist
 
-    hangs.init(timeout=60, flight_recorder=256)
-    rank, out = tdist.get_rank(), {}
-    for name in HANGS:
-        group = tdist.new_group(timeout=datetime.timedelta(seconds=timeout), group_desc=name)
-        tdist.barrier()
-        try:
-            tdist.all_reduce(torch.ones(3), group=group)
-            if name == "skip" and rank != 2:
-                tdist.all_reduce(torch.ones(3), group=group)
-            elif name == "shape":
-                tdist.all_reduce(torch.ones(4 if rank == 0 else 3), group=group)
-            elif name == "order":
-                if rank == 1:
-                    tdist.broadcast(torch.ones(2), 0, group=group)
-                else:
-                    tdist.all_reduce(torch.ones(2), group=group)
-            tdist.barrier(group=group)
-        except RuntimeError:
-            pass  # the collective timeout: the hang became an error
-        out[name] = [[op, list(shape)] for op, shape in hangs.collective_log(pg_name=name)]
-        tdist.barrier()
+    rank, ran, results = tdist.get_rank(), [], []
+    group = tdist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=PROBE_TIMEOUT))
+    store = tdist.distributed_c10d._get_default_store()
+    ar, bc, bar = (guarded(_counted(f, ran)) for f in (tdist.all_reduce, tdist.broadcast, tdist.barrier))
+    start, out = time.monotonic(), {}
+    try:
+        if scenario == "agree":
+            for step in range(4):
+                t = torch.arange(3.0) + rank + step
+                results.append(ar(t, group=group) is None and t.tolist())
+                b = torch.full((2,), float(rank * 10 + step))
+                bc(b, src=step % 3, group=group)
+                results.append(b.tolist())
+                bar(group=group)
+        else:
+            ar(torch.ones(3), group=group)  # call 0: every rank agrees
+            if scenario == "skip" and rank != 2:
+                ar(torch.ones(3), group=group)
+            elif scenario == "shape":
+                ar(torch.ones(4 if rank == 0 else 3), group=group)
+            elif scenario == "order":
+                (bc(torch.ones(2), src=0, group=group) if rank == 1 else ar(torch.ones(2), group=group))
+            elif scenario == "dtype":
+                ar(torch.ones(3, dtype=torch.float64 if rank == 1 else torch.float32), group=group)
+            elif scenario == "absent":
+                if rank != 2:
+                    ar(torch.ones(3), group=group)
+                else:  # makes no call: waits until the others are done (or gave up)
+                    store.wait([f"guard-probe/done/{r}" for r in (0, 1)], datetime.timedelta(seconds=ABSENT_WAIT))
+            if not (scenario == "absent" and rank == 2):
+                bar(group=group)
+        out["raised"] = None
+    except Exception as exc:  # noqa: BLE001 - the check judges what the guard raised
+        out["raised"] = [type(exc).__name__, str(exc)[:500]]
+    finally:
+        if scenario == "absent" and rank != 2:
+            store.set(f"guard-probe/done/{rank}", "1")
+    out.update(ran=ran, results=results, seconds=round(time.monotonic() - start, 2))
     return out
