@@ -95,7 +95,7 @@ def _build_sharded(t, build_sharded):
         ranks = t.ranks(run_build_sharded, 2, build_sharded, timeout=120)
         judge_sharding(t, ranks[0], ["(root)"] + [f"blocks.{i}" for i in range(ranks[0]["sizes"]["blocks"])])
     with t.case("no rank ever holds the whole model: the parameter storage live on each rank peaks at its shards "
-                "plus two blocks"):
+                "plus room for three blocks"):
         need(t, ranks)
         judge_live(t, ranks)
     with t.case("the weights, gathered, equal model_fn()'s on one process (to 1e-6)"):
