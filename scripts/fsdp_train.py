@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from mgpu_lab.data import datasets
 from mgpu_lab.parallel import ddp
-from mgpu_lab.sharding import distcp, fsdp
+from mgpu_lab.sharding import distcp, fsdp, wrap
 from mgpu_lab import dist as mdist
 
 
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     loader, sampler = ddp.make_loader(train_set, args.batch_size, seed=args.seed)
     model = fsdp.BlockNet(args.features, args.width, args.depth, args.classes, seed=args.seed).to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    fsdp.shard_model(model, fsdp.make_mesh(device))              # every block, then the root
+    wrap.shard_model(model, fsdp.make_mesh(device))              # every block, then the root
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)  # after fully_shard: DTensor parameters
     say(f"{n_params:,} parameters in {args.depth} blocks sharded over {me.world_size} rank(s); batch "
         f"{args.batch_size} per rank, global {args.batch_size * me.world_size}; {args.epochs} epoch(s)")

@@ -477,7 +477,8 @@ def record(*functions, keep_inputs: bool = False, expect_device=None):
         FSDP2 calls ``torch.distributed``'s collectives: an all-gather per group of parameters
         before it is used, a reduce-scatter of its gradients in backward:
 
-        >>> from mgpu_lab.sharding.fsdp import BlockNet, make_mesh, shard_model
+        >>> from mgpu_lab.sharding.fsdp import BlockNet, make_mesh
+        >>> from mgpu_lab.sharding.wrap import shard_model
         >>> def fsdp_step():
         ...     model = shard_model(BlockNet(), make_mesh())   # an FSDP2 model
         ...     with record() as log:

@@ -10,7 +10,8 @@ a state dict and back (the optimizer's state keyed by parameter name).
 Example:
     >>> import tempfile
     >>> from mgpu_lab import launch
-    >>> from mgpu_lab.sharding.fsdp import BlockNet, make_mesh, shard_model
+    >>> from mgpu_lab.sharding.fsdp import BlockNet, make_mesh
+    >>> from mgpu_lab.sharding.wrap import shard_model
     >>> def save_then_load(path):                      # in every rank
     ...     model = shard_model(BlockNet(), make_mesh())
     ...     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

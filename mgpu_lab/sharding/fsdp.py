@@ -2,7 +2,8 @@
 
 Lesson 08 shards a :class:`BlockNet` (an input layer, ``blocks``, a head) with
 ``torch.distributed.fsdp.fully_shard``: each block is one communication group,
-then the root takes what is left (:func:`shard_model`). The parameters become
+then the root takes what is left (:func:`mgpu_lab.sharding.wrap.shard_model`, which
+the lesson's notebook does not import). The parameters become
 DTensors sharded on dim 0 over a :class:`~torch.distributed.device_mesh.DeviceMesh`
 (:func:`make_mesh`: the GPUs with NCCL, the CPU with gloo). :func:`full_params`
 gathers them back for a comparison, :func:`train_steps` trains on this rank's
@@ -12,8 +13,12 @@ profiler's allocation events on the CPU).
 
 Example:
     >>> from mgpu_lab import launch
+    >>> from torch.distributed.fsdp import fully_shard
     >>> def sharded():                              # in every rank
-    ...     model = shard_model(BlockNet(), make_mesh())
+    ...     model, mesh = BlockNet(), make_mesh()
+    ...     for block in model.blocks:
+    ...         fully_shard(block, mesh=mesh)
+    ...     fully_shard(model, mesh=mesh)
     ...     return type(model.blocks[0][0].weight).__name__
     >>> launch(sharded, 2)
     launch: 2 ranks · ...
@@ -30,7 +35,7 @@ from torch import nn
 
 from mgpu_lab import dist as mdist
 
-__all__ = ["BlockNet", "rank_device", "make_mesh", "shard_model", "full_params", "train_steps",
+__all__ = ["BlockNet", "rank_device", "make_mesh", "full_params", "train_steps",
            "reference_steps", "peak_bytes", "batch"]
 
 
@@ -40,17 +45,20 @@ class BlockNet(nn.Module):
     Args:
         features, width, classes: input, hidden and output sizes.
         depth: number of blocks (each ``Linear(width, width)`` and ``Tanh``).
-        seed: the initial weights (the same in every process).
+        seed: the initial weights (the same in every process); ``None`` draws them from torch's global
+            generator in the order the layers are made, as a plain ``nn.Module`` does.
 
     Example:
         >>> BlockNet(features=8, width=16, depth=4)(torch.randn(2, 8)).shape
         torch.Size([2, 3])
     """
 
-    def __init__(self, features: int = 8, width: int = 16, depth: int = 4, classes: int = 3, seed: int = 0):
+    def __init__(self, features: int = 8, width: int = 16, depth: int = 4, classes: int = 3,
+                 seed: int | None = 0):
         super().__init__()
-        with torch.random.fork_rng(devices=[]):  # the caller's random state is left as it was
-            torch.manual_seed(seed)
+        with torch.random.fork_rng(devices=[], enabled=seed is not None):  # the caller's random state is kept
+            if seed is not None:
+                torch.manual_seed(seed)
             self.inp = nn.Linear(features, width)
             self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth))
             self.head = nn.Linear(width, classes)
@@ -96,22 +104,6 @@ def make_mesh(device: torch.device | None = None, name: str = "dp"):
     if device.type == "cuda":
         torch.cuda.set_device(device)  # FSDP2 uses the current CUDA device of a cuda mesh
     return init_device_mesh(device.type, (tdist.get_world_size(),), mesh_dim_names=(name,))
-
-
-def shard_model(model: nn.Module, mesh, **fully_shard_kwargs) -> nn.Module:
-    """``fully_shard`` every block of ``model.blocks``, then the root; returns ``model``.
-
-    Bottom-up: each block becomes a group of its own (all-gathered on its own
-    just before it runs), and the root's call groups what is left (the input
-    layer and the head). Keyword arguments (``reshard_after_forward``,
-    ``mp_policy``, ...) go to every call.
-    """
-    from torch.distributed.fsdp import fully_shard
-
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, **fully_shard_kwargs)
-    fully_shard(model, mesh=mesh, **fully_shard_kwargs)
-    return model
 
 
 def full_params(model: nn.Module) -> dict:

@@ -7,7 +7,11 @@ step (:func:`mgpu_lab.sharding.fsdp.peak_bytes`: ``torch.cuda.max_memory_allocat
 GPU), the elements its collectives move in a step (:func:`mgpu_lab.comm.record.record`;
 DDP's all-reduce is made visible by registering PyTorch's own ``allreduce_hook``) and
 the time per step, measured in steps that are not recorded.
-:func:`compare` launches it.
+:func:`compare` launches it. The lesson's demos that run ZeRO by hand and FSDP2
+before its exercises show their results only (:func:`one_step_collectives`,
+:func:`zero_by_hand`, :func:`pitfalls`): the implementations they run,
+:mod:`mgpu_lab.sharding.flat` and :mod:`mgpu_lab.sharding.wrap`, are imported inside
+the functions, so that the notebook, which imports this module, cannot reach them.
 
 Example:
     >>> rows = compare(2, width=64, depth=2)   # the lesson runs 4 ranks and a wider model
@@ -27,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from mgpu_lab.sharding import fsdp, zero
 from mgpu_lab.comm.record import record, summarize
 
-__all__ = ["SCHEMES", "scheme_rank", "compare"]
+__all__ = ["SCHEMES", "scheme_rank", "compare", "one_step_collectives", "zero_by_hand", "pitfalls"]
 
 SCHEMES = ("DDP", "ZeRO-1", "ZeRO-2", "FSDP2")
 STAGE = {"DDP": 0, "ZeRO-1": 1, "ZeRO-2": 2, "FSDP2": 3}
@@ -42,6 +46,8 @@ def _build(scheme: str, model, device: torch.device, lr: float):
     """``(what to call, what steps, the module whose parameters count, the optimizer that holds state)``."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+    from mgpu_lab.sharding import flat, wrap  # here, not at the top: see the module's docstring
+
     adam = lambda params: torch.optim.Adam(params, lr=lr)  # noqa: E731
     if scheme == "DDP":
         # .grad as views into DDP's buckets (else the buckets are a second copy of the gradients);
@@ -52,9 +58,9 @@ def _build(scheme: str, model, device: torch.device, lr: float):
         opt = adam(net.parameters())
         return net, opt, model, opt
     if scheme in ("ZeRO-1", "ZeRO-2"):
-        flat = zero.FlatZero(model, STAGE[scheme], adam)
-        return model, flat, model, flat.optimizer
-    fsdp.shard_model(model, fsdp.make_mesh(device))
+        flat_zero = flat.FlatZero(model, STAGE[scheme], adam)
+        return model, flat_zero, model, flat_zero.optimizer
+    wrap.shard_model(model, fsdp.make_mesh(device))
     opt = adam(model.parameters())
     return model, opt, model, opt
 
@@ -105,3 +111,79 @@ def compare(nprocs: int = 4, **kwargs) -> list[list[dict]]:
 
     backend = None if devices.gpu_count() >= nprocs else "gloo"
     return launch(scheme_rank, nprocs, backend=backend, **kwargs)
+
+
+# -- the lesson's demos in ranks: results, not the code of its exercises ------------------------
+def one_step_collectives() -> dict:
+    """In every rank: the collectives of one Adam step under DDP, ZeRO-2 by hand and FSDP2 (``record()`` events).
+
+    DDP's all-reduce runs in C++; PyTorch's own ``allreduce_hook`` does the same in Python, where it is recorded.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from mgpu_lab.sharding import flat, wrap
+
+    x, y = fsdp.batch(8, features=8)
+    adam = lambda params: torch.optim.Adam(params, lr=1e-3)  # noqa: E731
+    ddp = DDP(fsdp.BlockNet())
+    ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+    zero_model = fsdp.BlockNet()
+    flat_zero = flat.FlatZero(zero_model, 2, adam)
+    sharded = wrap.shard_model(fsdp.BlockNet(), fsdp.make_mesh())
+    schemes = [("DDP", ddp, adam(ddp.parameters())), ("ZeRO-2", zero_model, flat_zero),
+               ("FSDP2", sharded, adam(sharded.parameters()))]
+    out = {}
+    for name, net, opt in schemes:
+        with record() as log:
+            fsdp.train_steps(net, opt, x, y, 1)
+        out[name] = log.events
+    return out
+
+
+def zero_by_hand(steps: int = 3) -> dict:
+    """In every rank: ``steps`` Adam steps under DDP, ZeRO-1 and ZeRO-2 by hand; the weights and the bytes held."""
+    from mgpu_lab.sharding import flat
+
+    x, y = fsdp.batch(12, features=8)
+    adam = lambda params: torch.optim.Adam(params, lr=1e-2)  # noqa: E731
+    out = {}
+    for scheme in ("DDP", "ZeRO-1", "ZeRO-2"):
+        model = fsdp.BlockNet(width=10, depth=2)
+        if scheme == "DDP":
+            net = DDP(model, gradient_as_bucket_view=True)  # .grad are views into DDP's buckets: no second copy
+            opt = step_with = adam(net.parameters())
+        else:
+            net, step_with = model, flat.FlatZero(model, STAGE[scheme], adam)
+            opt = step_with.optimizer
+        fsdp.train_steps(net, step_with, x, y, steps)
+        out[scheme] = {"weights": fsdp.full_params(model), "held": zero.held_bytes(model, opt)["total"]}
+    return out
+
+
+def pitfalls() -> dict:
+    """In every rank: an unpadded reduce-scatter (its error), and a parameter updated from strided shards.
+
+    Returns:
+        ``{"unpadded": the error's text, "block": max error of contiguous blocks, "strided": of strided shards}``.
+    """
+    import torch.distributed as tdist
+
+    from mgpu_lab.core import compat
+
+    compat.install()
+    rank, world = tdist.get_rank(), tdist.get_world_size()
+    param, grad = torch.linspace(-1, 1, 12), torch.arange(12.0) * (rank + 1)
+    out = {"unpadded": ""}
+    try:
+        tdist.reduce_scatter_single(torch.empty(10 // world), grad[:10])
+    except RuntimeError as err:
+        out["unpadded"] = "RuntimeError: " + str(err)[str(err).find("Check failed"):].strip()
+    mine = torch.empty(12 // world)
+    tdist.reduce_scatter_single(mine, grad)
+    s = 12 // world
+    mean = torch.arange(12.0) * (world + 1) / 2
+    for name, shard in (("block", param[rank * s:(rank + 1) * s]), ("strided", param[rank::world])):
+        full = torch.empty(12)
+        tdist.all_gather_single(full, (shard - mine / world).contiguous())
+        out[name] = (full - (param - mean)).abs().max().item()
+    return out

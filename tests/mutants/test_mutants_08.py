@@ -15,54 +15,10 @@ from mutation import ExerciseMutants, Mutant, Variant, drop_statement, mutant_te
 pytestmark = pytest.mark.timeout(600)
 NB = "08_sharding.ipynb"
 
-# -- zero_memory -------------------------------------------------------------------------------
-ZERO = ExerciseMutants("08.zero_memory", NB, ("zero_memory",), mutants=[
-    Mutant("shard rounded down", replace("-(-n_params // world_size)", "n_params // world_size"), "rounds down"),
-    Mutant("shard as a float", replace("-(-n_params // world_size)", "n_params / world_size"), "return an int"),
-    Mutant("stage 1 shards the gradients too",
-           replace("grads = n_params if stage < 2", "grads = n_params if stage < 1"), "stage 1"),
-    Mutant("stage 3 keeps the parameters whole", replace("params = n_params if stage < 3 else shard",
-                                                         "params = n_params"), "stage 3"),
-    Mutant("optimizer state fixed at 8 bytes", replace("optim * optim_bytes", "optim * 8"), "optim_bytes"),
-    Mutant("any stage accepted", drop_statement("ZeRO has stages"), ("valueerror", "stage")),
-    Mutant("sizes not checked", drop_statement("must be positive"), ("valueerror", "n_params")),
-], variants=[
-    Variant("math.ceil and a table of what each stage shards", '''
-import math
-
-
-def zero_memory(n_params, world_size, stage, param_bytes=4, grad_bytes=4, optim_bytes=8):
-    sharded = {0: (False, False, False), 1: (False, False, True), 2: (False, True, True), 3: (True, True, True)}
-    if stage not in sharded:
-        raise ValueError(f"no ZeRO stage {stage}")
-    if min(n_params, world_size, param_bytes, grad_bytes, optim_bytes) < 1:
-        raise ValueError("sizes must be positive")
-    shard = math.ceil(n_params / world_size)
-    return sum((shard if s else n_params) * b for s, b in zip(sharded[stage], (param_bytes, grad_bytes, optim_bytes)))
-'''),
-    Variant("an if/elif per stage, divmod for the shard", '''
-def zero_memory(n_params, world_size, stage, param_bytes=4, grad_bytes=4, optim_bytes=8):
-    for value in (n_params, world_size, param_bytes, grad_bytes, optim_bytes):
-        if value <= 0:
-            raise ValueError(f"{value} is not positive")
-    q, r = divmod(n_params, world_size)
-    shard = q + (r > 0)
-    if stage == 0:
-        return n_params * (param_bytes + grad_bytes + optim_bytes)
-    elif stage == 1:
-        return n_params * (param_bytes + grad_bytes) + shard * optim_bytes
-    elif stage == 2:
-        return n_params * param_bytes + shard * (grad_bytes + optim_bytes)
-    elif stage == 3:
-        return shard * (param_bytes + grad_bytes + optim_bytes)
-    raise ValueError(f"stage {stage} is not 0, 1, 2 or 3")
-'''),
-])
-
 # -- sharded_sgd_step --------------------------------------------------------------------------
 SGD = ExerciseMutants("08.sharded_sgd_step", NB, ("sharded_sgd_step",), mutants=[
     Mutant("the sum of the gradients, not their mean", replace("lr * grad_shard / world", "lr * grad_shard"), "sum"),
-    Mutant("no padding", replace("F.pad(grad, (0, pad))", "grad"), "pad to a multiple"),
+    Mutant("no padding", replace("F.pad(grad, (0, pad))", "grad"), "padded for the collectives"),
     Mutant("a strided shard instead of a block", replace("F.pad(param, (0, pad))[rank * s:(rank + 1) * s]",
                                                          "F.pad(param, (0, pad))[rank::world]"), "contiguous block"),
     Mutant("DDP's all-reduce instead of a reduce-scatter", replace(
@@ -72,7 +28,7 @@ SGD = ExerciseMutants("08.sharded_sgd_step", NB, ("sharded_sgd_step",), mutants=
     Mutant("padding left in the result", replace("return full[:n]", "return full"), "cut the padding off"),
     Mutant("a buffer on the default device (fails on GPUs)", replace(
         "torch.empty(s, dtype=grad.dtype, device=grad.device)", "torch.empty(s, dtype=grad.dtype)"),
-        ("device=grad.device", "meta")),
+        ("default device", "meta")),
     Mutant("a float32 buffer for any dtype", replace("torch.empty(s * world, dtype=param.dtype, device=param.device)",
                                                      "torch.empty(s * world, device=param.device)"), "dtype"),
     Mutant("the gradient all-gathered, the whole parameter updated everywhere", (
@@ -117,104 +73,210 @@ def sharded_sgd_step(param, grad, lr):
 '''),
 ])
 
-# -- shard_model -------------------------------------------------------------------------------
-SHARD = ExerciseMutants("08.shard_model", NB, ("shard_model",), mutants=[
-    Mutant("only the root", drop_statement("fully_shard(block"), "whole model"),
-    Mutant("the root left unsharded", drop_statement("fully_shard(model"), ("plain", "fully_shard(model, mesh=mesh)")),
-    Mutant("no mesh passed: fully_shard's default mesh", replace(", mesh=mesh)", ")", count=0), "mesh passed in"),
-    Mutant("the root before the blocks", replace(
-        "    for block in model.blocks:\n        fully_shard(block, mesh=mesh)\n    fully_shard(model, mesh=mesh)\n",
-        "    fully_shard(model, mesh=mesh)\n    for block in model.blocks:\n        fully_shard(block, mesh=mesh)\n"),
-        "bottom-up"),
-    Mutant("every child, the ModuleList included", replace("for block in model.blocks:",
-                                                            "for block in model.children():"), "modulelist"),
-    Mutant("only the first block", replace("for block in model.blocks:", "for block in model.blocks[:1]:"),
-           "blocks.1"),
-    Mutant("nothing returned", drop_statement("return model"), ("return model", "nonetype")),
-    Mutant("a bfloat16 policy on the root", replace(
-        "fully_shard(model, mesh=mesh)",
-        "fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))"),
-        "bfloat16"),
+# -- ShardedAdam -------------------------------------------------------------------------------
+GREEDY = '''        for p in sorted(every, key=lambda p: -p.numel()):  # largest first; the same order on every rank
+            rank = load.index(min(load))
+            self.owner[p] = rank
+            load[rank] += p.numel()
+'''
+L2 = 'grad = p.grad if group["weight_decay"] == 0 else p.grad + group["weight_decay"] * p'
+ADAM = ExerciseMutants("08.ShardedAdam", NB, ("ShardedAdam",), mutants=[
+    Mutant("the updated parameters never shared", drop_statement("dist.broadcast(p, src=self.owner[p])"),
+           "shares each updated parameter"),
+    Mutant("AdamW's decoupled weight decay", replace(L2, 'p.mul_(1 - group["lr"] * group["weight_decay"])\n'
+                                                     '                grad = p.grad'), "adamw"),
+    Mutant("weight_decay ignored", replace(L2, "grad = p.grad"), "setting given to the constructor"),
+    Mutant("every rank steps every parameter: plain Adam", replace("if p.grad is None or self.owner[p] != me:",
+                                                                   "if p.grad is None:"), "plain adam"),
+    Mutant("owners dealt by position, not balanced by elements", replace(
+        GREEDY, "        for i, p in enumerate(every):\n            self.owner[p] = i % len(load)\n"),
+        "near 1/world_size of the elements"),
+    Mutant("no bias correction", (replace(' / (1 - beta2 ** state["step"]) ** 0.5', ""),
+                                  replace(' / (1 - beta1 ** state["step"])', "")), "parameters right there"),
+    Mutant("the gradients all-reduced again in the step", replace(
+        "        me = dist.get_rank()\n",
+        "        me = dist.get_rank()\n        for group in self.param_groups:\n            for p in group['params']:\n"
+        "                dist.all_reduce(p.grad)\n                p.grad /= dist.get_world_size()\n"), "all-reduces"),
 ], variants=[
-    Variant("indices, reshard_after_forward=True, fully_shard's own return value", '''
-def shard_model(model, mesh):
-    for i in range(len(model.blocks)):
-        fully_shard(model.blocks[i], mesh=mesh, reshard_after_forward=True)
-    return fully_shard(model, mesh=mesh)
+    Variant("a torch.optim.Adam over the owned parameters, owners cut in contiguous runs of elements", '''
+class ShardedAdam(torch.optim.Optimizer):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        world, me = dist.get_world_size(), dist.get_rank()
+        every = [p for group in self.param_groups for p in group["params"]]
+        total, seen, self.owner = sum(p.numel() for p in every), 0, {}
+        for p in every:
+            self.owner[p] = min(world - 1, (seen + p.numel() // 2) * world // total)
+            seen += p.numel()
+        mine = [p for p in every if self.owner[p] == me]
+        self.local = torch.optim.Adam(mine, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.state = self.local.state
+
+    def step(self, closure=None):
+        self.local.step()
+        with torch.no_grad():
+            for p in self.owner:
+                dist.broadcast(p, src=self.owner[p])
 '''),
-    Variant("the blocks kept unsharded from forward to backward (ZeRO-2's traffic)", '''
-from torch.distributed.fsdp import fully_shard as shard
+    Variant("async broadcasts, lerp for the first moment, per-group owners", '''
+import math
 
 
-def shard_model(model, mesh):
-    [shard(block, mesh=mesh, reshard_after_forward=False) for block in model.blocks]
-    shard(model, mesh=mesh)
+class ShardedAdam(torch.optim.Optimizer):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        super().__init__(params, defaults)
+        self.where = {}
+        sizes = [0] * dist.get_world_size()
+        for group in self.param_groups:
+            for p in group["params"]:
+                r = min(range(len(sizes)), key=lambda k: (sizes[k], k))
+                self.where[id(p)] = r
+                sizes[r] += p.numel()
+
+    def step(self, closure=None):
+        me = dist.get_rank()
+        with torch.no_grad():
+            for group in self.param_groups:
+                b1, b2 = group["betas"]
+                for p in group["params"]:
+                    if self.where[id(p)] != me or p.grad is None:
+                        continue
+                    g = p.grad.add(p, alpha=group["weight_decay"]) if group["weight_decay"] else p.grad
+                    st = self.state[p]
+                    if "exp_avg" not in st:
+                        st.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+                    st["step"] += 1
+                    st["exp_avg"].lerp_(g, 1 - b1)
+                    st["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
+                    step_size = group["lr"] / (1 - b1 ** st["step"])
+                    denom = st["exp_avg_sq"].sqrt().div_(math.sqrt(1 - b2 ** st["step"])).add_(group["eps"])
+                    p.addcdiv_(st["exp_avg"], denom, value=-step_size)
+            works = [dist.broadcast(p, src=self.where[id(p)], async_op=True)
+                     for group in self.param_groups for p in group["params"]]
+            for work in works:
+                work.wait()
+'''),
+])
+
+# -- build_sharded -----------------------------------------------------------------------------
+INIT = '''    with torch.random.fork_rng(devices=[]):
+        torch.set_rng_state(drawn)
+        for name, layer in twin.named_modules():  # the order model_fn made them: the order it drew
+'''
+BUILD = ExerciseMutants("08.build_sharded", NB, ("build_sharded",), mutants=[
+    Mutant("built on the CPU, then sharded", replace('with torch.device("meta"):', 'with torch.device("cpu"):'),
+           "model_fn() ran"),
+    Mutant("materialised and never initialised", replace("    with torch.random.fork_rng(devices=[]):\n",
+                                                         "    return model\n    if True:\n"), "to_empty"),
+    Mutant("a random initialisation of each rank's shards", replace(
+        INIT, '''    with torch.random.fork_rng(devices=[]):
+        torch.set_rng_state(drawn)
+        model.apply(lambda m: m.reset_parameters() if isinstance(m, nn.Linear) else None)
+        for name, layer in []:
+'''), "draws other numbers"),
+    Mutant("the whole twin materialised at once", (
+        replace("    sharded = dict(model.named_modules())\n",
+                '    sharded = dict(model.named_modules())\n    twin.to_empty(device="cpu")\n'),
+        replace('            layer.to_empty(device="meta", recurse=False)  # freed before the next layer\n', "")),
+        "held the whole model"),
+    Mutant("only the root sharded", drop_statement("fully_shard(block"), "whole model"),
+    Mutant("fully_shard's default mesh", replace(", mesh=mesh)", ")", count=0), "mesh passed in"),
+    Mutant("layers drawn in reverse order", replace("for name, layer in twin.named_modules():",
+                                                     "for name, layer in reversed(list(twin.named_modules())):"),
+           "in the order model_fn() made them"),
+], variants=[
+    Variant("a block at a time, each rank copying its chunk into its local shard", '''
+def build_sharded(model_fn, mesh):
+    with torch.device("meta"):
+        model = model_fn()
+    state = torch.random.get_rng_state()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device=mesh.device_type)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    with torch.device("meta"):
+        plan = model_fn()
+    torch.random.set_rng_state(state)
+    groups = [plan.inp] + list(plan.blocks) + [plan.head]
+    names = ["inp"] + [f"blocks.{i}" for i in range(len(plan.blocks))] + ["head"]
+    for prefix, group in zip(names, groups):
+        group.to_empty(device="cpu")
+        for m in group.modules():
+            if isinstance(m, nn.Linear):
+                m.reset_parameters()
+        for key, full in group.named_parameters():
+            target = model.get_parameter(f"{prefix}.{key}")
+            pieces = full.detach().chunk(world)
+            with torch.no_grad():
+                if rank < len(pieces):
+                    target.to_local().copy_(pieces[rank])
+        group.to_empty(device="meta")
+    return model
+'''),
+    Variant("each layer's full weights handed to set_model_state_dict", '''
+def build_sharded(model_fn, mesh):
+    with torch.device("meta"):
+        model, plan = model_fn(), model_fn()
+    seeded = torch.get_rng_state()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device=mesh.device_type)
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.set_rng_state(seeded)
+        for name, layer in plan.named_modules():
+            if isinstance(layer, nn.Linear):
+                layer.to_empty(device="cpu", recurse=False)
+                layer.reset_parameters()
+                set_model_state_dict(model, {f"{name}.{k}": v.detach() for k, v in layer.named_parameters()},
+                                     options=options)
+                layer.to_empty(device="meta", recurse=False)
     return model
 '''),
 ])
 
-# -- dcp_checkpoint ----------------------------------------------------------------------------
-DCP = ExerciseMutants("08.dcp_checkpoint", NB, ("save_checkpoint", "load_checkpoint"), mutants=[
-    Mutant("the full state gathered on every rank before saving", replace(
-        "    model_state, optim_state = get_state_dict(model, optimizer)\n    dcp.save",
-        "    model_state, optim_state = get_state_dict(model, optimizer, "
-        "options=StateDictOptions(full_state_dict=True))\n    dcp.save"), "full_state_dict"),
-    Mutant("the model saved without the optimizer", replace('dcp.save({"model": model_state, "optim": optim_state}',
-                                                            'dcp.save({"model": model_state}'), "optimizer"),
-    Mutant("torch.save on rank 0", replace(
-        '    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)',
-        '    if dist.get_rank() == 0:\n        os.makedirs(path, exist_ok=True)\n'
-        '        torch.save({"model": model_state, "optim": optim_state}, os.path.join(path, "ckpt.pt"))\n'
-        '    dist.barrier()'), ".metadata"),
-    Mutant("a checkpoint directory per rank", replace(
-        "checkpoint_id=path)", 'checkpoint_id=os.path.join(path, f"rank{dist.get_rank()}"))', count=0),
-        "rank1"),  # dcp.save then fails, or writes rank0/ ... rank3/ (which of the two depends on timing)
-    Mutant("the optimizer's own state_dict(): empty before its first step", replace(
-        "    model_state, optim_state = get_state_dict(model, optimizer)\n    state =",
-        "    model_state, optim_state = get_state_dict(model, optimizer)[0], optimizer.state_dict()\n    state ="),
-        ("missing key", "optim.state.0")),
+# -- load_full_into_sharded --------------------------------------------------------------------
+LOAD_ALL = '    full = torch.load(path, map_location="cpu", weights_only=True) if dist.get_rank() == 0 else {}\n'
+LOAD = ExerciseMutants("08.load_full_into_sharded", NB, ("load_full_into_sharded",), mutants=[
+    Mutant("every rank reads the file", replace(" if dist.get_rank() == 0 else {}", ""), "other ranks read the file"),
+    Mutant("every rank reads the file and takes its part, no broadcast", (
+        replace(" if dist.get_rank() == 0 else {}", ""), replace(", broadcast_from_rank0=True", "")),
+        "other ranks read the file"),
+    Mutant("rank 0 sends the whole state as one object", (
+        replace(LOAD_ALL, LOAD_ALL + "    box = [full]\n    dist.broadcast_object_list(box, src=0)\n"
+                                     "    full = box[0]\n"),
+        replace(", broadcast_from_rank0=True", "")), "whole state"),
+    Mutant("the other ranks load an empty dict, no broadcast", replace(", broadcast_from_rank0=True", ""),
+           ("raised", "state_dict is empty", "rank = dist.get_rank()=1")),
+    Mutant("the full tensors taken as shards", replace("full_state_dict=True, ", ""), "raised"),
 ], variants=[
-    Variant("a Stateful app state, as in PyTorch's DCP recipe", '''
-from torch.distributed.checkpoint.stateful import Stateful
-
-
-class AppState(Stateful):
-    def __init__(self, model, optimizer):
-        self.model, self.optimizer = model, optimizer
-
-    def state_dict(self):
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        return {"model": model_state, "optim": optim_state}
-
-    def load_state_dict(self, state):
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-
-
-def save_checkpoint(model, optimizer, path):
-    dcp.save({"app": AppState(model, optimizer)}, checkpoint_id=path)
-
-
-def load_checkpoint(model, optimizer, path):
-    dcp.load({"app": AppState(model, optimizer)}, checkpoint_id=path)
+    Variant("a broadcast per parameter, each rank copying its chunk", '''
+def load_full_into_sharded(model, path):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    full = torch.load(path, weights_only=True) if rank == 0 else None
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            buffer = full[name] if rank == 0 else torch.empty(p.shape, dtype=p.dtype)
+            dist.broadcast(buffer, src=0)
+            pieces = buffer.chunk(world)
+            if rank < len(pieces):
+                p.to_local().copy_(pieces[rank])
+            del buffer
 '''),
-    Variant("model and optimizer state dicts apart, explicit file-system writer and reader", '''
-from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict, set_optimizer_state_dict)
-
-
-def save_checkpoint(model, optimizer, path):
-    state = {"m": get_model_state_dict(model), "o": get_optimizer_state_dict(model, optimizer)}
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(path))
-
-
-def load_checkpoint(model, optimizer, path):
-    state = {"m": get_model_state_dict(model), "o": get_optimizer_state_dict(model, optimizer)}
-    dcp.load(state, storage_reader=dcp.FileSystemReader(path))
-    set_model_state_dict(model, state["m"])
-    set_optimizer_state_dict(model, optimizer, state["o"])
+    Variant("mmap on rank 0, the state dict as a keyword", '''
+def load_full_into_sharded(model, path):
+    options = StateDictOptions(broadcast_from_rank0=True, full_state_dict=True)
+    state = {}
+    if dist.get_rank() == 0:
+        state = torch.load(path, mmap=True, weights_only=True)
+    set_model_state_dict(model, model_state_dict=state, options=options)
 '''),
 ])
 
-SPECS = [ZERO, SGD, SHARD, DCP]
+SPECS = [SGD, ADAM, BUILD, LOAD]
 
 
 @functools.cache

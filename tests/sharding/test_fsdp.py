@@ -10,8 +10,8 @@ import torch.distributed as dist
 from mgpu_lab import launch
 from mgpu_lab.sharding import distcp
 from mgpu_lab.comm.record import record
-from mgpu_lab.sharding.fsdp import (BlockNet, batch, full_params, make_mesh, peak_bytes, reference_steps, shard_model,
-                                    train_steps)
+from mgpu_lab.sharding.fsdp import BlockNet, batch, full_params, make_mesh, peak_bytes, reference_steps, train_steps
+from mgpu_lab.sharding.wrap import shard_model
 from mgpu_lab.sharding.zero import zero_memory
 from mgpu_lab.sharding.side_by_side import scheme_rank
 

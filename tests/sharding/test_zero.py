@@ -9,7 +9,8 @@ from torch import nn
 from mgpu_lab import launch
 from mgpu_lab.comm.record import record, summarize
 from mgpu_lab.sharding.fsdp import BlockNet, batch, train_steps
-from mgpu_lab.sharding.zero import FlatZero, held_bytes, shard_size, sharded_sgd_step, zero_memory
+from mgpu_lab.sharding.flat import FlatZero, sharded_sgd_step
+from mgpu_lab.sharding.zero import held_bytes, shard_size, zero_memory
 
 pytestmark = pytest.mark.timeout(300)
 

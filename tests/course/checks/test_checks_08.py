@@ -23,9 +23,9 @@ NOTEBOOK = Path(__file__).resolve().parents[3] / "solutions" / "08_sharding.ipyn
 # every rank then imports that test module, nbformat and all (seconds of CPU per rank).
 _STUBS: dict = {}
 exec("def stub(*args, **kwargs):\n    raise NotImplementedError('write this function')\n", _STUBS)
-POINTS = {"08.zero_memory": 9, "08.sharded_sgd_step": 7, "08.shard_model": 5, "08.dcp_checkpoint": 5}
-ANSWERS = {"08.zero_memory": ("zero_memory",), "08.sharded_sgd_step": ("sharded_sgd_step",),
-           "08.shard_model": ("shard_model",), "08.dcp_checkpoint": ("save_checkpoint", "load_checkpoint")}
+POINTS = {"08.sharded_sgd_step": 7, "08.ShardedAdam": 5, "08.build_sharded": 5, "08.load_full_into_sharded": 4}
+ANSWERS = {"08.sharded_sgd_step": ("sharded_sgd_step",), "08.ShardedAdam": ("ShardedAdam",),
+           "08.build_sharded": ("build_sharded",), "08.load_full_into_sharded": ("load_full_into_sharded",)}
 
 
 def test_lesson_08_registers_four_exercises_with_one_point_per_case():
@@ -73,7 +73,7 @@ def _sgd_evidence(results_of_rank):
 
 @pytest.mark.parametrize("answer, words", [
     (lambda p, g, r: p - judges.SGD_LR * sum(g) / 3, ""),
-    (lambda p, g, r: p - judges.SGD_LR * sum(g), "sum of the gradients"),
+    (lambda p, g, r: p - judges.SGD_LR * sum(g), "sum of the ranks' gradients"),
     (lambda p, g, r: p - judges.SGD_LR * g[r], "own gradient"),
     (lambda p, g, r: torch.cat([p, torch.zeros(2)]), "cut the padding"),
 ])
@@ -82,25 +82,59 @@ def test_sgd_result_judge_names_the_bug(answer, words):
     assert (words in said) if words else said == "", said
 
 
-def _dcp_evidence(layout, loaded=None, load_error=None):
-    ev = {"files": sorted(layout["files"]) if layout else ["ckpt.pt"], "layout": layout,
-          "saved": {"model.w": torch.ones(4)}, "loaded": loaded}
-    if load_error:
-        ev["load_error"] = load_error
-    return [ev]
+# -- a trivially wrong answer (it does nothing) passes no case that names a behaviour it lacks -------------
+_NOTHING: dict = {}
+exec("import torch\n"
+     "class ShardedAdam(torch.optim.Optimizer):\n"
+     "    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):\n"
+     "        super().__init__(params, dict(lr=lr))\n"
+     "    def step(self, closure=None):\n"
+     "        pass\n"
+     "def build_sharded(model_fn, mesh):\n"
+     "    return None\n"
+     "def load_full_into_sharded(model, path):\n"
+     "    return None\n"
+     "def sharded_sgd_step(param, grad, lr):\n"
+     "    return param\n", _NOTHING)
 
 
-def _layout(chunks):
-    return {"files": {".metadata": 1, **{f"__{r}_0.distcp": 1 for r in range(4)}},
-            "tensors": {"model.w": {"shape": [8], "chunks": chunks,
-                                    "files": [f"__{r}_0.distcp" for r in range(chunks)]}}}
+@pytest.mark.parametrize("exercise_id, name", [(e, n[0]) for e, n in ANSWERS.items()])
+def test_an_answer_that_does_nothing_passes_no_case_of_the_behaviour_it_lacks(exercise_id, name):
+    result = check(exercise_id, _NOTHING[name])
+    assert result.status == "failed" and not [c.name for c in result.cases if c.passed], str(result)
 
 
-def test_dcp_judges_say_what_is_wrong():
-    assert "not a dcp checkpoint" in _verdict(judges.judge_dcp, "files", _dcp_evidence(None))
-    assert _verdict(judges.judge_dcp, "files", _dcp_evidence(_layout(4))) == ""
-    assert "1 slice(s)" in _verdict(judges.judge_dcp, "sharded", _dcp_evidence(_layout(1)))
-    assert _verdict(judges.judge_dcp, "sharded", _dcp_evidence(_layout(4))) == ""
-    assert "it raised keyerror" in _verdict(judges.judge_dcp, "load4", _dcp_evidence(_layout(4), None, "KeyError: x"))
-    assert "differ" in _verdict(judges.judge_dcp, "load4", _dcp_evidence(_layout(4), {"model.w": torch.zeros(4)}))
-    assert _verdict(judges.judge_dcp, "load4", _dcp_evidence(_layout(4), {"model.w": torch.ones(4)})) == ""
+def _adam_evidence(weights_of_rank, owned, step_ops=(("broadcast", 10),), state_bytes=80):
+    sizes = [10, 10]
+    adam = [torch.ones(10), torch.ones(10)]
+    adamw = [torch.full((10,), 2.0), torch.full((10,), 2.0)]
+    return [{"sizes": sizes, "configs": [{"optimizer": True, "weights": weights_of_rank(r, adam, adamw), "moved": True,
+                                          "adam": adam, "adamw": adamw, "step_ops": list(step_ops),
+                                          "state": {"bytes": state_bytes, "owned": owned[r]}}] * 2}
+            for r in range(2)]
+
+
+def test_sharded_adam_judges_name_adamw_unshared_parameters_and_plain_adam():
+    right = _adam_evidence(lambda r, a, w: a, [[0], [1]])
+    assert _verdict(judges.judge_adam, right, 0) == ""
+    assert "adamw" in _verdict(judges.judge_adam, _adam_evidence(lambda r, a, w: w, [[0], [1]]), 0)
+    unshared = _adam_evidence(lambda r, a, w: [a[0], torch.zeros(10)] if r == 0 else [torch.zeros(10), a[1]],
+                              [[0], [1]])
+    assert "shares each updated parameter" in _verdict(judges.judge_replicas, unshared)
+    assert "plain adam" in _verdict(judges.judge_adam_state, _adam_evidence(lambda r, a, w: a, [[0, 1], [0, 1]],
+                                                                             state_bytes=200))
+    assert "all-reduces" in _verdict(judges.judge_adam_traffic, _adam_evidence(lambda r, a, w: a, [[0], [1]],
+                                                                                [("all_reduce", 20)]))
+
+
+def test_build_and_load_judges_name_the_whole_model_and_other_ranks_reading():
+    sizes = {"block_bytes": 100, "whole_bytes": 1000}
+    params = {"params": {"w": {"dtensor": True}}}
+    held = [{"sizes": sizes, "end": 500, "peak": 1200, "calls": ["cpu"], **params}] * 2
+    assert "model_fn() ran 1 time(s) on the cpu" in _verdict(judges.judge_live, held)
+    fine = [{"sizes": sizes, "end": 500, "peak": 650, "calls": ["meta"], **params}] * 2
+    assert _verdict(judges.judge_live, fine) == ""
+    loaded = {"params": {"w": {}}, "local_ok": ["w"]}
+    assert "other ranks read the file" in _verdict(judges.judge_opened, [{"opened": 1, **loaded}] * 2)
+    assert "whole state" in _verdict(judges.judge_not_full, [{}, {"peak": 600, "whole_bytes": 1000,
+                                                                   "largest_bytes": 100, **loaded}])

@@ -1,5 +1,5 @@
-"""Checks of lesson 08 (sharding: ZeRO, FSDP2, DCP): 08.zero_memory, 08.sharded_sgd_step,
-08.shard_model, 08.dcp_checkpoint.
+"""Checks of lesson 08 (sharding: ZeRO, FSDP2, DCP): 08.sharded_sgd_step, 08.ShardedAdam,
+08.build_sharded, 08.load_full_into_sharded.
 
 Every lesson's checks have the same three modules: ``checkers`` (the exercises,
 registered with their cases and hints), ``ranks`` (what runs in the check's fresh

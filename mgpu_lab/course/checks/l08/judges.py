@@ -3,42 +3,13 @@
 Each ``judge_*`` function fails the current case (``t.fail``) with what was
 expected, what came, and, where the evidence allows, the bug it points to:
 the sum of the gradients instead of their mean, a gradient all-gathered instead
-of an updated shard, the whole model all-gathered at once, a checkpoint that
-was gathered to one rank before it was written.
+of an updated shard, decoupled weight decay, parameters never shared, the whole
+model held or all-gathered at once, a full state on a rank that should not hold it.
 """
 from __future__ import annotations
 
 import torch
 
-from mgpu_lab.sharding import zero
-from ..sim.outcome import in_words
-
-
-def zero_groups(n_measured):
-    m = ((n_measured, 4, s) for s in range(4))
-    sweep = [((n, w, s), {}) for n in (1, 2, 7, 64, 1001) for w in (1, 3, 8) for s in range(4)]
-    sweep += [((n, w, s, p, g, o), {}) for n, w in ((999, 7), (5, 8)) for s in range(4) for p, g, o in ((2, 2, 12),
-                                                                                                        (1, 3, 5))]
-    return [
-        ("stage 0 (DDP): 1000 parameters on 4 ranks hold 1000 x (4 + 4 + 8) = 16000 bytes each",
-         [((1000, 4, 0), {})], "stage 0 shards nothing: n_params x (param_bytes + grad_bytes + optim_bytes)"),
-        ("stage 1 shards the optimizer state: 1000 x (4 + 4) + 250 x 8", [((1000, 4, 1), {})],
-         "stage 1: parameters and gradients whole, the optimizer state in shards of ceil(n_params / world_size)"),
-        ("stage 2 shards the gradients too: 1000 x 4 + 250 x (4 + 8)", [((1000, 4, 2), {})],
-         "stage 2: the parameters whole, gradients and optimizer state in shards"),
-        ("stage 3 shards the parameters too: 250 x (4 + 4 + 8)", [((1000, 4, 3), {})],
-         "stage 3 (FSDP) shards all three: shard x (param_bytes + grad_bytes + optim_bytes)"),
-        ("shards round up: 10 parameters on 4 ranks make shards of 3 (stages 0-3)",
-         [((10, 4, s), {}) for s in range(4)], "a shard is ceil(n_params / world_size) elements"),
-        ("mixed precision: 2-byte parameters and gradients, 12 bytes of optimizer state (fp32 master + Adam)",
-         [((10**6, 8, s, 2, 2, 12), {}) for s in range(4)] + [((10, 4, 1), {"param_bytes": 2, "grad_bytes": 2,
-                                                                          "optim_bytes": 12})],
-         "use param_bytes, grad_bytes and optim_bytes as given, each for its own kind of tensor"),
-        ("ValueError for a stage outside 0..3 and for sizes that are not positive", None, ""),
-        (f"equals what 4 real ranks hold after 2 Adam steps of a {n_measured}-parameter model: DDP, ZeRO-1 and "
-         "ZeRO-2 by hand, FSDP2 (up to their padding)", [(args, {}) for args in m], "measured"),
-        (f"{len(sweep)} more combinations of sizes, world sizes, stages and byte counts", sweep, "hidden"),
-    ]
 
 
 SGD_LR = 0.5
@@ -47,57 +18,6 @@ SGD_LR = 0.5
 # (elements, dtype, run under torch.device("meta")): the cases of the sharded_sgd_step probe
 SGD_CASES = [(12, "float32", False), (10, "float32", False), (2, "float32", False), (10, "float64", False),
              (10, "float32", True)]
-
-
-def _show(call) -> str:
-    args, kwargs = call
-    return "zero_memory(" + ", ".join([repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()]) + ")"
-
-
-def judge_values(t, calls, got, hint):
-    """zero_memory's value for each call equals the formula's, as an int; names a shard rounded down."""
-    for call, res in zip(calls, got):
-        expected = zero.zero_memory(*call[0], **call[1])
-        if res[0] != "ok":
-            t.fail(f"{_show(call)} raised {res[1]}: {res[2]}; {hint}", expected, f"raised {res[1]}")
-        if res[2] != "int":
-            t.fail(f"{_show(call)} returned a {res[2]}: return an int (bytes are whole; use // or math.ceil, "
-                   f"not /)", f"{expected} (int)", f"{res[1]!r} ({res[2]})")
-        if res[1] != expected:
-            n, world = call[0][0], call[0][1]
-            floor = n // world
-            if n % world and res[1] == _with_shard(call, floor):
-                hint = (f"a shard of {n} parameters on {world} ranks is ceil({n} / {world}) = "
-                        f"{-(-n // world)} elements: n_params // world_size rounds down and loses the remainder")
-            t.fail(f"{_show(call)}: {hint}", expected, res[1])
-
-
-def _with_shard(call, shard) -> int:
-    (n, world, stage, *rest), kw = call
-    b = dict(zip(("param_bytes", "grad_bytes", "optim_bytes"), rest), **kw)
-    p, g, o = b.get("param_bytes", 4), b.get("grad_bytes", 4), b.get("optim_bytes", 8)
-    return (n if stage < 3 else shard) * p + (n if stage < 2 else shard) * g + (n if stage < 1 else shard) * o
-
-
-def judge_raises(t, calls, got):
-    """Every call raised ValueError."""
-    for call, res in zip(calls, got):
-        if res[0] != "raised" or res[1] != "ValueError":
-            t.fail("check stage first (0, 1, 2 or 3) and every size (n_params, world_size, the byte counts) "
-                   "for > 0; raise ValueError naming the value", f"{_show(call)} raises ValueError",
-                   in_words(res))
-
-
-def judge_measured(t, calls, got, held):
-    """zero_memory for stages 0-3 matches the bytes real ranks held (``held``), up to each scheme's padding."""
-    names = ("DDP (stage 0)", "ZeRO-1", "ZeRO-2", "FSDP2 (stage 3)")
-    for stage, (call, res) in enumerate(zip(calls, got)):
-        if res[0] != "ok":
-            t.fail(f"{_show(call)} raised {res[1]}: {res[2]}")
-        pad = 0 if stage == 0 else 16 * (held["fsdp_padding"] if stage == 3 else held["flat_padding"])
-        if not isinstance(res[1], (int, float)) or abs(res[1] - held[f"stage{stage}"]) > pad:
-            t.fail(f"under {names[stage]} each of 4 real ranks holds {held[f'stage{stage}']} bytes of parameters, "
-                   f"gradients and Adam state (padding: up to {pad} bytes)", held[f"stage{stage}"], res[1])
 
 
 def _expected(results, k):
@@ -120,14 +40,15 @@ def judge_result(t, results, k):
             # a result on 'meta' is the device case's own bug: its hint says so
             t.fail("" if got == "a meta tensor" else "return the new full parameter as a tensor", "a tensor", got)
         if got.numel() != n:
-            t.fail(f"return the whole parameter, {n} elements: all-gather every rank's shard, then cut the "
-                   "padding off (full[:n])", f"{n} elements", f"{got.numel()} elements on rank {r}")
+            t.fail(f"the result has {got.numel()} elements, the parameter {n}: "
+                   + ("the padding is still in it: cut the padding off" if got.numel() > n else
+                      "some ranks' parts are missing"), f"{n} elements", f"{got.numel()} elements on rank {r}")
         got = got.double().flatten()
         if not torch.allclose(got, want, atol=1e-5):
-            guesses = [(param - SGD_LR * grads.sum(0), "you used the sum of the gradients: reduce-scatter adds "
-                        "them; divide by world_size (or use op=dist.ReduceOp.AVG)"),
-                       (param - SGD_LR * grads[r], "you used this rank's own gradient: reduce the gradients over "
-                        "the ranks first")]
+            guesses = [(param - SGD_LR * grads.sum(0), "your step used the sum of the ranks' gradients, which "
+                        "is what a reduce-scatter gives by default; SGD after data parallelism steps by their mean"),
+                       (param - SGD_LR * grads[r], "your step used this rank's own gradient: the ranks' gradients "
+                        "must be combined before any rank updates its part")]
             hint = next((h for g, h in guesses if torch.allclose(got, g, atol=1e-5)), "")
             t.fail(hint, [round(v, 4) for v in want.tolist()], [round(v, 4) for v in got.tolist()])
 
@@ -140,13 +61,13 @@ def judge_collectives(t, results, k):
         log = res[k]["collectives"]
         ops = [(c["op"], c["numel"]) for c in log if c["op"] != "wait"]  # a functional collective's wait
         if any(op == "all_reduce" for op, _ in ops):
-            t.fail("no all-reduce: that is DDP (every rank then holds the whole averaged gradient); "
-                   "reduce-scatter the gradient so each rank gets the sum of its own block only",
+            t.fail("your step all-reduces, so every rank holds the whole summed gradient (DDP's way, no memory "
+                   "saved); in ZeRO each rank receives the sum of its own block only, no all-reduce",
                    f"[('reduce_scatter', {padded}), ('all_gather', {padded})]", ops)
         if sorted(ops) != [("all_gather", padded), ("reduce_scatter", padded)]:
-            t.fail("one reduce-scatter of the padded gradient, then one all-gather of the updated shards "
-                   "(torch.distributed's collectives)", f"[('reduce_scatter', {padded}), ('all_gather', {padded})]",
-                   f"rank {r}: {ops}")
+            t.fail("ZeRO's step moves the gradient once (each rank receiving the sum of its block) and the "
+                   "updated parameter once (every rank receiving every block), each of the padded size",
+                   f"[('reduce_scatter', {padded}), ('all_gather', {padded})]", f"rank {r}: {ops}")
 
 
 def judge_own_shard(t, results, k):
@@ -161,17 +82,18 @@ def judge_own_shard(t, results, k):
         sent = next((c.get("input") for c in res[k]["collectives"] if c["op"] == "all_gather"), None)
         block = full[r * shard:(r + 1) * shard]
         if sent is None or sent.numel() != shard:
-            t.fail("all-gather one shard per rank", f"rank {r} sends {shard} elements",
+            t.fail("each rank contributes one shard to the all-gather", f"rank {r} sends {shard} elements",
                    "nothing" if sent is None else f"{sent.numel()} elements")
         sent = sent.double().flatten()
         if not torch.allclose(sent, block, atol=1e-5):
             if torch.allclose(sent, grad_mean[r * shard:(r + 1) * shard], atol=1e-5) or torch.allclose(
                     sent, world * grad_mean[r * shard:(r + 1) * shard], atol=1e-4):
-                hint = ("you all-gathered the gradient shard and then updated the whole parameter on every "
-                        "rank: update only your shard, then all-gather the updated parameters")
+                hint = ("you all-gathered the gradient and then updated the whole parameter on every rank: each "
+                        "rank updates only its own shard, and the updated parameters are what is gathered")
             else:
-                hint = (f"rank r owns the contiguous block [r * shard, (r + 1) * shard) of the padded parameter "
-                        f"(shard = ceil(n / world_size) = {shard}); update exactly that block and all-gather it")
+                hint = (f"rank r owns a contiguous block of the padded parameter, {shard} elements (the same "
+                        "block whose summed gradient it received), not every world_size-th element; it sent "
+                        "something else")
             t.fail(hint, f"rank {r} sends {[round(v, 4) for v in block.tolist()]}",
                    [round(v, 4) for v in sent.tolist()])
 
@@ -179,6 +101,149 @@ def judge_own_shard(t, results, k):
 def need(t, ev):
     if ev is None:
         t.fail("the first case did not finish")
+
+
+
+
+# -- ShardedAdam ---------------------------------------------------------------------------
+def _worst(got, want) -> float:
+    return max((g.double() - w.double()).abs().max().item() for g, w in zip(got, want))
+
+
+def judge_adam(t, ranks, k, tol: float = 1e-6):
+    """Config ``k``: every rank's weights equal DDP + Adam's; names AdamW's decay and parameters never shared."""
+    for r, ev in enumerate(ranks):
+        entry = ev["configs"][k]
+        if "error" in entry:
+            t.fail("", "5 steps", f"rank {r} raised {entry['error']}")
+        if not entry["optimizer"]:
+            t.fail("ShardedAdam is a torch.optim.Optimizer (DDP's training loop calls zero_grad and step on it)",
+                   "a torch.optim.Optimizer", "another class")
+        worst = _worst(entry["weights"], entry["adam"])
+        if worst <= tol:
+            continue
+        if _worst(entry["weights"], entry["adamw"]) <= tol:
+            t.fail("your weight decay is AdamW's (decoupled: the weights shrink apart from the gradient); "
+                   "torch.optim.Adam's weight_decay is L2: it adds weight_decay x the parameter to the gradient, "
+                   "so the moments see it", f"max difference <= {tol}", f"{worst:.3g} (AdamW's weights)")
+        moved = [i for i, (w, a0) in enumerate(zip(entry["weights"], ranks[0]["configs"][k]["adam"]))
+                 if (w.double() - a0.double()).abs().max().item() <= tol]
+        t.fail("", f"max difference <= {tol} on every rank", f"{worst:.3g} on rank {r}; parameters right there: "
+               f"{moved} of {len(entry['weights'])}")
+
+
+def judge_replicas(t, ranks):
+    """After the steps every rank holds the same weights; names parameters their owner never shared."""
+    entries = [ev["configs"][0] for ev in ranks]
+    if any("error" in e for e in entries):
+        t.fail("", "5 steps", "a rank raised (see the first case)")
+    if not any(e["moved"] for e in entries):
+        t.fail("no weight changed in 5 steps: there is nothing to keep equal", "trained weights", "the initial ones")
+    base = entries[0]["weights"]
+    for r, e in enumerate(entries[1:], 1):
+        odd = [i for i, (a, b) in enumerate(zip(base, e["weights"])) if not torch.equal(a, b)]
+        if odd:
+            stale = [i for i in odd if any(torch.equal(e["weights"][i], x["adam"][i]) for x in entries)]
+            t.fail("the ranks' copies differ: a rank updates the parameters it owns, and the others keep their "
+                   "old values unless the owner shares each updated parameter with every rank after the step",
+                   "the same weights on every rank", f"rank 0 and rank {r} differ in parameters {odd}"
+                   + (f" ({len(stale)} of them right on one rank only)" if stale else ""))
+
+
+def judge_adam_state(t, ranks):
+    """Each rank keeps Adam state for its own parameters only: at most its share plus one parameter's, no overlap."""
+    sizes = ranks[0]["sizes"]
+    world, total = len(ranks), sum(sizes)
+    limit = 8 * (-(-total // world) + max(sizes))  # exp_avg and exp_avg_sq, fp32: 8 bytes an element
+    entries = [ev["configs"][0] for ev in ranks]
+    if any("error" in e for e in entries):
+        t.fail("", "5 steps", "a rank raised (see the first case)")
+    owned = [set(e["state"]["owned"]) for e in entries]
+    if not any(owned):
+        t.fail("no rank keeps Adam state in the optimizer's state (self.state[parameter])", "exp_avg and "
+               "exp_avg_sq of each parameter, on its owner", "none found")
+    for r, e in enumerate(entries):
+        if e["state"]["bytes"] > limit:
+            every = len(owned[r]) == len(sizes)
+            t.fail("this rank keeps Adam state for " + ("every parameter: that is plain Adam, not ZeRO-1" if every
+                   else f"parameters of {sum(sizes[i] for i in owned[r])} elements of {total}: share the "
+                   "parameters so that each rank's part is near 1/world_size of the elements, not of the count"),
+                   f"at most {limit} bytes (a share of {-(-total // world)} elements plus one parameter of "
+                   f"{max(sizes)}, 8 bytes each)", f"rank {r}: {e['state']['bytes']} bytes")
+    both = set.intersection(*owned)
+    if both or set.union(*owned) != set(range(len(sizes))):
+        t.fail("every parameter has its Adam state on exactly one rank, its owner",
+               f"the {len(sizes)} parameters split over the ranks", f"on several ranks: {sorted(both)}; on none: "
+               f"{sorted(set(range(len(sizes))) - set.union(*owned))}")
+
+
+def judge_adam_traffic(t, ranks):
+    """A step moves the updated parameters once: no all-reduce (DDP averaged the gradients), about P elements."""
+    total = sum(ranks[0]["sizes"])
+    for r, ev in enumerate(ranks):
+        entry = ev["configs"][0]
+        if "error" in entry:
+            t.fail("", "5 steps", "a rank raised (see the first case)")
+        ops = entry.get("step_ops") or []
+        moved = sum(n for _, n in ops)
+        if any(op == "all_reduce" for op, _ in ops):
+            t.fail("your step all-reduces: DDP has already averaged the gradients in backward, so the step only "
+                   "needs to share the updated parameters", "broadcasts or all-gathers of the parameters",
+                   f"rank {r}: {ops}")
+        if not ops:
+            t.fail("your step issued no collective: the other ranks never receive the parameters this rank "
+                   "updated", f"about {total} elements moved", "nothing")
+        if moved > 2 * total:
+            t.fail("each updated parameter needs to reach the other ranks once", f"about {total} elements",
+                   f"rank {r}: {moved} elements in {len(ops)} collectives")
+
+
+# -- build_sharded -------------------------------------------------------------------------
+def judge_sharding(t, ev, want):
+    """The model came back, each block and the root FSDP modules, every parameter a DTensor Shard(0) on the mesh."""
+    if "fsdp" not in ev:
+        t.fail("build_sharded returns the sharded model", "an nn.Module", f"a {ev['returned']}")
+    if ev["fsdp"] != want:
+        t.fail("every block of model.blocks is its own FSDP group and the root takes the rest, so that a "
+               "forward gathers one block at a time", want, ev["fsdp"])
+    for name, p in ev["params"].items():
+        if not p["dtensor"]:
+            t.fail(f"{name} is a plain {p['type']}: the root's own parameters (inp, head) are sharded too",
+                   "DTensor", p["type"])
+        if not p["shard0"] or not p["given_mesh"]:
+            t.fail("every parameter is sharded on dim 0 over the mesh passed in (a default mesh lands on the "
+                   "accelerator, CUDA on a GPU machine)", f"{name}: [Shard(dim=0)] on the mesh passed in",
+                   f"{p['placements']} on {p['mesh']}")
+
+
+def judge_live(t, ranks):
+    """No rank's live parameter storage ever reached the whole model: at most its shards and room for three blocks
+    (one unsharded block at a time while initialising, and the temporaries of copying it into the shards)."""
+    for r, ev in enumerate(ranks):
+        sizes = ev["sizes"]
+        if "params" not in ev or not all(p["dtensor"] for p in ev["params"].values()):
+            t.fail("no sharded model came back: an unsharded one is the whole model", "a sharded model",
+                   ev.get("returned") if "params" not in ev else "plain tensors")
+        limit = ev["end"] + 3 * sizes["block_bytes"]
+        if ev["peak"] > limit or ev["peak"] >= sizes["whole_bytes"]:
+            real = [c for c in ev["calls"] if c != "meta"]
+            t.fail("a rank held the whole model at once" + (f": model_fn() ran {len(real)} time(s) on the "
+                   f"{real[0]}, which makes every weight of the model at once; built on the meta device it "
+                   "allocates nothing" if real else ""), f"at most {limit} bytes (this rank's shards, "
+                   f"{ev['end']}, plus three blocks of {sizes['block_bytes']}); the whole model is "
+                   f"{sizes['whole_bytes']}", f"rank {r}: a peak of {ev['peak']} bytes")
+
+
+def judge_init(t, ev):
+    """The gathered weights equal model_fn()'s on one process."""
+    bad = {k: v for k, v in ev["diff"].items() if v is None or v > 1e-6}
+    if bad:
+        zeros = all(v is not None for v in bad.values())
+        t.fail("the weights are not those model_fn() makes on one process: after to_empty the memory holds "
+               "whatever was there, and a random initialisation applied to each rank's shard draws other "
+               "numbers than one process drawing whole tensors, in the order model_fn() made them"
+               if zeros else "some parameters changed shape", "every parameter within 1e-6",
+               f"{len(bad)} of {len(ev['diff'])} differ, e.g. {sorted(bad)[:3]}")
 
 
 def judge_gathers(t, calls, op, sizes):
@@ -195,54 +260,55 @@ def judge_gathers(t, calls, op, sizes):
         t.fail("", want, mine)
 
 
-def judge_dcp(t, what, saved, loaded2=None):
-    """Judge one aspect of the checkpoint probes' evidence (rank 0's, plus every rank's file list)."""
-    ev = saved[0]
-    if "save_error" in ev:
-        t.fail("" if what == "files" else "saving did not work", "save_checkpoint returns after saving",
-               f"it raised {ev['save_error']}")
-    if what == "files":
-        files = ev["files"]
-        want = [".metadata"] + [f"__{r}_0.distcp" for r in range(4)]
-        if ev["layout"] is None:
-            t.fail("no .metadata in path: that is not a DCP checkpoint. Every rank calls dcp.save(state, "
-                   "checkpoint_id=path) with the same path (not torch.save on one rank, not a path per rank)",
-                   want, files)
-        if sorted(f for f in files if f in want) != sorted(want):
-            t.fail("", want, files)
-        return
-    if what in ("sharded", "optim") and ev["layout"] is None:
-        t.fail("there is no DCP checkpoint in path to read (no .metadata)")
-    if what == "sharded":
-        tensors = ev["layout"]["tensors"]
-        whole = sorted(k for k, v in tensors.items() if v["shape"] and v["shape"][0] >= 4
-                       and (v["chunks"] != 4 or len(v["files"]) != 4))
-        if whole:
-            info = tensors[whole[0]]
-            t.fail("", "4 slices in 4 files", f"{whole[0]}: {info['chunks']} slice(s) in {info['files']} "
-                   f"({len(whole)} such tensors)")
-        return
-    if what == "optim":
-        names = list(ev["layout"]["tensors"])
-        for kind in ("exp_avg", "exp_avg_sq"):
-            found = [k for k in names if k.endswith("." + kind)]
-            if len(found) != 8:  # 8 parameters: inp, 2 blocks, head; weight and bias each
-                t.fail("", f"8 tensors named ...{kind}", f"{len(found)}")
-        return
-    state = ev.get("loaded") if what == "load4" else (loaded2[0]["loaded"] if loaded2 else None)
-    if what == "load4" and "load_error" in ev:
-        if ev["load_error"].startswith("not run"):
-            t.fail(ev["load_error"])
-        t.fail("", "load_checkpoint returns after loading", f"it raised {ev['load_error']}")
-    _same_state(t, ev["saved"], state)
-
-
-def _same_state(t, saved, loaded):
-    if set(loaded) != set(saved):
-        t.fail("", sorted(saved)[:4], f"{len(loaded)} tensors, missing {sorted(set(saved) - set(loaded))[:4]}")
-    bad = sorted(k for k in saved if saved[k].shape != loaded[k].shape or not torch.equal(saved[k], loaded[k]))
+# -- load_full_into_sharded ----------------------------------------------------------------
+def judge_loaded(t, ranks):
+    """Every parameter, gathered, equals the file's."""
+    bad = {k: v for k, v in ranks[0]["diff"].items() if v is None or v > 0}
     if bad:
-        kind = "optimizer state" if all(k.startswith("optim.") for k in bad) else "tensors"
-        t.fail(f"the {kind} differ after loading" + (": a fresh optimizer has no state until get_state_dict(model, "
-               "optimizer) creates it; load into that and put it back with set_state_dict" if kind != "tensors"
-               else ""), "every tensor equal", f"{len(bad)} differ, e.g. {bad[:3]}")
+        t.fail("after loading, the model's weights are not the file's: every rank's shards come from the "
+               "file rank 0 read", "every parameter equal", f"{len(bad)} of {len(ranks[0]['diff'])} differ, "
+               f"e.g. {sorted(bad)[:3]}")
+
+
+def judge_own_shards(t, ranks):
+    """Every rank ends with exactly its shards: DTensors Shard(0), local rows the file's chunk of this rank."""
+    for r, ev in enumerate(ranks):
+        plain = [k for k, p in ev["params"].items() if not p["dtensor"] or not p["shard0"] or not p["given_mesh"]]
+        if plain:
+            p = ev["params"][plain[0]]
+            t.fail("the model stays sharded as it was: loading puts values into each rank's shards, it does not "
+                   "replace the parameters", f"{plain[0]}: a DTensor Shard(0) on the model's mesh",
+                   f"rank {r}: {p.get('placements', p.get('type'))}")
+        wrong = sorted(set(ev["params"]) - set(ev["local_ok"]))
+        if wrong:
+            t.fail("rank r keeps the rows of chunk r of each tensor (dim 0 cut in world_size pieces)",
+                   "every local shard equal to its chunk of the file's tensor", f"rank {r}: {wrong[:3]} differ")
+
+
+def judge_opened(t, ranks):
+    """Only rank 0 opened the file."""
+    if any(sorted(ev["local_ok"]) != sorted(ev["params"]) for ev in ranks):
+        t.fail("not every rank ended with its shards of the file: the file was not read and shared",
+               "the file's shards loaded on every rank", "not loaded")
+    if not ranks[0]["opened"]:
+        t.fail("rank 0 never opened the checkpoint: it alone reads it", "rank 0 opens the file", "no open")
+    others = [r for r, ev in enumerate(ranks) if r and ev["opened"]]
+    if others:
+        t.fail("other ranks read the file too: on a cluster every rank reading a full checkpoint is world_size "
+               "times the reads and the memory; rank 0 reads it and the others receive their part",
+               "only rank 0 opens the file", f"rank(s) {others} opened it")
+
+
+def judge_not_full(t, ranks):
+    """No rank but 0 ever held the full state: its live storage stays below half of it (one tensor at a time)."""
+    for r, ev in enumerate(ranks):
+        if r == 0:
+            continue
+        if sorted(ev["local_ok"]) != sorted(ev["params"]):
+            t.fail(f"rank {r} did not end with its shards of the file, so what it held meanwhile is no evidence",
+                   "the file's shards loaded", f"{len(ev['local_ok'])} of {len(ev['params'])} parameters")
+        if ev["peak"] >= ev["whole_bytes"] // 2:
+            t.fail("a rank other than 0 held (nearly) the whole state at once: it received every full tensor "
+                   "before keeping its part; one full tensor at a time is all it needs", f"rank {r}: under "
+                   f"{ev['whole_bytes'] // 2} bytes (the full state is {ev['whole_bytes']}, its largest tensor "
+                   f"{ev['largest_bytes']})", f"a peak of {ev['peak']} bytes")
