@@ -158,8 +158,8 @@ def call(fn, nproc: int, *args, max_restarts: int = 0, timeout: float = 180.0, e
     """Run ``fn(*args, **kwargs)`` in every worker of a real torchrun job; ``(results, Result)``.
 
     ``fn`` travels by value (cloudpickle), so a function defined in a notebook
-    cell works. Restarts use one rendezvous store per attempt (:data:`STORE_PER_ATTEMPT`). Each worker initialises the process group
-    (:func:`mgpu_lab.dist.setup`), runs ``fn`` and writes its return value;
+    cell works. Restarts use one rendezvous store per attempt (:data:`STORE_PER_ATTEMPT`). Each worker
+    initialises the process group (:func:`mgpu_lab.dist.setup`), runs ``fn`` and writes its return value;
     ``results`` lists them in rank order, or is None when the job failed.
 
     Example:

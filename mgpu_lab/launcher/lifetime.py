@@ -99,8 +99,9 @@ def _drop_forkserver_alive_fd() -> None:
 
 
 # The guard: a shell whose stdin is the lifeline (started by vfork+exec in 0.2-2 ms on a
-# loaded 2-core machine, where a fork of the rank, torch and all, took 25-36 ms). `read` returns at end of file, when the launcher is gone or
-# has ended the job; then one signal ends the rank's process group, the guard included.
+# loaded 2-core machine, where a fork of the rank, torch and all, took 25-36 ms). `read` returns at end
+# of file, when the launcher is gone or has ended the job; then one signal ends the rank's process
+# group, the guard included.
 _GUARD = ["/bin/sh", "-c", "read _; kill -s KILL 0"]
 _guard = None  # the rank's guard process, kept referenced for the rank's life
 

@@ -291,8 +291,9 @@ def judge_syncs(t, results, s):
                    "synchronise (outside no_sync), or the ranks drift apart", f"{steps} all-reduces", "0")
         if got >= micro:
             t.fail(f"rank {res['rank']} all-reduced after every micro-batch's backward ({got} times for {micro} "
-                   f"micro-batches): DDP skips it only for a micro-batch whose forward and backward passes both run inside "
-                   f"its no_sync() context, so {s['accumulate'] - 1} of every {s['accumulate']} all-reduces are wasted", f"{steps} all-reduces (one per step)", got)
+                   "micro-batches): DDP skips it only for a micro-batch whose forward and backward passes both run "
+                   f"inside its no_sync() context, so {s['accumulate'] - 1} of every {s['accumulate']} all-reduces "
+                   "are wasted", f"{steps} all-reduces (one per step)", got)
         if got != steps:
             t.fail("", f"{steps} all-reduces (one per optimizer step)", f"rank {res['rank']}: {got}")
 
