@@ -67,6 +67,13 @@ def test_allowed_lifts_the_tripwires_for_the_checker_s_own_use(module):
     assert module.plain(1) == 2
 
 
+def test_a_reference_this_torch_release_lacks_is_skipped_and_the_others_stay_armed(module):
+    with armed(["refmod:missing", "no_such_module_here:f", "refmod:plain"]):
+        with pytest.raises(ReferenceCalled):
+            module.plain(1)
+    assert module.plain(1) == 2
+
+
 def test_names_that_are_no_python_function_are_refused_with_the_form_to_use(module):
     with pytest.raises(ValueError, match="must look like 'package.module:function'"):
         resolve("refmod.plain")
