@@ -15,13 +15,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import replicate as torch_replicate
 
 from mgpu_lab.course.checks.sim.cuda import simulated_gpus
 from mgpu_lab.course.checks.sim.devices import (parse_move, place, Placed, PlacedLoss, PlacedModule, plain, reset,
                                                 UNTAGGED, where)
 from mgpu_lab.course.checks.sim.outcome import CUT, in_words, outcome, outcomes
-from mgpu_lab.course.checks.sim.parallel import virtual_data_parallel, virtual_ddp
+from mgpu_lab.course.checks.sim.parallel import virtual_ddp
 
 CUDA = torch.device("cuda")
 
@@ -167,23 +166,7 @@ def test_no_simulated_gpu_is_no_gpu():
         assert (torch.cuda.is_available(), torch.cuda.device_count()) == (False, 0)
 
 
-# -- DataParallel's pieces and DDP over the simulated GPUs --------------------------------
-def test_virtual_data_parallel_swaps_pytorchs_pieces_and_the_answers_names_and_puts_them_back():
-    import torch.nn.parallel as par
-
-    def answer(model, batch):  # a name bound to PyTorch's replicate, as `from torch.nn.parallel import replicate`
-        return torch_replicate(model, [0, 1])
-
-    before = (par.replicate, par.parallel_apply, par.scatter, par.gather, answer.__globals__["torch_replicate"])
-    model = PlacedModule(nn.Linear(2, 2), name="model", out_tag="output", device="cuda:0")
-    with simulated_gpus(3), virtual_data_parallel(answer):
-        assert torch.cuda.device_count() == 3 and par.replicate is not before[0]
-        replicas = answer(model, None)
-    assert [r.vdev for r in replicas] == [torch.device("cuda", 0), torch.device("cuda", 1)]
-    assert model.vdev == torch.device("cuda", 0) and all(r is not model for r in replicas)
-    assert (par.replicate, par.parallel_apply, par.scatter, par.gather, answer.__globals__["torch_replicate"]) == before
-
-
+# -- DDP over the simulated GPUs ----------------------------------------------------------
 def test_virtual_ddp_logs_the_device_ids_and_wraps_the_cpu_module_without_them():
     from torch.nn.parallel import DistributedDataParallel as DDP
 
