@@ -2,7 +2,8 @@
 
 - :func:`measure` and :func:`sweep_workers`: samples per second of a loader
   after its workers have started, for several ``num_workers``; :func:`knee`
-  and :func:`plot_sweep` read the result.
+  and :func:`plot_sweep` read the result, and :func:`show_sweep` does all three
+  for lesson 02's demo.
 - :func:`epoch_starts`: what each epoch pays before its first batch (worker
   start-up, which ``persistent_workers`` pays only once).
 - :func:`timed_loop`: a training loop with a progress bar that splits the time
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
-__all__ = ["measure", "sweep_workers", "knee", "plot_sweep", "epoch_starts", "LoopTiming", "timed_loop",
+__all__ = ["measure", "sweep_workers", "knee", "plot_sweep", "show_sweep", "epoch_starts", "LoopTiming", "timed_loop",
            "copy_timing", "RandomDraws", "draws_by_worker", "batch_size_of"]
 
 
@@ -133,6 +134,39 @@ def plot_sweep(rows: list[dict], ax=None, cores: int | None = None, title: str =
     ax.set_title(title or "DataLoader throughput")
     ax.legend(loc="lower right")
     return ax
+
+
+def show_sweep(dataset: Dataset, workers, batch_size: int = 32, n_batches: int = 10, cores: int | None = None,
+               title: str = "", ax=None) -> int:
+    """Measure a ``num_workers`` sweep, print each rate, plot the curve and return its knee.
+
+    The demo of lesson 02's section 2: it shows the measurement, and hands back
+    only the knee (the fewest workers within 90% of the best), not the rates.
+
+    Args:
+        dataset: The data set to load.
+        workers: The ``num_workers`` values to measure.
+        batch_size, n_batches: As in :func:`sweep_workers`.
+        cores: The CPU cores to mark on the plot (default: this machine's).
+        title: The plot's title.
+        ax: A matplotlib axis to draw on (default: a new figure).
+
+    Returns:
+        The knee of the sweep (:func:`knee`).
+
+    Example:
+        >>> import matplotlib
+        >>> matplotlib.use("Agg")
+        >>> from mgpu_lab.data.images import EncodedImages
+        >>> show_sweep(EncodedImages(n=64), [0], batch_size=8, n_batches=2)  # doctest: +ELLIPSIS
+        num_workers=0: ... samples/s  (start-up ... s)
+        0
+    """
+    rows = sweep_workers(dataset, workers, batch_size=batch_size, n_batches=n_batches, progress=False)
+    for r in rows:
+        print(f"num_workers={r['num_workers']}: {r['samples_per_s']:6.0f} samples/s  (start-up {r['startup_s']:.2f} s)")
+    plot_sweep(rows, ax=ax, cores=cores, title=title)
+    return knee(rows)
 
 
 def epoch_starts(loader, epochs: int = 3, batches: int | None = None) -> list[dict]:

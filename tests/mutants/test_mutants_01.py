@@ -33,7 +33,7 @@ PICK = ExerciseMutants("01.pick_device", NOTEBOOK, ("pick_device",), mutants=[
            replace('    return torch.device("cuda", index)',
                    '    import os\n    visible = os.environ.get("CUDA_VISIBLE_DEVICES")\n'
                    '    return torch.device("cuda", int(visible.split(",")[index]) if visible else index)'),
-           ("physical gpu 3 is its cuda:0", "cuda:3")),
+           ("physical gpu 3 is its cuda:1", "cuda:3")),
     Mutant("index == count allowed (off by one)", replace("index < count", "index <= count"),
            "pick_device(2) with 2 gpu(s)"),
     Mutant("negative index allowed", replace("0 <= index < count", "index < count"), "pick_device(-1)"),

@@ -104,10 +104,39 @@ def test_an_answer_that_returns_nothing_passes_no_case(exercise_id):
     result = check(exercise_id, returns_none)
     # pick_device: None is neither a device nor an error; train_step and visible_devices_env: nothing done.
     passed = [c.name for c in result.cases if c.passed]
-    if exercise_id == "01.visible_devices_env":  # it changes no os.environ: that case names a thing it does not do
-        assert passed == ["leaves this process's own os.environ unchanged (the variables are for the child)"], passed
-    else:
-        assert passed == [], passed
+    assert passed == [], passed  # visible_devices_env: os.environ unchanged counts only beside returned variables
+
+
+# Trivially wrong answers a learner would try: a copy of the notebook's demo cell, the CPU always, the loss
+# without a step, the ids joined as they are. Each passes only the cases that name what it really does.
+def pick_like_the_demo_cell(index=None):
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def pick_the_cpu(index=None):
+    return torch.device("cpu")
+
+
+def loss_without_a_step(model, batch, optimizer, loss_fn, device):
+    inputs, labels = batch
+    return loss_fn(model(inputs.to(device)), labels.to(device)).item()
+
+
+def ids_joined(ids):
+    return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, ids))}
+
+
+@pytest.mark.parametrize("exercise_id, answer, allowed", [
+    ("01.pick_device", pick_like_the_demo_cell, {"no GPU visible", "returns a torch.device"}),
+    ("01.pick_device", pick_the_cpu, {"no GPU visible", "returns a torch.device"}),
+    ("01.train_step", loss_without_a_step, {"returns this batch's loss", "the inputs used", "the labels used"}),
+    ("01.visible_devices_env", ids_joined, {"leaves this process's own os.environ"}),
+])
+def test_a_trivially_wrong_answer_passes_only_what_it_does(exercise_id, answer, allowed):
+    result = check(exercise_id, answer)
+    passed = {c.name for c in result.cases if c.passed}
+    assert all(any(name.startswith(a) for a in allowed) for name in passed), str(result)
+    assert result.status == "failed", str(result)
 
 
 def test_a_step_that_does_nothing_passes_only_the_type_of_its_result():

@@ -62,8 +62,55 @@ def test_an_answer_that_does_nothing_passes_no_case(exercise_id):
     meets: a seed_worker that does nothing runs in the workers, and repeats (the DataLoader seeds torch)."""
     result = check(exercise_id, lambda *args, **kwargs: None)
     passed = [c.name for c in result.cases if c.passed]
-    assert set(passed) <= {"runs in every worker of 2 ranks x 2 workers", "the same generator seed gives the same "
-                           "draws in a second run, on every rank (reproducible)"}, str(result)
+    assert passed == [], str(result)
+
+
+# Trivially wrong answers a learner would try: DataLoader with its defaults, torch seeded from worker_id,
+# a candidate picked without measuring, and the notebook's own sweep (its demo's measurement).
+def plain_loader(dataset, batch_size, device, num_workers=0, train=True):
+    return DataLoader(dataset, batch_size)
+
+
+def seed_from_worker_id(worker_id):
+    torch.manual_seed(worker_id)
+
+
+def first_candidate(dataset, candidates, batch_size, n_batches):
+    return candidates[0]
+
+
+def last_candidate(dataset, candidates, batch_size, n_batches):
+    return candidates[-1]
+
+
+def most_workers(dataset, candidates, batch_size, n_batches):
+    return max(candidates)
+
+
+def fewest_workers(dataset, candidates, batch_size, n_batches):
+    return min(candidates)
+
+
+@pytest.mark.parametrize("exercise_id, answer", [
+    ("02.make_loader", plain_loader), ("02.seed_worker", seed_from_worker_id),
+    ("02.best_num_workers", first_candidate), ("02.best_num_workers", last_candidate),
+    ("02.best_num_workers", most_workers), ("02.best_num_workers", fewest_workers)])
+def test_a_trivially_wrong_answer_passes_no_case(exercise_id, answer):
+    result = check(exercise_id, answer)
+    assert [c.name for c in result.cases if c.passed] == [], str(result)
+
+
+def sweep_of_the_demo(dataset, candidates, batch_size, n_batches):
+    from mgpu_lab.data.throughput import show_sweep, sweep_workers  # noqa: F401 - the demo's measurement
+
+    rows = sweep_workers(dataset, candidates, batch_size=batch_size, n_batches=n_batches, progress=False)
+    return max(rows, key=lambda r: r["samples_per_s"])["num_workers"]
+
+
+def test_the_demo_s_sweep_is_a_reference():
+    result = check("02.best_num_workers", sweep_of_the_demo)
+    assert result.points == 0, str(result)
+    assert "your code calls mgpu_lab.data.throughput.sweep_workers" in result.cases[0].got, str(result)
 
 
 @pytest.mark.parametrize("exercise_id", list(POINTS))

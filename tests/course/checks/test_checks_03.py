@@ -82,8 +82,9 @@ def test_an_answer_that_returns_nothing_passes_no_case(exercise_id):
 def test_the_model_itself_as_every_replica_passes_only_what_it_does_not_lack():
     result = check("03.replicate", the_model_for_every_device)
     passed = {c.name.split(":")[0] for c in result.cases if c.passed}
-    # It computes what the model computes, gradients reach the model, the model is unchanged; nothing else.
-    assert result.points == 3, str(result)
+    # It computes what the model computes and leaves the model unchanged; nothing else (the sum of gradients
+    # into one module used three times is no sum across replicas).
+    assert result.points == 2, str(result)
     assert not any(c.passed for c in result.cases if "devices[i]" in c.name or "of its own" in c.name), passed
 
 
@@ -91,6 +92,18 @@ def test_the_model_itself_as_every_replica_passes_only_what_it_does_not_lack():
 def test_calling_a_reference_replicate_fails_naming_it(answer):
     result = check("03.replicate", answer)
     assert result.points == 0 and "your code calls" in result.cases[0].got, str(result)
+
+
+def the_model_on_the_whole_batch(model, batch, devices):
+    return model(batch.to(devices[0]))
+
+
+def test_the_model_on_the_whole_batch_passes_only_what_it_does():
+    result = check("03.data_parallel_forward", the_model_on_the_whole_batch)
+    passed = {c.name for c in result.cases if c.passed}
+    # Its output and gradients are model(batch)'s: those two cases hold; no split, no replica, no gather.
+    assert passed == {"3 GPUs (simulated: cuda:0, cuda:1, cuda:2), 10 samples: the output equals model(batch)",
+                      "gradients reach the original model's parameters, equal to those of model(batch)"}, str(result)
 
 
 def test_calling_torch_s_data_parallel_fails_naming_it():

@@ -142,6 +142,18 @@ def trains_nothing(model_fn, shards, epochs, batch_size, lr):
     return model_fn().state_dict()
 
 
+def trains_alone(model_fn, shards, epochs, batch_size, lr):
+    """Each rank trains on its own shard and never talks to the others: no hang, nothing shared."""
+    model = model_fn()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    for _ in range(epochs):
+        for x, y in torch.utils.data.DataLoader(shards[tdist.get_rank()], batch_size=batch_size):
+            optimizer.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            optimizer.step()
+    return model.state_dict()
+
+
 def test_uneven_stub_is_not_attempted():
     assert check("05.train_uneven", uneven_todo).status == "not attempted"
 
@@ -149,9 +161,11 @@ def test_uneven_stub_is_not_attempted():
 def test_trivial_answers_pass_no_case_naming_a_behaviour_they_lack():
     r = check("05.train_uneven", returns_none)
     assert r.points == 0 and "returned None" in r.cases[0].got, str(r)
-    r = check("05.train_uneven", trains_nothing)  # returns, no hang: only the first case holds
-    assert [c.passed for c in r.cases] == [True] + [False] * (len(r.cases) - 1), str(r)
+    r = check("05.train_uneven", trains_nothing)  # returns, no hang, but the rank without samples took no step
+    assert r.points == 0 and "took no part in the other ranks' steps" in r.cases[0].hint, str(r)
     assert "no step was taken" in r.cases[1].hint, str(r)
+    r = check("05.train_uneven", trains_alone)  # each rank trains its own shard: a single-process version
+    assert r.points == 0 and "took no part in the other ranks' steps" in r.cases[0].hint, str(r)
 
 
 def test_a_rank_that_leaves_on_its_own_hangs_and_fails_in_bounded_time(monkeypatch):

@@ -4,7 +4,7 @@ The GPU branches are judged on any machine, and each check runs the learner's
 code once, in one fresh process, for all its cases (:mod:`.ranks`):
 
 - ``pick_device`` runs where ``torch.cuda`` reports a simulated number of GPUs
-  (0, 1, 2, 4), once with ``CUDA_VISIBLE_DEVICES=3`` set in the process;
+  (0, 1, 2, 4), once with ``CUDA_VISIBLE_DEVICES=5,3`` set in the process;
 - ``train_step`` gets ``device=cuda:1`` on a machine without a GPU: the batch
   tensors record every move (:mod:`..sim.devices`: the move is logged, the
   data stays on the CPU), so a batch moved to ``"cpu"``, to ``"cuda"`` or not at
@@ -34,10 +34,10 @@ PICK_CASES = [  # name, (gpus, args, CUDA_VISIBLE_DEVICES) calls, expected devic
     ("2 GPUs visible: pick_device() and pick_device(0) are cuda:0, pick_device(1) is cuda:1",
      [(2, (), None), (2, (0,), None), (2, (1,), None)],
      [torch.device("cuda", 0), torch.device("cuda", 0), torch.device("cuda", 1)], False, [FIRST_GPU, GIVEN, GIVEN]),
-    ("started with CUDA_VISIBLE_DEVICES=3 (one GPU visible): pick_device(0) is cuda:0, this process's numbering",
-     [(1, (0,), "3")], [torch.device("cuda", 0)], False,
-     ["a process numbers the GPUs it sees from 0: under CUDA_VISIBLE_DEVICES=3 physical GPU 3 is its cuda:0, "
-      "and cuda:3 does not exist in it"]),
+    ("started with CUDA_VISIBLE_DEVICES=5,3 (two GPUs visible): pick_device(1) is cuda:1, this process's "
+     "numbering", [(2, (1,), "5,3")], [torch.device("cuda", 1)], False,
+     ["a process numbers the GPUs it sees from 0: under CUDA_VISIBLE_DEVICES=5,3 physical GPU 3 is its cuda:1, "
+      "and cuda:3 does not exist in it; " + GIVEN]),
     ("4 GPUs visible: pick_device(3) is cuda:3", [(4, (3,), None)], [torch.device("cuda", 3)], True, [GIVEN]),
 ]
 BAD_INDEX = [(2, (2,), None), (2, (-1,), None), (2, (7,), None), (0, (0,), None)]
@@ -229,6 +229,11 @@ def _visible(t, visible_devices_env):
                 hint="CUDA has already read this process's variables, and every later child would inherit a "
                      "change: the variables belong in the child's environment only"):
         need(t, got)
+        if not any(report["outcome"][0] == "ok" and isinstance(report["outcome"][1], dict)
+                   and "CUDA_VISIBLE_DEVICES" in report["outcome"][1] for report in got[:at]):
+            t.fail("not judged: your function returned no CUDA_VISIBLE_DEVICES for a child (see the cases above); "
+                   "leaving os.environ alone counts beside variables that are returned for the child",
+                   "variables for the child, os.environ unchanged", "no variables returned")
         changed = sorted({k for report in got for k in report["environ_changed"]})
         if changed:
             t.fail("", "os.environ unchanged", f"os.environ changed: {', '.join(changed)}")

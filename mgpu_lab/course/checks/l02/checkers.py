@@ -84,6 +84,10 @@ def _make_loader(t, make_loader):
                 hint="your evaluation loader reorders or loses samples: evaluation sees every sample once, in "
                      "order, the last partial batch included"):
         ev = loader("eval")
+        if describe_fields(loader("train"), ("sampler", "drop_last")) == describe_fields(ev, ("sampler", "drop_last")):
+            t.fail("not judged: your loader is the same with train=True and train=False (see the case above): the "
+                   "evaluation loader's order and last batch count once train decides them",
+                   "a training loader and an evaluation loader that differ", "the same loader for both")
         t.equal(describe_fields(ev, ("sampler", "drop_last", "batches")),
                 "sampler='SequentialSampler', drop_last=False, batches=[[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]")
     with t.case("device=cuda:1: pin_memory=True (judged on the loader, which needs no GPU)",
@@ -91,6 +95,10 @@ def _make_loader(t, make_loader):
         t.equal(loader("cuda:1").get("pin_memory"), True)
     with t.case("device=cpu on a machine with 2 GPUs: pin_memory=False",
                 hint="your loader for the CPU pins its batches: pinning only helps copies to a GPU. " + PIN_HINT):
+        if loader("cuda:1").get("pin_memory") is not True:
+            t.fail("not judged: your loader does not pin for cuda:1 either (see the case above): pinning exactly "
+                   "for CUDA shows only beside a loader that pins for a CUDA device", "pin_memory=True for cuda:1",
+                   "pin_memory=False for every device")
         t.equal(loader("cpu, 2 GPUs").get("pin_memory"), False)
     with t.case("num_workers=2: two workers, persistent_workers=True, full shuffled batches",
                 hint="the loader must start the asked number of workers and keep them alive between epochs "
@@ -102,6 +110,10 @@ def _make_loader(t, make_loader):
     with t.case("num_workers=0: persistent_workers=False (DataLoader refuses True without workers)",
                 hint="your loader without workers asks to keep workers alive: with num_workers=0 there is no "
                      "worker to keep, and the DataLoader refuses it"):
+        if loader("2 workers").get("persistent_workers") is not True:
+            t.fail("not judged: your loader keeps no workers alive with num_workers=2 either (see the case "
+                   "above): persistent workers exactly when there are workers shows only beside a loader that "
+                   "keeps them", "persistent_workers=True with 2 workers", "persistent_workers=False everywhere")
         t.equal(loader("eval").get("persistent_workers"), False)
     with t.case("evaluation on torch.device('cuda') with 2 workers: pinned, persistent, in order", hidden=True,
                 hint=PIN_HINT):
@@ -126,7 +138,7 @@ def _seed_worker(t, seed_worker):
     unreduced 64-bit seed for NumPy, a seed computed once in the parent, a seed from the clock (not
     reproducible), a rank from the process group that fails without one."""
     runs = None
-    with t.case(f"runs in every worker of {SEED_RANKS} ranks x {SEED_WORKERS} workers",
+    with t.case(f"runs in every worker of {SEED_RANKS} ranks x {SEED_WORKERS} workers, and reseeds there",
                 hint="your seed_worker raised inside a worker; NumPy's global seed must lie in 0..2**32-1, and "
                      "torch's per-worker seed is a 64-bit number"):
         runs = t.ranks(run_seeds, SEED_RANKS, seed_worker, num_workers=SEED_WORKERS)
@@ -134,6 +146,11 @@ def _seed_worker(t, seed_worker):
         if errors:
             runs = None
             t.fail("", "no error", errors[0])
+        if all(run["epoch1"][gen][w] == run["copied"][gen] for run in runs for gen in ("random", "numpy")
+               for w in range(SEED_WORKERS)):
+            t.fail("your seed_worker ran, but every worker still draws from the Python and NumPy state it copied "
+                   "from the training process: it reseeded neither there", "Python's random and NumPy reseeded "
+                   "in the workers", "the copied state in every worker")
     for gen in GENERATORS:
         with t.case(f"{NAMES[gen]}: the {SEED_RANKS * SEED_WORKERS} workers of {SEED_RANKS} ranks draw "
                     f"{SEED_RANKS * SEED_WORKERS} different numbers (every rank's loader has the same "
@@ -148,9 +165,13 @@ def _seed_worker(t, seed_worker):
                      "(torch's per-worker seed, which a seeded loader generator fixes) and from the rank, not "
                      "from the clock or os.urandom"):
         need(t, runs)
-        if all(len({v for run in runs for v in run["epoch1"][g]}) == 1 for g in GENERATORS):
-            t.fail("not judged: every worker of every rank drew the same numbers (see the cases above), which "
-                   "repeats trivially", "different draws that repeat in a second run", "the same draw everywhere")
+        alike = [NAMES[g] for g in GENERATORS if len({v for run in runs for v in run["epoch1"][g]})
+                 < SEED_RANKS * SEED_WORKERS]
+        if alike:
+            t.fail(f"not judged: in {', '.join(alike)} some workers of some ranks drew the same numbers (see the "
+                   "cases above), and draws that every worker shares repeat trivially; reproducibility counts for "
+                   "seeds that differ in every (rank, worker)", "different draws that repeat in a second run",
+                   f"repeated draws in {', '.join(alike)}")
         t.equal([run["again"] for run in runs], [run["epoch1"] for run in runs])
     with t.case("the next epoch draws other numbers, in every generator (augmentations change each epoch)"):
         need(t, runs)
@@ -187,7 +208,8 @@ BATCH, N_BATCHES, SAMPLES = 2, 4, 48
 
 @exercise("02.best_num_workers", points=5, description="best_num_workers(dataset, candidates, batch_size, "
           "n_batches): the num_workers with the most samples per second, measured after a warm-up",
-          references=("mgpu_lab.data.loaders:best_num_workers",))
+          references=("mgpu_lab.data.loaders:best_num_workers", "mgpu_lab.data.throughput:sweep_workers",
+                      "mgpu_lab.data.throughput:measure"))
 def _best(t, best_num_workers):
     """Catches: the index returned instead of the candidate, the largest or the slowest candidate, a best
     rate never updated, no warm-up, num_workers not passed to the DataLoader, n_batches ignored, whole
@@ -203,6 +225,13 @@ def _best(t, best_num_workers):
             result = runs[i]["outcome"]
             if result[0] == "raised":
                 t.fail("", expected, in_words(result, raised=""))
+            unmeasured = [k for k in candidates if not runs[i]["counts"][k]]
+            if unmeasured:
+                t.fail(f"you returned {result[1]!r} without loading a single sample with num_workers="
+                       f"{unmeasured[0]}: a choice that measures no loader matches this case only by chance; "
+                       "each candidate must be measured on a loader that really starts that many workers",
+                       f"{expected}, measured", f"{result[1]!r}, with samples drawn per num_workers: "
+                       f"{runs[i]['counts']}")
             if result[1] != expected:
                 t.fail(best_diagnosis(result[1], costs, candidates, runs[i]["counts"]), expected, result[1])
     first = runs[0]["counts"] if runs else None

@@ -117,8 +117,9 @@ def _first_draws(loader) -> dict:
 
 def run_seeds(seed_worker, generator_seed: int = 7, num_workers: int = 2, single: bool = False) -> dict:
     """Two epochs of a forked DataLoader using ``seed_worker``, and one epoch of a second loader with the
-    same generator seed: ``{"epoch1", "epoch2", "again"}``, each the first draws per generator and worker
-    (or ``{"error": ...}``); ``single``: as one process without a launcher (no ``RANK``, no process group).
+    same generator seed: ``{"epoch1", "epoch2", "again"}``, each the first draws per generator and worker,
+    and ``"copied"``, the first draws of Python's and NumPy's state as every worker copies it (or
+    ``{"error": ...}``); ``single``: as one process without a launcher (no ``RANK``, no process group).
 
     Every worker first gets back the random state of this process for Python
     and NumPy (what fork copies, and what forked workers kept before PyTorch 1.9
@@ -134,6 +135,9 @@ def run_seeds(seed_worker, generator_seed: int = 7, num_workers: int = 2, single
     random.seed(1234)
     np.random.seed(1234)
     parent = (random.getstate(), np.random.get_state())
+    copied = {"random": round(random.random(), 12), "numpy": round(float(np.random.rand()), 12)}  # as copied
+    random.setstate(parent[0])
+    np.random.set_state(parent[1])
 
     def init(worker_id):
         random.setstate(parent[0])
@@ -154,6 +158,7 @@ def run_seeds(seed_worker, generator_seed: int = 7, num_workers: int = 2, single
         if "error" in got:
             return got
         out[name] = got
+    out["copied"] = copied
     return out
 
 

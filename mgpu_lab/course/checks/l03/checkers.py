@@ -67,6 +67,10 @@ def _replicate(t, replicate):
                 hint="DataParallel's replicate is a broadcast whose backward adds the replicas' gradients "
                      "on the first device: a replica's parameters must be computed from the model's"):
         three = replicas(t, runs, 0)
+        if any("root module is the model's own" in line for line in three["shared"]):
+            t.fail("not judged: your replicas are the model itself (see the case above), so its .grad sums the "
+                   "uses of one module on one device; the sum has to cross from copies on other devices",
+                   "the sum of the replicas' gradients in the model's .grad", "no replica: the model reused")
         if three.get("grads") != "equal":
             hint, got = grad_words(three)
             t.fail(hint, "the sum of the replicas' gradients in model.parameters()' .grad", got)
@@ -133,6 +137,10 @@ def _dp_forward(t, data_parallel_forward):
                 hint="on GPUs torch.cat refuses tensors that live on different devices, and DataParallel "
                      "returns its output on the first device"):
         three = dp(t, runs, 0)
+        if three["instances"] < 2:
+            t.fail("not judged: the batch ran through one module in one piece (see the cases above), so no outputs "
+                   "were gathered from several devices", f"{len(three['chunks'])} outputs joined on devices[0]",
+                   f"{three['instances']} module ran")
         if three["mixes"]:
             op, devices = three["mixes"][0]
             t.fail("", "one device per operation", f"{op} was given tensors on {', '.join(devices)}")

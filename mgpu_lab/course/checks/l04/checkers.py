@@ -143,7 +143,7 @@ def _download_once(t, download_once):
     reaches (a hang).
     """
     roots = [t.scratch(f"mgpu-lab-04-node{i}-") for i in range(2)]
-    results = None
+    results, callers = None, ()
     with t.case("2 nodes x 3 ranks: fn is called once per node, on local rank 0 (global ranks 0 and 3)",
                 hint="fn must run once per node, on the node's local rank 0, while the node's other ranks wait"):
         results = t.ranks(run_download_once, 6, download_once, roots, 3, timeout=DOWNLOAD_TIMEOUT)
@@ -162,7 +162,10 @@ def _download_once(t, download_once):
         with t.case(name):
             if results is None:
                 t.fail("not judged: the first case did not finish")
-            judge(t, results, roots, 0) if judge is judge_paths else judge(t, results, 0)
+            if judge is judge_paths:
+                judge(t, results, roots, 0, callers)
+            else:
+                judge(t, results, 0, callers)
     with t.case("a second call downloads nothing and again returns the complete file",
                 hint="a second call must behave like the first: one call of fn per node (which finds the file "
                      "complete and downloads nothing), every rank returning the path"):
@@ -172,8 +175,8 @@ def _download_once(t, download_once):
         downloads = t.local(log_counts, roots, "downloads.log", 1)
         if max(calls) > 1 or any(downloads):
             t.fail("", "at most 1 call and 0 downloads per node", f"calls {calls}, downloads {downloads}")
-        judge_paths(t, results, roots, 1)
-        judge_complete(t, results, 1)
+        judge_paths(t, results, roots, 1, t.local(download_callers, roots, 1))
+        judge_complete(t, results, 1, t.local(download_callers, roots, 1))
 
 
 GLOBAL_MEAN_SCENARIOS = [  # 3 ranks: sums, counts
@@ -206,6 +209,11 @@ def _global_mean(t, global_mean):
             with t.case("returns the same Python float on every rank",
                         hint="your global_mean returned something else than a Python float on some rank (a tensor "
                      "keeps its device and autograd state; callers format and compare floats)"):
-                kinds = {kind for _, kind in evidence.get(t, 1)}
+                got = evidence.get(t, 1)
+                kinds = {kind for _, kind in got}
                 if kinds != {"float"}:
                     t.fail("", "float", ", ".join(sorted(kinds)))
+                if len({v for v, _ in got}) > 1:
+                    t.fail("your ranks returned different numbers: each computed from its own samples only; the "
+                           "ranks' sums and counts must cross between them (a collective) so that every rank "
+                           "returns the one mean", "the same float on every rank", [v for v, _ in got])

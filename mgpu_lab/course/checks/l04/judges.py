@@ -74,7 +74,17 @@ def download_callers(roots, round_):
     return out
 
 
-def judge_paths(t, results, roots, round_):
+def self_fetched(callers, results) -> list[int]:
+    """The ranks that called fn themselves though they are not their node's local rank 0."""
+    return sorted(r for node in callers for r in node if results[r]["local_rank"] != 0)
+
+
+def judge_paths(t, results, roots, round_, callers=()):
+    own = self_fetched(callers, results)
+    if own:
+        t.fail(f"not judged: ranks {own} called fn themselves (see the first case), so the path they return is "
+               "their own, not the one their node's local rank 0 got", "every rank with its local rank 0's path",
+               f"ranks {own} fetched for themselves")
     for r, res in enumerate(results):
         got = res["rounds"][round_]
         expected = os.path.join(roots[res["node"]], "data.bin")
@@ -87,7 +97,12 @@ def judge_paths(t, results, roots, round_):
             t.fail(hint, expected, got["path"])
 
 
-def judge_complete(t, results, round_):
+def judge_complete(t, results, round_, callers=()):
+    own = self_fetched(callers, results)
+    if own:
+        t.fail(f"not judged: ranks {own} called fn themselves (see the first case): a rank that wrote the file "
+               "finds it complete without waiting for anyone", "ranks that wait for their local rank 0's file",
+               f"ranks {own} fetched for themselves")
     for r, res in enumerate(results):
         if not res["rounds"][round_]["found"]:
             t.fail(f"not judged: rank {r} returned no file (see the case above)", "a file", "no file")
@@ -326,6 +341,11 @@ def judge_same_weights(t, results, s):
     worst = max(baseline.max_diff(states[0], other) for other in states[1:])
     if worst > 1e-6:
         t.fail("", "identical weights", f"ranks differ by up to {worst:.3g}")
+    if not all(res["allreduces"] for res in results):
+        t.fail("your ranks ended alike without ever all-reducing a gradient: each trained the same thing on its own "
+               "(the same data in the same order); under DDP every rank reads its own shard, and the gradient "
+               "all-reduce is what keeps them equal", "identical weights kept by DDP's gradient all-reduces",
+               f"gradient all-reduces per rank: {[res['allreduces'] for res in results]}")
 
 
 def judge_weights(t, results, s):

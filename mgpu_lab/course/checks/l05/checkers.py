@@ -108,8 +108,9 @@ def _train_uneven(t, train_uneven):
     evidence = launch_scenarios(t, probe_uneven, 3, train_uneven, UNEVEN_SCENARIOS, timeout=UNEVEN_TIMEOUT)
     scenario = UNEVEN_SCENARIOS[0]
     res = None
-    with t.case("3 ranks with 10, 23 and 0 samples, batch_size=4, 2 epochs: every rank returns its model's "
-                "state_dict (no hang, with a barrier after your function)", hint=HANG_HINT):
+    with t.case("3 ranks with 10, 23 and 0 samples, batch_size=4, 2 epochs: every rank, the one without samples "
+                "too, takes part in the steps and returns its model's state_dict (no hang, with a barrier after "
+                "your function)", hint=HANG_HINT):
         res = evidence.get(t, 0)
         for r, got in enumerate(res):
             if got["state"] is None:
@@ -119,6 +120,12 @@ def _train_uneven(t, train_uneven):
             if sorted(got["state"]) != keys:
                 t.fail("return the state_dict of the model that model_fn() built (a DDP wrapper's keys start "
                        "with 'module.')", f"keys {keys}", f"rank {r}: keys {sorted(got['state'])[:4]}")
+        idle = scenario[0].index(0)  # the rank without samples: only the others' steps can move its weights
+        if same_state(res[idle]["state"], uneven_model(scenario[3]).state_dict()):
+            t.fail(f"rank {idle} has no samples and its weights never moved: it took no part in the other ranks' "
+                   "steps, so nothing made it wait, and no barrier could catch it leaving alone; every rank takes "
+                   "part in every step while any rank still has a batch", f"rank {idle} trained with the others",
+                   f"rank {idle} kept model_fn()'s weights")
     with t.case("every rank ends with the same weights, and they moved from the initial ones"):
         if res is None or any(got["state"] is None for got in res):
             t.fail("not judged: the first case did not pass")
