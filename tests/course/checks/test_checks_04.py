@@ -86,6 +86,51 @@ def test_an_answer_that_does_nothing_passes_no_case(name):
     assert result.points == 0, str(result)
 
 
+# Trivially wrong answers a learner would try: the ranks taken in turn without padding, a single-process
+# training on every rank, a local mean, fn called as it is on every rank. Each passes only what it really does.
+def _shards_in_turn(n, rank, world_size, shuffle=False, seed=0, epoch=0, drop_last=False):
+    return list(range(rank, n, world_size))
+
+
+def _single_process_on_every_rank(model_fn, dataset, epochs, batch_size, lr, accumulate=1):
+    from mgpu_lab import dist as mdist
+
+    device = mdist.device()
+    model = model_fn().to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    generator = torch.Generator().manual_seed(0)  # the same order on every rank: the same training
+    for _ in range(epochs):
+        for x, y in torch.utils.data.DataLoader(dataset, batch_size=batch_size * dist.get_world_size(),
+                                                shuffle=True, generator=generator):
+            x, y = x.to(device), y.to(device)
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+    return {k: v.cpu() for k, v in model.state_dict().items()}
+
+
+def _local_mean(local_sum, local_count):
+    return float(local_sum / local_count) if local_count else 0.0
+
+
+def _every_rank_fetches(fn):
+    return fn
+
+
+@pytest.mark.parametrize("name, answer, allowed", [
+    ("shard_indices", _shards_in_turn, {"no shuffle, 12 samples on 3 ranks"}),
+    ("ddp_train", _single_process_on_every_rank, {"the data order changes", "2 nodes x 2 GPUs (virtual)",
+                                                  "every batch's inputs and labels"}),
+    ("global_mean", _local_mean, set()),
+    ("download_once", _every_rank_fetches, set()),
+])
+def test_a_trivially_wrong_answer_passes_only_what_it_does(name, answer, allowed):
+    result = check(f"04.{name}", answer)
+    passed = [c.name for c in result.cases if c.passed]
+    assert all(any(p.startswith(a) for a in allowed) for p in passed), str(result)
+    assert result.status == "failed", str(result)
+
+
 # -- global_mean: one launch, every scenario judged even when a later one fails ----------
 def _all_reduce_unless_empty(local_sum, local_count):
     if local_count == 0:  # this rank skips the collective the others wait in
