@@ -7,9 +7,10 @@ first call it does not know; it then makes all recorded calls of a round in
 ONE launch (the same ranks run each answer's call in turn, errors kept per
 call) and goes round again, until every checker has finished. The verdicts are
 those of ``check()``: the same checker, the same probes, in real processes or
-ranks; only the launches are shared. A round whose shared launch fails as a
-whole (a hang) is made again call by call, so one answer cannot decide for
-the others.
+ranks; only the launches are shared. A call that raised on some rank is made
+again on its own (as ``check()`` makes it: its error, not another rank's echo
+of it), and a shared launch that fails as a whole (a hang) call by call, so
+one answer cannot decide for the others.
 
 Example:
     >>> from mgpu_lab.course.checks import check
@@ -20,7 +21,9 @@ Example:
 """
 from __future__ import annotations
 
+import shutil
 import sys
+import tempfile
 import traceback
 
 import cloudpickle
@@ -36,6 +39,22 @@ class _Pending(Exception):
     """Raised by the recording runner at the first call whose result is not known yet."""
 
 
+class _Tester(Tester):
+    """A Tester whose scratch directories are the same in every round (the k-th one of an answer is made
+    once), so that a replayed call and the checker's reading of its files meet; :func:`judge_many` removes
+    them at the end."""
+
+    def __init__(self, ex, runner, dirs: list):
+        super().__init__(ex, runner=runner)
+        self._dirs, self._made = dirs, 0
+
+    def scratch(self, prefix: str) -> str:
+        if self._made == len(self._dirs):
+            self._dirs.append(tempfile.mkdtemp(prefix=prefix))
+        self._made += 1
+        return self._dirs[self._made - 1]
+
+
 def _many(items) -> list:
     """In a rank: every ``(fn, args, kwargs)`` in turn, each one's outcome kept apart."""
     from mgpu_lab.course.checks import _references
@@ -47,42 +66,53 @@ def _many(items) -> list:
             out.append(("ok", fn(*args, **kwargs)))
         except BaseException as exc:  # noqa: BLE001 - handed back to that answer's checker as a LaunchError
             out.append(("raised", type(exc).__name__, str(exc), traceback.format_exc()))
+            break  # the other ranks may still wait for this one in that call: no later call is shared with them
     return out
 
 
 def _replay(outcomes: list, world: int):
-    """A thunk that returns the ranks' results or raises what :func:`mgpu_lab.launch` would have raised."""
-    def thunk():
-        for rank, got in enumerate(outcomes):
-            if got[0] == "raised":
-                raise LaunchError(f"rank {rank}/{world} raised {got[1]}: {got[2]}", rank=rank, world_size=world,
-                                  exc_type=got[1], traceback=got[3])
-        return [got[1] for got in outcomes]
-    return thunk
+    """A thunk that returns the ranks' results (a call that every rank finished)."""
+    return lambda: [got[1] for got in outcomes]
+
+
+def _alone(call, run):
+    """A thunk with the outcome of ``call`` made on its own, as ``check()`` makes it."""
+    fn, nprocs, args, kwargs, options = call
+    try:
+        got = run(fn, nprocs, args, kwargs, quiet=True, echo=False, **options)
+    except LaunchError as exc:
+        def fail(error=exc):
+            raise error
+        return fail
+    return lambda: got
 
 
 def _launch(calls: dict, run) -> dict:
-    """``{answer: thunk}`` for ``calls = {answer: (fn, nprocs, args, kwargs, options)}``: one launch per kind."""
+    """``{answer: thunk}`` for ``calls = {answer: (fn, nprocs, args, kwargs, options)}``: one launch per kind.
+
+    The calls up to the first one that raised on some rank keep the shared launch's results; that call is
+    made again on its own (its error may be another rank's echo), and the ones after it share a new launch.
+    """
     kinds: dict = {}
     for i, (fn, nprocs, args, kwargs, options) in calls.items():
         kinds.setdefault((nprocs, tuple(sorted((k, v) for k, v in options.items() if k != "timeout"))), []).append(i)
     out = {}
     for (nprocs, options), answers in kinds.items():
-        items = [calls[i][0:1] + calls[i][2:4] for i in answers]
-        timeout = sum(calls[i][4].get("timeout", 60.0) for i in answers)
-        try:
-            per_rank = run(_many, nprocs, (items,), {}, quiet=True, echo=False, timeout=timeout, **dict(options))
-        except LaunchError:  # the shared launch failed as a whole: each call on its own, as check() makes it
-            for i in answers:
-                fn, n, args, kwargs, opts = calls[i]
-                try:
-                    got = run(fn, n, args, kwargs, quiet=True, echo=False, **opts)
-                    out[i] = (lambda value: (lambda: value))(got)
-                except LaunchError as exc:
-                    out[i] = (lambda error: (lambda: (_ for _ in ()).throw(error)))(exc)
-            continue
-        for j, i in enumerate(answers):
-            out[i] = _replay([rank_out[j] for rank_out in per_rank], nprocs)
+        while answers:
+            items = [calls[i][0:1] + calls[i][2:4] for i in answers]
+            timeout = sum(calls[i][4].get("timeout", 60.0) for i in answers)
+            try:
+                per_rank = run(_many, nprocs, (items,), {}, quiet=True, echo=False, timeout=timeout, **dict(options))
+            except LaunchError:  # the shared launch failed as a whole (a hang, a dead rank): each on its own
+                out.update({i: _alone(calls[i], run) for i in answers})
+                break
+            done = min(len(r) for r in per_rank)
+            clean = next((j for j in range(done) if any(r[j][0] != "ok" for r in per_rank)), done)
+            for j in range(clean):
+                out[answers[j]] = _replay([r[j] for r in per_rank], nprocs)
+            if clean < len(answers):
+                out[answers[clean]] = _alone(calls[answers[clean]], run)
+            answers = answers[clean + 1:]
     return out
 
 
@@ -92,7 +122,18 @@ def judge_many(exercise_id: str, answer_sets: list[tuple]) -> list:
 
     ex = get(exercise_id)
     known: list[list] = [[] for _ in answer_sets]
+    dirs: list[list] = [[] for _ in answer_sets]
     results: list = [None] * len(answer_sets)
+    try:
+        _rounds(ex, answer_sets, known, dirs, results, run)
+    finally:
+        for path in (p for answer in dirs for p in answer):
+            shutil.rmtree(path, ignore_errors=True)
+    return results
+
+
+def _rounds(ex, answer_sets, known, dirs, results, run) -> None:
+    """Run the checkers round after round until each has a verdict (in ``results``)."""
     while any(r is None for r in results):
         calls = {}
         for i, answers in enumerate(answer_sets):
@@ -106,11 +147,50 @@ def judge_many(exercise_id: str, answer_sets: list[tuple]) -> list:
                 asked.append((fn, nprocs, args, kwargs, options))
                 raise _Pending()
 
-            result = run_checker(ex, Tester(ex, runner=runner), answers)
+            result = run_checker(ex, _Tester(ex, runner, dirs[i]), answers)
             if asked:
                 calls[i] = asked[0]
             else:
                 results[i] = result
         for i, thunk in _launch(calls, run).items():
             known[i].append(thunk)
-    return results
+
+
+def shared_mutant_tests(specs: list, lesson: str, namespace) -> tuple:
+    """:func:`mutation.mutant_tests`'s three tests, with every answer of an exercise judged by
+    :func:`judge_many` (once per exercise, on first use) instead of one ``check()`` each::
+
+        test_mutant_fails_naming_its_bug, test_correct_variant_passes, test_every_exercise_has_five_mutants_and_two_variants = \\
+            shared_mutant_tests(SPECS, "04", NAMESPACE)
+    """
+    import functools
+
+    import pytest
+    from mutation import cell_of, define, failure_text, mutant_tests, params
+
+    _, _, counts = mutant_tests(specs, lesson, namespace)
+
+    @functools.cache
+    def verdicts(exercise: str) -> dict:
+        spec = next(s for s in specs if s.exercise == exercise)
+        ns = namespace() if callable(namespace) else namespace
+        answers = {("mutant", m.name): define(m.apply(cell_of(spec)), spec.names, ns, f"<mutant {m.name}>")
+                   for m in spec.mutants}
+        answers.update({("variant", v.name): define(v.source, spec.names, ns, f"<variant {v.name}>")
+                        for v in spec.variants})
+        return dict(zip(answers, judge_many(exercise, [tuple(a) for a in answers.values()])))
+
+    @pytest.mark.parametrize("spec, mutant", params(specs, "mutants"))
+    def test_mutant_fails_naming_its_bug(spec, mutant):
+        result = verdicts(spec.exercise)[("mutant", mutant.name)]
+        assert result.status == "failed", f"mutant {mutant.name!r} of {spec.exercise} was not caught:\n{result}"
+        missing = [w for w in mutant.words if w.lower() not in failure_text(result)]
+        assert not missing, f"mutant {mutant.name!r}: the failure does not say {missing}:\n{result}"
+
+    @pytest.mark.parametrize("spec, variant", params(specs, "variants"))
+    def test_correct_variant_passes(spec, variant):
+        result = verdicts(spec.exercise)[("variant", variant.name)]
+        assert result.points == result.max_points, f"correct variant {variant.name!r} lost points:\n{result}"
+
+    test_mutant_fails_naming_its_bug.verdicts = verdicts
+    return test_mutant_fails_naming_its_bug, test_correct_variant_passes, counts

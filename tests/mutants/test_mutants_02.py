@@ -6,7 +6,6 @@ Every variant is a correct answer written differently; it must get full marks.
 """
 from __future__ import annotations
 
-import functools
 import os
 import random
 import time
@@ -16,9 +15,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, get_worker_info
 
-from batching import judge_many
-from mutation import (ExerciseMutants, Mutant, Variant, cell_of, define, failure_text, mutant_tests, params, replace,
-                      sub)
+from batching import judge_many, shared_mutant_tests
+from mutation import ExerciseMutants, Mutant, Variant, cell_of, define, replace, sub
 
 pytestmark = pytest.mark.timeout(300)
 NOTEBOOK = "02_data_loading.ipynb"
@@ -151,34 +149,11 @@ def best_num_workers(dataset, candidates, batch_size, n_batches):
 
 SPECS = [LOADER, SEED, BEST]
 
-# Every mutant and variant of an exercise (and the solution) is judged by its real checker, through one warm
-# launch per round of calls (tests/mutants/batching.py) instead of one launch per answer: the same verdicts.
-_, _, test_every_exercise_has_five_mutants_and_two_variants = mutant_tests(SPECS, "02", NAMESPACE)
-
-
-@functools.cache
-def verdicts(exercise: str) -> dict:
-    """``{name: CheckResult}`` of every mutant and variant of ``exercise``, and of the solution (``None``)."""
-    spec = next(s for s in SPECS if s.exercise == exercise)
-    answers = {m.name: define(m.apply(cell_of(spec)), spec.names, NAMESPACE, f"<mutant {m.name}>")
-               for m in spec.mutants}
-    answers.update({v.name: define(v.source, spec.names, NAMESPACE, f"<variant {v.name}>") for v in spec.variants})
-    answers[None] = define(cell_of(spec), spec.names, NAMESPACE)
-    return dict(zip(answers, judge_many(exercise, [tuple(a) for a in answers.values()])))
-
-
-@pytest.mark.parametrize("spec, mutant", params(SPECS, "mutants"))
-def test_mutant_fails_naming_its_bug(spec, mutant):
-    result = verdicts(spec.exercise)[mutant.name]
-    assert result.status == "failed", f"mutant {mutant.name!r} of {spec.exercise} was not caught:\n{result}"
-    missing = [w for w in mutant.words if w.lower() not in failure_text(result)]
-    assert not missing, f"mutant {mutant.name!r}: the failure does not say {missing}:\n{result}"
-
-
-@pytest.mark.parametrize("spec, variant", params(SPECS, "variants"))
-def test_correct_variant_passes(spec, variant):
-    result = verdicts(spec.exercise)[variant.name]
-    assert result.points == result.max_points, f"correct variant {variant.name!r} lost points:\n{result}"
+# Every mutant and variant of an exercise is judged by its real checker, through one warm launch per round of
+# calls (tests/mutants/batching.py) instead of one launch per answer: the same verdicts.
+test_mutant_fails_naming_its_bug, test_correct_variant_passes, test_every_exercise_has_five_mutants_and_two_variants = \
+    shared_mutant_tests(SPECS, "02", NAMESPACE)
+verdicts = test_mutant_fails_naming_its_bug.verdicts
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.exercise)
@@ -186,7 +161,7 @@ def test_shared_launches_judge_as_check_does(spec):
     """The solution gets full marks in the shared launches, and the same verdict, case by case, from check()."""
     from mgpu_lab.course.checks import check
 
-    shared = verdicts(spec.exercise)[None]
+    shared = judge_many(spec.exercise, [tuple(define(cell_of(spec), spec.names, NAMESPACE))])[0]
     alone = check(spec.exercise, *define(cell_of(spec), spec.names, NAMESPACE))
     assert shared.points == shared.max_points, str(shared)
     assert [(c.name, c.passed) for c in shared.cases] == [(c.name, c.passed) for c in alone.cases], str(shared)
@@ -198,6 +173,6 @@ def test_shared_launches_fail_a_mutant_as_check_does():
 
     mutant = next(m for m in SEED.mutants if m.name == "the 64-bit seed not reduced")
     alone = check(SEED.exercise, *define(mutant.apply(cell_of(SEED)), SEED.names, NAMESPACE))
-    shared = verdicts(SEED.exercise)[mutant.name]
+    shared = verdicts(SEED.exercise)[("mutant", mutant.name)]
     assert [(c.name, c.passed, c.hint, c.got) for c in shared.cases] == \
         [(c.name, c.passed, c.hint, c.got) for c in alone.cases], str(shared)

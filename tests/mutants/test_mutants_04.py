@@ -19,7 +19,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from mgpu_lab import dist as mdist
-from mutation import ExerciseMutants, Mutant, Variant, drop_statement, mutant_tests, replace
+from batching import shared_mutant_tests
+from mutation import ExerciseMutants, Mutant, Variant, drop_statement, replace
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -245,5 +246,7 @@ SPECS = [
 ]
 
 
+# Every mutant and variant of an exercise is judged by its real checker, through one warm launch per round of
+# calls (tests/mutants/batching.py) instead of one launch per answer: the same verdicts.
 test_mutant_fails_naming_its_bug, test_correct_variant_passes, test_every_exercise_has_five_mutants_and_two_variants = \
-    mutant_tests(SPECS, "04", NAMESPACE)
+    shared_mutant_tests(SPECS, "04", NAMESPACE)
