@@ -165,6 +165,7 @@ def plot_rank_bars(runs: dict, ax=None):
     ax.set_xticks(ticks, labels, fontsize=8)
     ax.set_ylabel("seconds in the epoch")
     ax.margins(y=0.25)
+    ax.set_ylim(bottom=0)
     ax.legend(fontsize=7, loc="lower right", framealpha=0.9)
     return ax
 
@@ -188,6 +189,7 @@ def plot_timeline(results: list[dict], ax=None, steps: int = 12, title: str = ""
         ax.broken_barh(idle, (row - 0.35, 0.7), facecolors="0.8")
     ax.set_yticks(range(len(results)), [f"rank {r.get('rank', i)}" for i, r in enumerate(results)])
     ax.invert_yaxis()
+    ax.set_xlim(left=0)
     ax.set_xlabel("ms since the first step")
     ax.set_title(title or f"first {steps} steps: work (colour), waiting (grey)", fontsize=9)
     return ax
