@@ -52,6 +52,21 @@ PIN_HINT = ("pinning serves copies to a CUDA device, whatever its index: decide 
             "feeds, not from whether this machine has a GPU (not from torch.cuda.is_available())")
 
 
+# A setting that must follow an argument ("exactly when") is judged where it is off only beside the case where
+# it is on: a loader that never pins, never persists or ignores train meets the "off" half by doing nothing.
+UNPAIRED = {  # (hint, expected, got) of the "off" case when the "on" case did not hold
+    "train": ("not judged: your loader is the same with train=True and train=False (see the case above): the "
+              "evaluation loader's order and last batch count once train decides them",
+              "a training loader and an evaluation loader that differ", "the same loader for both"),
+    "pin": ("not judged: your loader does not pin for cuda:1 either (see the case above): pinning exactly for CUDA "
+            "shows only beside a loader that pins for a CUDA device", "pin_memory=True for cuda:1",
+            "pin_memory=False for every device"),
+    "persistent": ("not judged: your loader keeps no workers alive with num_workers=2 either (see the case above): "
+                   "persistent workers exactly when there are workers shows only beside a loader that keeps them",
+                   "persistent_workers=True with 2 workers", "persistent_workers=False everywhere"),
+}
+
+
 @exercise("02.make_loader", points=7, description="make_loader(dataset, batch_size, device, num_workers=0, "
           "train=True): shuffle and drop_last when training only, pin_memory exactly for CUDA, "
           "persistent_workers exactly when num_workers > 0", references=("mgpu_lab.data.loaders:make_loader",))
@@ -84,10 +99,9 @@ def _make_loader(t, make_loader):
                 hint="your evaluation loader reorders or loses samples: evaluation sees every sample once, in "
                      "order, the last partial batch included"):
         ev = loader("eval")
-        if describe_fields(loader("train"), ("sampler", "drop_last")) == describe_fields(ev, ("sampler", "drop_last")):
-            t.fail("not judged: your loader is the same with train=True and train=False (see the case above): the "
-                   "evaluation loader's order and last batch count once train decides them",
-                   "a training loader and an evaluation loader that differ", "the same loader for both")
+        fields = ("sampler", "drop_last")
+        if describe_fields(loader("train"), fields) == describe_fields(ev, fields):
+            t.fail(*UNPAIRED["train"])
         t.equal(describe_fields(ev, ("sampler", "drop_last", "batches")),
                 "sampler='SequentialSampler', drop_last=False, batches=[[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]")
     with t.case("device=cuda:1: pin_memory=True (judged on the loader, which needs no GPU)",
@@ -96,9 +110,7 @@ def _make_loader(t, make_loader):
     with t.case("device=cpu on a machine with 2 GPUs: pin_memory=False",
                 hint="your loader for the CPU pins its batches: pinning only helps copies to a GPU. " + PIN_HINT):
         if loader("cuda:1").get("pin_memory") is not True:
-            t.fail("not judged: your loader does not pin for cuda:1 either (see the case above): pinning exactly "
-                   "for CUDA shows only beside a loader that pins for a CUDA device", "pin_memory=True for cuda:1",
-                   "pin_memory=False for every device")
+            t.fail(*UNPAIRED["pin"])
         t.equal(loader("cpu, 2 GPUs").get("pin_memory"), False)
     with t.case("num_workers=2: two workers, persistent_workers=True, full shuffled batches",
                 hint="the loader must start the asked number of workers and keep them alive between epochs "
@@ -111,9 +123,7 @@ def _make_loader(t, make_loader):
                 hint="your loader without workers asks to keep workers alive: with num_workers=0 there is no "
                      "worker to keep, and the DataLoader refuses it"):
         if loader("2 workers").get("persistent_workers") is not True:
-            t.fail("not judged: your loader keeps no workers alive with num_workers=2 either (see the case "
-                   "above): persistent workers exactly when there are workers shows only beside a loader that "
-                   "keeps them", "persistent_workers=True with 2 workers", "persistent_workers=False everywhere")
+            t.fail(*UNPAIRED["persistent"])
         t.equal(loader("eval").get("persistent_workers"), False)
     with t.case("evaluation on torch.device('cuda') with 2 workers: pinned, persistent, in order", hidden=True,
                 hint=PIN_HINT):
