@@ -228,16 +228,16 @@ def bytes_table(measured: list, formulas: list) -> str:
     Example:
         >>> print(bytes_table([{"scheme": "DP", "bytes": {"world": 400}, "ops": {"all_reduce": 1}}],
         ...                   [{"world": 400}]))
-        scheme   measured dp/all       tp   formula dp/all       tp  collectives
-        DP                 400 B      0 B            400 B      0 B  all_reduce 1
+        scheme   measured dp/all         tp   formula dp/all         tp  collectives
+        DP                 400 B        0 B            400 B        0 B  all_reduce 1
     """
-    lines = [f"{'scheme':<6}  {'measured dp/all':>15}  {'tp':>7}  {'formula dp/all':>15}  {'tp':>7}  collectives"]
+    lines = [f"{'scheme':<6}  {'measured dp/all':>15}  {'tp':>9}  {'formula dp/all':>15}  {'tp':>9}  collectives"]
     for run, want in zip(measured, formulas):
         cells = []
         for got in (run["bytes"], want):
             cells += [_b(got.get("dp", 0) + got.get("world", 0)), _b(got.get("tp", 0))]
         ops = ", ".join(f"{op} {n}" for op, n in run["ops"].items())
-        lines.append(f"{run['scheme']:<6}  {cells[0]:>15}  {cells[1]:>7}  {cells[2]:>15}  {cells[3]:>7}  {ops}")
+        lines.append(f"{run['scheme']:<6}  {cells[0]:>15}  {cells[1]:>9}  {cells[2]:>15}  {cells[3]:>9}  {ops}")
     return "\n".join(lines)
 
 
