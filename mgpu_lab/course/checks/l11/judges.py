@@ -154,7 +154,15 @@ def _plan_hint(e) -> str:
     return ""
 
 
+def plan_ran(t, e, rank: int) -> None:
+    """Fail with the plan's likely fault when the block did not run under it."""
+    if "error" in e:
+        t.fail(_plan_hint(e) or "the block must run under the plan", "the block runs",
+               f"rank {rank}: {e['error']}")
+
+
 def plan_split(t, e, rank: int) -> None:
+    plan_ran(t, e, rank)
     unsplit = [n for n in LINEARS if e["shares"].get(f"{n}.weight", 1.0) >= 1.0]
     if unsplit:
         t.fail(_plan_hint(e) or "every linear layer of attn and mlp is split over the TP ranks",
@@ -182,7 +190,7 @@ def plan_weights(t, runs, k: int) -> None:
             name = next(iter(wrong))
             hint = "after the step every weight equals one process's"
             if name.startswith("norm") and k == 1:
-                hint = (f"{name}'s weights differ: with sequence parallelism each rank's norm sees only its slice "
+                hint = (f"{name.split('.')[0]}'s weights differ: with sequence parallelism each rank's norm sees only its slice "
                         "of the sequence, so its replicated weights' gradients must be summed over the TP ranks "
                         "before the step; a norm left out of the plan keeps a plain tensor with this rank's part "
                         "of the gradient only")
@@ -193,6 +201,7 @@ def plan_weights(t, runs, k: int) -> None:
 
 def plan_collectives(t, runs, k: int, direction: str) -> None:
     for rank, e in enumerate(runs.get(t, k)):
+        plan_ran(t, e, rank)
         ops, size = e[direction], e["activation"]
         if k == 0:
             want = [("all_reduce", size)] * 2
@@ -215,6 +224,7 @@ def plan_collectives(t, runs, k: int, direction: str) -> None:
 def plan_saved(t, runs) -> None:
     plan_output(t, runs, 1)
     for rank, e in enumerate(runs.get(t, 1)):
+        plan_ran(t, e, rank)
         world = len(runs.per_rank)
         for name in ("norm1", "norm2"):
             if e["saved"][name] * world != e["want_saved"][name]:
@@ -253,25 +263,35 @@ def twod_params(t, runs) -> None:
                        f"rank {rank}: {name} has {placements}")
 
 
+def _fsdp_before_tp(calls) -> tuple | None:
+    """The first TP call on a module that an earlier fully_shard had already taken (itself or a module around it)."""
+    sharded = []
+    for kind, name, _ in calls:
+        if kind == "fully_shard":
+            sharded.append(name)
+        elif any(name == s or s == "" or name.startswith(s + ".") for s in sharded):
+            return name, next(s for s in sharded if name == s or s == "" or name.startswith(s + "."))
+    return None
+
+
 def twod_order(t, runs) -> None:
     for rank, e in enumerate(runs.get(t, 0)):
         calls = e["calls"]
-        kinds = [k for k, *_ in calls]
-        if "fully_shard" in kinds and "parallelize_module" in kinds and \
-                kinds.index("fully_shard") < len(kinds) - 1 - kinds[::-1].index("parallelize_module"):
-            t.fail("FSDP was applied before TP: FSDP shards what TP left, so every parallelize_module comes first",
-                   "parallelize_module calls, then fully_shard calls", f"rank {rank}: {kinds}")
-        if "Cannot distribute a DTensor with device mesh" in e.get("error", ""):
-            t.fail("FSDP was applied before TP: the parameters were DTensors of the \"dp\" mesh when TP came",
-                   "TP first", f"rank {rank}: {e['error']}")
+        kinds = {k for k, *_ in calls}
+        early = _fsdp_before_tp(calls)
+        if early or "Cannot distribute a DTensor with device mesh" in e.get("error", ""):
+            got = (f"fully_shard({early[1] or 'the model'}) before parallelize_module({early[0]})" if early
+                   else e["error"])
+            t.fail("FSDP was applied before TP: FSDP shards what TP left, so a module is split by TP before "
+                   "fully_shard takes it (or a module around it)", "TP first", f"rank {rank}: {got}")
         wrong = [(k, m) for k, _, m in calls if (k == "parallelize_module") != (m == ("tp",))]
         if wrong:
             t.fail("TP runs over mesh[\"tp\"] (neighbouring ranks, the fast links) and FSDP over mesh[\"dp\"]",
                    "parallelize_module over (\"tp\",), fully_shard over (\"dp\",)",
                    f"rank {rank}: {wrong[0][0]} over {wrong[0][1] or 'no mesh'}")
-        if not {"fully_shard", "parallelize_module"} <= set(kinds):
+        if not {"fully_shard", "parallelize_module"} <= kinds:
             t.fail("both are needed: TP inside each block, FSDP over the DP groups", "both called",
-                   f"rank {rank}: {sorted(set(kinds)) or 'neither'}")
+                   f"rank {rank}: {sorted(kinds) or 'neither'}")
 
 
 def twod_weights(t, runs, steps: int) -> None:
@@ -311,29 +331,36 @@ def twod_units(t, runs) -> None:
 
 
 # -- tp_bytes -------------------------------------------------------------------------------
+_BYTES_HINTS = (  # (does the answer fit this known mistake on (shape, value, want), what to say)
+    (lambda shape, v, w: w > 0 and v * 2 == w and not shape[4],
+     "half the recorder's count: forward only? backward moves as much as forward (the gradients of attention's "
+     "and the MLP's inputs)"),
+    (lambda shape, v, w: w > 0 and v * 4 == w,
+     "a quarter of the recorder's count: elements, not bytes? fp32 has 4 bytes an element"),
+    (lambda shape, v, w: w > 0 and v * shape[3] == w,
+     "1/tp of the recorder's count: each collective is counted by the whole activation it works on (an "
+     "all-gather's output, a reduce-scatter's input), not by this rank's slice"),
+    (lambda shape, v, w: shape[4] and v == 16 * shape[0] * shape[1] * shape[2],
+     "that is the count without sequence parallelism: with it each all-reduce becomes an all-gather plus a "
+     "reduce-scatter, both of the whole activation"),
+    (lambda shape, v, w: w == 0, "one rank alone has no one to talk to: tp=1 hands nothing to collectives"),
+)
+
+
 def bytes_case(t, shapes, answers, measured, picks) -> None:
+    calls = []
     for k in picks:
         shape, got, want = shapes[k], answers[k], measured[k]
         call = "tp_bytes(batch={}, seq={}, hidden={}, tp={}, sequence_parallel={})".format(*shape)
         if got[0] != "ok":
             t.fail("", f"{want} (the recorder's count)", f"{call} raised {got[1]}: {got[2]}")
-        value = got[1]
-        if not isinstance(value, int) or isinstance(value, bool):
-            t.fail("tp_bytes returns an int, a number of bytes", f"{want}", f"{call} returned {value!r}")
-        if value == want:
-            continue
-        n, seq, hidden, tp, sp = shape
-        act = n * seq * hidden
-        hints = {want // 2: "half the recorder's count: forward only? backward moves as much as forward (the "
-                            "gradients of attention's and the MLP's inputs)",
-                 want // 4 if want else -1: "a quarter: elements, not bytes? fp32 has 4 bytes an element",
-                 act * 4 * 4: "that is the count without sequence parallelism: with it each all-reduce becomes an "
-                              "all-gather plus a reduce-scatter, both of the whole activation",
-                 want // tp if tp > 1 else -1: "1/tp of the recorder's count: each collective is counted by the whole "
-                                               "activation it works on (an all-gather's output, a reduce-scatter's "
-                                               "input), not by this rank's slice"}
-        hint = "" if want else ("one rank alone has no one to talk to: tp=1 hands nothing to collectives")
-        if want:
-            hint = hints.get(value, "count the collectives of a block, forward and backward, each by the activation "
-                                    "tensor it works on, 4 bytes an element")
+        if not isinstance(got[1], int) or isinstance(got[1], bool):
+            t.fail("tp_bytes returns an int, a number of bytes", f"{want}", f"{call} returned {got[1]!r}")
+        calls.append((shape, got[1], want, call))
+    wrong = [c for c in calls if c[1] != c[2]]
+    if wrong:
+        hint = next((words for fits, words in _BYTES_HINTS if all(fits(s, v, w) for s, v, w, _ in wrong)),
+                    "count the collectives of a block, forward and backward, each by the activation tensor it works "
+                    "on, 4 bytes an element")
+        shape, value, want, call = wrong[0]
         t.fail(hint, f"{want} (the recorder's count)", f"{call} returned {value}")

@@ -143,9 +143,6 @@ def _shares(block) -> dict:
 
 
 def _plan_probe(tp_plan, sp: bool) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import parallelize_module
-
     rank, world = tdist.get_rank(), tdist.get_world_size()
     s = PLAN_SHAPE
     ref = Block(s["dim"], s["heads"], s["hidden"])
@@ -158,7 +155,24 @@ def _plan_probe(tp_plan, sp: bool) -> dict:
     torch.optim.SGD(ref.parameters(), lr=0.5).step()
     plan = tp_plan(block, sp)
     entry = {"plan": _describe_plan(plan), "want_saved": {k: want_saved.get(k, 0) for k in ("norm1", "norm2")}}
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    try:  # every rank runs the same plan: a plan that fails, fails on every rank, and the next scenario can run
+        _plan_run(block, plan, x, y, want, cut, entry)
+    except NotImplementedError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - judged with the plan: which style made it fail
+        entry["error"] = _error(exc)
+        return entry
+    refs = dict(ref.named_parameters())
+    entry["weights"] = {n: float(((p.full_tensor() if hasattr(p, "full_tensor") else p) - refs[n]).abs().max())
+                        for n, p in block.named_parameters()}
+    return entry
+
+
+def _plan_run(block, plan, x, y, want, cut, entry: dict) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    mesh = init_device_mesh("cpu", (tdist.get_world_size(),), mesh_dim_names=("tp",))
     parallelize_module(block, mesh, plan)
     entry["shares"] = _shares(block)
     saved = saved_bytes(block, cut(x))
@@ -174,10 +188,6 @@ def _plan_probe(tp_plan, sp: bool) -> dict:
     with record() as step:
         opt.step()
     entry.update(fwd=_ops(fwd), bwd=_ops(bwd), step=_ops(step), activation=x.numel())
-    refs = dict(ref.named_parameters())
-    entry["weights"] = {n: float(((p.full_tensor() if hasattr(p, "full_tensor") else p) - refs[n]).abs().max())
-                        for n, p in block.named_parameters()}
-    return entry
 
 
 def run_plan(tp_plan, scenarios, log_dir) -> list:
@@ -186,20 +196,29 @@ def run_plan(tp_plan, scenarios, log_dir) -> list:
 
 
 # -- parallelize_2d -------------------------------------------------------------------------
-def _spy_calls(fn, calls: list):
-    """Wrap ``parallelize_module`` and ``fully_shard`` wherever ``fn`` can reach them, noting each call's mesh."""
+def _spy_calls(fn, model, calls: list):
+    """Wrap ``parallelize_module`` and ``fully_shard`` wherever ``fn`` can reach them: note each outermost call's
+    kind, the module's name in ``model`` and the mesh's dimension names."""
+    import threading
+
     import torch.distributed.fsdp as fsdp_mod
     import torch.distributed.tensor.parallel as tp_mod
     from torch.distributed.tensor.parallel import api as tp_api
 
     originals = {"parallelize_module": tp_api.parallelize_module, "fully_shard": fsdp_mod.fully_shard}
+    names = {id(m): n for n, m in model.named_modules()}
+    inside = threading.local()
 
     def spy(kind):
         def wrapper(module, *args, **kwargs):
-            mesh = kwargs.get("device_mesh", kwargs.get("mesh", args[0] if args else None))
-            names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-            calls.append((kind, type(module).__name__, names))
-            return originals[kind](module, *args, **kwargs)
+            if getattr(inside, "depth", 0) == 0:  # parallelize_module calls itself for every entry of a plan
+                mesh = kwargs.get("device_mesh", kwargs.get("mesh", args[0] if args else None))
+                calls.append((kind, names.get(id(module), "?"), tuple(getattr(mesh, "mesh_dim_names", None) or ())))
+            inside.depth = getattr(inside, "depth", 0) + 1
+            try:
+                return originals[kind](module, *args, **kwargs)
+            finally:
+                inside.depth -= 1
         return wrapper
 
     stand_ins = {k: spy(k) for k in originals}
@@ -223,7 +242,7 @@ def _probe_2d(parallelize_2d) -> dict:
     ref = Stack(2, 16, 4, 32)
     model = copy.deepcopy(ref)
     calls: list = []
-    patched = _spy_calls(parallelize_2d, calls)
+    patched = _spy_calls(parallelize_2d, model, calls)
     entry = {"calls": calls, "groups": {n: sorted(mesh[n].mesh.flatten().tolist()) for n in ("dp", "tp")}}
     try:
         model = parallelize_2d(model, mesh)
