@@ -184,7 +184,8 @@ def main(argv=None) -> int:
         loss = train_step(model, optimizer, *global_batch(args, x, y, step, dp), mesh, device)
         say(f"step {step}: loss {loss:.5f}")
         done = step + 1
-        if args.checkpoint_dir and (done == args.steps or (args.checkpoint_every and done % args.checkpoint_every == 0)):
+        every = args.checkpoint_every and done % args.checkpoint_every == 0
+        if args.checkpoint_dir and (done == args.steps or every):
             path = os.path.join(args.checkpoint_dir, f"step-{done}")
             distcp.save_checkpoint(model, optimizer, path)          # every rank writes its own shards
             say(f"checkpoint {path} ({len(os.listdir(path))} files)")

@@ -35,7 +35,8 @@ MLP = ExerciseMutants("11.tp_mlp", NOTEBOOK, ("tp_mlp", "CopyToTP", "ReduceFromT
            replace("F.linear(CopyToTP.apply(x), w1_shard, b1_shard)", "F.linear(x, w1_shard, b1_shard)"),
            expect=("x's gradient holds only this rank's slice", "no collective in backward")),
     Mutant("ReduceFromTP's forward forgets to sum",
-           replace("        total = partial.clone()\n        dist.all_reduce(total)\n", "        total = partial.clone()\n"),
+           replace("        total = partial.clone()\n        dist.all_reduce(total)\n",
+                   "        total = partial.clone()\n"),
            expect=("own partial sum", "no collective forward")),
 ], variants=[
     Variant("explicit group and op, matmuls instead of F.linear", '''
@@ -160,7 +161,8 @@ def tp_plan(block, sequence_parallel):
 '''),
 ])
 
-TP_LOOP = ("    for b in model.blocks:\n        parallelize_module(b, mesh[\"tp\"], tp_plan(b, sequence_parallel=True))\n")
+TP_LOOP = ("    for b in model.blocks:\n"
+           "        parallelize_module(b, mesh[\"tp\"], tp_plan(b, sequence_parallel=True))\n")
 FSDP_LOOP = "    for b in model.blocks:\n        fully_shard(b, mesh=mesh[\"dp\"])\n"
 TWO_D = ExerciseMutants("11.parallelize_2d", NOTEBOOK, ("parallelize_2d",), mutants=[
     Mutant("FSDP applied before TP", replace(TP_LOOP + FSDP_LOOP, FSDP_LOOP + TP_LOOP),

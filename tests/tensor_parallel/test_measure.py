@@ -28,8 +28,8 @@ def _norms_saved(sp: bool):
     from torch.distributed.tensor.parallel import parallelize_module
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    block = parallelize_module(copy.deepcopy(Block(16, 4, 64)), init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)),
-                               block_plan(Block(), sp))
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    block = parallelize_module(copy.deepcopy(Block(16, 4, 64)), mesh, block_plan(Block(), sp))
     x = torch.randn(2, 8, 16)
     return measure.saved_bytes(block, x.chunk(world, dim=1)[rank] if sp else x)
 

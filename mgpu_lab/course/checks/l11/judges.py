@@ -61,7 +61,8 @@ def reduce_case(t, runs) -> None:
                     "over the ranks" if _close(e["y"], e["own"]) else "forward must return the sum over the ranks")
             t.fail(hint, "the sum over the ranks", f"rank {rank}: {_diff(e['y'], e['want'])}")
         if _count(e["fwd"], "all_reduce") != 1:
-            t.fail("the sum over ranks is one all-reduce", "1 all_reduce forward", f"rank {rank}: {_in_words(e['fwd'])}")
+            t.fail("the sum over ranks is one all-reduce", "1 all_reduce forward",
+                   f"rank {rank}: {_in_words(e['fwd'])}")
         if e["grad"] is not None and _close(e["grad"], e["g"] * world):
             t.fail(f"backward all-reduced the gradient: the wrong conjugate. After the forward sum every rank holds "
                    f"the same whole output, so its gradient is already whole on every rank: summing it again "
@@ -190,10 +191,10 @@ def plan_weights(t, runs, k: int) -> None:
             name = next(iter(wrong))
             hint = "after the step every weight equals one process's"
             if name.startswith("norm") and k == 1:
-                hint = (f"{name.split('.')[0]}'s weights differ: with sequence parallelism each rank's norm sees only its slice "
-                        "of the sequence, so its replicated weights' gradients must be summed over the TP ranks "
-                        "before the step; a norm left out of the plan keeps a plain tensor with this rank's part "
-                        "of the gradient only")
+                hint = (f"{name.split('.')[0]}'s weights differ: with sequence parallelism each rank's norm sees "
+                        "only its slice of the sequence, so its replicated weights' gradients must be summed over "
+                        "the TP ranks before the step; a norm left out of the plan keeps a plain tensor with this "
+                        "rank's part of the gradient only")
             t.fail(hint, "one process's weights after one SGD step",
                    f"rank {rank}: {name} differs by {wrong[name]:.3g}" + (f" ({len(wrong)} differ)" if len(wrong) > 1
                                                                           else ""))
