@@ -92,3 +92,8 @@ def _wrong_mesh():
 def test_a_2d_mesh_that_does_not_cover_the_world_says_the_sizes():
     with pytest.raises(LaunchError, match=r"dp=3 x tp=1 = 3 ranks, but the world has 2"):
         launch(_wrong_mesh, 2)
+
+
+def test_the_plan_is_for_the_lesson_s_block_and_says_so_for_another_module():
+    with pytest.raises(ValueError, match="the block has no submodule 'attn'"):
+        block_plan(torch.nn.Linear(2, 2), sequence_parallel=False)
