@@ -188,7 +188,7 @@ def parallelize_2d(model, mesh):
     fully_shard(model, mesh=dp_mesh)
     return model
 '''),
-    Variant("its own plan, written inline, over mesh.get_... by name", '''
+    Variant("its own plan written inline, returning what the root fully_shard returns", '''
 def parallelize_2d(model, mesh):
     seq = Shard(1)
     for b in model.blocks:
