@@ -136,6 +136,15 @@ def make_mesh_2d(dp: int, tp: int, device_type: str | None = None):
 
     Raises:
         ValueError: when ``dp * tp`` is not the world size.
+
+    Example:
+        >>> from mgpu_lab import launch
+        >>> def groups():
+        ...     mesh = make_mesh_2d(2, 2)
+        ...     return {name: mesh[name].mesh.tolist() for name in ("dp", "tp")}
+        >>> launch(groups, 4)[2]       # rank 2: its TP group is ranks 2 and 3, its DP group ranks 0 and 2
+        launch: 4 ranks · ...
+        {'dp': [0, 2], 'tp': [2, 3]}
     """
     from torch.distributed.device_mesh import init_device_mesh
 

@@ -79,6 +79,10 @@ def bytes_by_dim(events, mesh) -> dict:
     Args:
         events: a :class:`~mgpu_lab.comm.record.Recording` or its events.
         mesh: a DeviceMesh with dimension names; None: every collective counts as ``"world"``.
+
+    Example:
+        >>> bytes_by_dim([{"op": "all_reduce", "bytes": 64, "ranks": [0, 1]}, {"op": "wait", "bytes": 64}], None)
+        {'world': 64}
     """
     groups = {}
     if mesh is not None:

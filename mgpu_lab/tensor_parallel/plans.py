@@ -66,6 +66,17 @@ def parallelize_2d(model: nn.Module, mesh) -> nn.Module:
 
     Returns:
         ``model``, changed in place: every parameter a DTensor on both mesh dimensions.
+
+    Example:
+        >>> from mgpu_lab import launch
+        >>> from mgpu_lab.tensor_parallel.block import Stack, make_mesh_2d
+        >>> def placements():
+        ...     model = parallelize_2d(Stack(depth=1), make_mesh_2d(2, 2))
+        ...     wq, norm = model.blocks[0].attn.wq.weight, model.blocks[0].norm1.weight
+        ...     return [[type(p).__name__ for p in w.placements] for w in (wq, norm)]   # over ("dp", "tp")
+        >>> launch(placements, 4)[0]   # FSDP's shard over "dp" is a slice of TP's slice: a strided shard
+        launch: 4 ranks · ...
+        [['_StridedShard', 'Shard'], ['Shard', 'Replicate']]
     """
     from torch.distributed.fsdp import fully_shard
 
