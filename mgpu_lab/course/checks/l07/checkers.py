@@ -100,7 +100,7 @@ STATIC = ("10.213.7.1", 29517)  # node 0's address and a port that is not torchr
 
 @exercise("07.torchrun_command", points=7, description="torchrun_command(script, nnodes, nproc_per_node, "
           "node_rank, master_addr, master_port): this node's torchrun argv with static rendezvous, run "
-          "for real on 2 simulated nodes")
+          "for real on 2 simulated nodes", references=("mgpu_lab.cluster.commands:torchrun_commands",))
 def _torchrun_command(t, torchrun_command):
     """Judges four calls with torchrun's own parser, then runs node 0's and node 1's commands for real.
 
@@ -239,6 +239,7 @@ def _pick_interface(t, pick_interface):
 
 
 def _run_pick(t, pick_interface) -> None:
+    from mgpu_lab.cluster.commands import torchrun_commands
     from mgpu_lab.cluster.multinode import PROBE_SCRIPT, SimCluster
 
     with SimCluster(2) as cluster:
@@ -249,7 +250,7 @@ def _run_pick(t, pick_interface) -> None:
         if got[0] != "ok" or not isinstance(got[1], str):
             t.fail(f"on node 0 of {where(cluster)}, peer {peer}", cluster.interface, in_words(got))
         env = {"GLOO_SOCKET_IFNAME": got[1], "ALLREDUCE_CHECK_TIMEOUT": "3"}
-        result, reports = run_commands(cluster, cluster.torchrun(PROBE_SCRIPT, fork=True), env)
+        result, reports = run_commands(cluster, torchrun_commands(cluster, PROBE_SCRIPT, fork=True), env)
         if len(reports) != 2 or not all(r["ok"] for r in reports):
             t.fail(f"on {where(cluster)} with GLOO_SOCKET_IFNAME={got[1]}: {failure_text(result)}",
                    "both ranks: all_reduce sum 3", f"{len(reports)} rank(s) finished; "
