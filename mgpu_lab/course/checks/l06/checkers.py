@@ -20,8 +20,7 @@ from .judges import (judge_bubble, judge_grads, judge_loss, judge_raises, requir
 from .ranks import evaluate, probe_stage, run_pipelined, STAGE_SCENARIOS
 
 
-STAGE_REFERENCES = ("mgpu_lab.parallel.gpipe:stage_step", "mgpu_lab.parallel.gpipe:_gpipe_step",
-                    "mgpu_lab.parallel.gpipe:gpipe_rank", "torch.distributed.pipelining.stage:PipelineStage")
+STAGE_REFERENCES = ("mgpu_lab.parallel.gpipe:stage_step", "torch.distributed.pipelining.stage:PipelineStage")
 
 
 STAGE_TIMEOUT = 20.0  # seconds: a right answer takes about one
