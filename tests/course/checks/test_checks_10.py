@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from checking import stub
+from checking import case_starting, stub
 
 from mgpu_lab.course.checks import check, exercises
 from mgpu_lab.course.checks.l10 import judges
@@ -31,7 +31,7 @@ from mgpu_lab import dist as mdist
 
 def test_lesson_10_registers_its_three_exercises_with_one_point_per_case():
     got = {e.id: e.points for e in exercises("10")}
-    assert got == {"10.atomic_save": 6, "10.guarded": 6, "10.resumable_train": 7}
+    assert got == {"10.atomic_save": 7, "10.guarded": 6, "10.resumable_train": 7}
 
 
 @pytest.mark.parametrize("exercise_id,answer", [
@@ -52,7 +52,7 @@ def test_classify_tells_old_new_missing_and_torn_files(tmp_path):
     data = path.read_bytes()
     assert classify(str(path)) == "new"
     path.write_bytes(data[: len(data) // 2])
-    assert classify(str(path)).startswith("torn:")
+    assert classify(str(path)) == "torn"
 
 
 def test_resumed_from_follows_the_snapshots_of_a_kill_schedule():
@@ -97,3 +97,21 @@ def does_nothing(*args, **kwargs):
 def test_an_answer_that_does_nothing_passes_no_case(exercise_id):
     result = check(exercise_id, does_nothing)
     assert result.points == 0, str(result)
+
+
+def plain_save(obj, path):
+    import torch
+
+    torch.save(obj, path)
+
+
+def test_plain_torch_save_passes_only_the_save_itself_and_says_torn_files_in_the_check_s_words():
+    result = check("10.atomic_save", plain_save)
+    assert [c.name for c in result.cases if c.passed] == [
+        "saves the object (torch.load(path) gives it back) and a second save replaces it"], result
+    text = str(result)
+    assert "the file at path was half written when the writer was killed at byte 1 (it holds 1 byte)" in text, text
+    assert "no file operation" in case_starting(result, "SIGKILL at each file operation").got
+    assert "written in place" in case_starting(result, "the temporary file is made").got
+    for torch_words in ("UnpicklingError", "weights_only", "1 bytes", "PytorchStreamReader"):
+        assert torch_words not in text, text

@@ -1,7 +1,9 @@
 """Checks of lesson 10 (failures): atomic_save, resumable_train, guarded.
 
 atomic_save runs in forked writers killed at every file operation of the save
-and at byte offsets of its writes; what each leaves at the path is loaded.
+and at byte offsets of its writes; what each leaves at the path is loaded. A
+complete save's renames and ``os.fsync`` calls (on what file, holding how many
+bytes) are recorded in the writer: a power loss is judged from them.
 resumable_train runs in real ranks that are killed with SIGKILL at steps the
 learner does not know (or while a snapshot is written), restarted as torchrun
 restarts them, and finally under real ``torchrun --max-restarts``; the final
@@ -18,8 +20,9 @@ import os
 from mgpu_lab.launcher import elastic
 from mgpu_lab.launcher.errors import LaunchError, LaunchTimeout
 from .._core import _error_text, CaseFailed, exercise
-from .judges import (agreed_results, count_saves, judge_guard, judge_run, judge_trials, other_filesystem, CFG,
-                     read_logs, resumed_from, RUN_TIMEOUT, STEPS, WITHIN, WORLD)
+from .judges import (agreed_results, count_saves, judge_durable, judge_guard, judge_run, judge_trials,
+                     judge_written_beside, other_filesystem, outcome_words, CFG, read_logs, resumed_from,
+                     RUN_TIMEOUT, STEPS, WITHIN, WORLD)
 from .ranks import atomic_probe, guard_probe, read_log, run_resumable
 
 
@@ -27,9 +30,9 @@ ATOMIC_HINT = ("a right save leaves path untouched until the new content is comp
                "then swaps it in with one atomic step: path holds the old file or the new one at every moment")
 
 
-@exercise("10.atomic_save", points=6, description="atomic_save(obj, path): torch.save such that a process killed "
-          "at any moment leaves the old file or the new one at path, never a torn one",
-          references=("mgpu_lab.failures.resume:atomic_save",))
+@exercise("10.atomic_save", points=7, description="atomic_save(obj, path): torch.save such that a process killed "
+          "at any moment leaves the old file or the new one at path, never a torn one, and a power loss after it "
+          "returned leaves the new one", references=("mgpu_lab.failures.resume:atomic_save",))
 def _atomic_save(t, atomic_save):
     root = t.scratch("mgpu-lab-10-atomic-")  # where the learner's code runs (a grader's sandbox)
     other = t.remove_after(t.local(other_filesystem, root))
@@ -42,12 +45,16 @@ def _atomic_save(t, atomic_save):
         dry = got["dry"]
         if dry.get("raised") or dry["outcome"] != "new":
             t.fail("a save over an existing file must leave the new object there",
-                   "new", dry.get("raised") or dry["outcome"])
+                   "new", dry.get("raised") or outcome_words(dry))
     for trial in (got or {}).get("events", []):
         trial["at"] = got["dry"]["events"][trial["k"] - 1] if trial["k"] <= len(got["dry"]["events"]) else "?"
     with t.case("SIGKILL at each file operation of a save over an old file (open, rename, remove, copy, ...): "
                 "the old or the new object, never a torn file or none", hint=ATOMIC_HINT):
         _saved_at_all(t, got)
+        if not got["events"]:
+            t.fail("not judged: your save made no file operation the check can stop it at (no open, rename, "
+                   "copy, ...): it writes path in one go from torch's own code, in place; " + ATOMIC_HINT,
+                   "a save that opens, writes and renames files", "no file operation")
         judge_trials(t, got["events"], ("old", "new"),
                       "killed there, your save left path missing or half written: it removes, truncates or "
                       "writes path itself before the new content is complete; " + ATOMIC_HINT)
@@ -68,20 +75,24 @@ def _atomic_save(t, atomic_save):
             t.fail("atomic_save returned as if it had saved: let the pickling error propagate",
                    "an exception", "returned normally")
         if bad["outcome"] != "old":
-            t.fail("the failed save damaged path: " + ATOMIC_HINT, "old", bad["outcome"])
+            t.fail("the failed save damaged path: " + ATOMIC_HINT, "the old object", outcome_words(bad))
     with t.case("no old file yet: a writer killed at any point leaves no file or the complete new one",
                 hidden=True):
         _saved_at_all(t, got)
         judge_trials(t, got["fresh"], ("missing", "new"), ATOMIC_HINT)
-    with t.case("the temporary file is made in path's directory (it works with the system temp dir on "
-                "another file system)", hint="with the system temp dir on another file system your save failed: a "
-                "rename cannot cross file systems, so the new content must be written on path's own file system"):
+    with t.case("the temporary file is made in path's directory and renamed onto path (it works with the system "
+                "temp dir on another file system)", hint="with the system temp dir on another file system your "
+                "save failed: a rename cannot cross file systems, so the new content must be written on path's "
+                "own file system"):
         if got is None:
             t.fail("the first case did not finish")
-        cross = got["cross"]
-        if cross is not None and (cross.get("raised") or cross["outcome"] != "new"):
-            t.fail("", f"the new object at path, with TMPDIR={other}",
-                   f"raised {cross['raised']}" if cross.get("raised") else cross["outcome"])
+        judge_written_beside(t, got["cross"] or got["dry"], other)
+    with t.case("after it returns, the save survives a power loss: the new file's data fsynced before the rename, "
+                "path's directory fsynced after it (the check records each os.fsync and what it was called on)",
+                hint="a kill loses nothing the kernel has, a power loss loses what is not on disk: the new file's "
+                     "bytes, then the directory entry the rename changed, each made durable in that order"):
+        _saved_at_all(t, got)
+        judge_durable(t, got["dry"])
 
 
 def _saved_at_all(t, got) -> None:
@@ -90,7 +101,7 @@ def _saved_at_all(t, got) -> None:
         t.fail("the first case did not finish")
     if got["dry"].get("raised") or got["dry"]["outcome"] != "new":
         t.fail("not judged: a complete save of yours leaves no new object at path, so what a kill leaves proves "
-               "nothing", "new after a complete save", got["dry"].get("raised") or got["dry"]["outcome"])
+               "nothing", "the new object after a complete save", got["dry"].get("raised") or outcome_words(got["dry"]))
 
 
 SCENARIOS = [  # (scenario, odd rank, what the program did, hidden)

@@ -22,6 +22,7 @@ import json
 import os
 import resource
 import signal
+import stat
 import sys
 import tempfile
 import torch
@@ -41,18 +42,23 @@ FILE_EVENTS = {"open", "os.rename", "os.remove", "shutil.copyfile", "shutil.move
 
 
 def classify(path: str) -> str:
-    """What a file holds after a save: "old", "new", "missing" or "torn: <why it does not load>"."""
+    """What a file holds after a save: "old", "new", "missing" or "torn" (it does not load, or loads as neither).
+
+    The check says why in its own words (:func:`.judges.outcome_words`): the reason torch gives for a file it
+    cannot load (an ``UnpicklingError`` about ``weights_only``, a zip archive without its end) points away
+    from what happened, a writer killed halfway through.
+    """
     if not os.path.exists(path):
         return "missing"
     try:
         obj = torch.load(path, weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - any failure to load is a torn file
-        return f"torn: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+    except Exception:  # noqa: BLE001 - any failure to load is a torn file
+        return "torn"
     for name, ref in (("old", OLD), ("new", NEW)):
         if isinstance(obj, dict) and obj.get("version") == ref["version"] \
                 and torch.equal(obj["weights"], ref["weights"]):
             return name
-    return "torn: loads, but is neither the old object nor the new one"
+    return "torn"
 
 
 class _Unpicklable:
@@ -61,12 +67,12 @@ class _Unpicklable:
 
 
 def _child(atomic_save, obj, path, trial, watch, out_fd) -> None:
-    """In a forked writer: arm the kill, save, report the file operations seen through the pipe."""
+    """In a forked writer: arm the kill, save, report the file operations and fsyncs seen through the pipe."""
     signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # Python ignores it; the default kills the process
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     if trial.get("tmpdir"):
         os.environ["TMPDIR"] = tempfile.tempdir = trial["tmpdir"]
-    seen = []
+    seen, log = [], []
     kind, k = trial["kind"], trial.get("k", 0)
 
     def hook(event, args):
@@ -74,15 +80,18 @@ def _child(atomic_save, obj, path, trial, watch, out_fd) -> None:
                 isinstance(a, (str, bytes, os.PathLike)) and os.fsdecode(a).startswith(tuple(watch)) for a in args):
             return
         seen.append(event)
+        if event == "os.rename":
+            log.append(_renamed(args))
         if kind == "event" and len(seen) == k:
             os.kill(os.getpid(), signal.SIGKILL)
         if kind == "bytes" and len(seen) == k:
             resource.setrlimit(resource.RLIMIT_FSIZE, (trial["n"], trial["n"]))
 
+    _record_fsyncs(log)
     sys.addaudithook(hook)
     if kind == "bytes" and k == 0:
         resource.setrlimit(resource.RLIMIT_FSIZE, (trial["n"], trial["n"]))
-    report = {"events": seen}
+    report = {"events": seen, "log": log}
     try:
         atomic_save(obj, path)
         report["returned"] = True
@@ -90,6 +99,40 @@ def _child(atomic_save, obj, path, trial, watch, out_fd) -> None:
         report["raised"] = f"{type(exc).__name__}: {exc}"[:300]
     os.write(out_fd, json.dumps(report).encode())
     os._exit(0)
+
+
+def _identity(st) -> list:
+    """A file's identity and size, as plain data: ``[st_dev, st_ino, st_size]``."""
+    return [st.st_dev, st.st_ino, st.st_size]
+
+
+def _renamed(args) -> dict:
+    """What an ``os.rename`` (``os.replace``, ``Path.rename``, ...) audit event is about to move where."""
+    src, dst, src_fd, dst_fd = (list(args) + [-1, -1])[:4]
+    src_fd, dst_fd = (None if fd in (None, -1) else fd for fd in (src_fd, dst_fd))  # the audit event's -1: none
+    try:
+        st = os.stat(src, dir_fd=src_fd)
+        ident = _identity(st)
+    except OSError:
+        ident = None
+    where = os.path.dirname(os.path.realpath(os.fsdecode(src))) if src_fd is None else None
+    return {"op": "rename", "src": ident, "src_dir": where,
+            "dst": os.path.realpath(os.fsdecode(dst)) if dst_fd is None else None}
+
+
+def _record_fsyncs(log: list) -> None:
+    """In this (forked) writer: note every ``os.fsync``/``os.fdatasync``, what it was called on and its size."""
+    for name in ("fsync", "fdatasync"):
+        real = getattr(os, name, None)
+        if real is None:
+            continue
+
+        def recorded(fd, _real=real, _name=name):
+            st = os.fstat(fd if isinstance(fd, int) else fd.fileno())
+            log.append({"op": _name, "file": _identity(st), "dir": stat.S_ISDIR(st.st_mode)})
+            return _real(fd)
+
+        setattr(os, name, recorded)
 
 
 def _trial(atomic_save, root, trial, watch) -> dict:
@@ -115,7 +158,10 @@ def _trial(atomic_save, root, trial, watch) -> dict:
     report = json.loads(b"".join(chunks) or b"{}")
     killed = os.WIFSIGNALED(status) and signal.Signals(os.WTERMSIG(status)).name
     left = sorted(n for n in os.listdir(d) if n != "snapshot.pt")
-    return {**trial, "outcome": classify(path), "killed": killed or "", "leftovers": left, **report}
+    final = _identity(os.stat(path)) if os.path.exists(path) else None
+    return {**trial, "outcome": classify(path), "killed": killed or "", "leftovers": left,
+            "path": os.path.realpath(path),
+            "final": final, "directory": _identity(os.stat(d))[:2], **report}
 
 
 def atomic_probe(atomic_save, root: str, other_fs: str | None) -> dict:
