@@ -116,7 +116,7 @@ GUARD = ExerciseMutants("10.guarded", NOTEBOOK, ("guarded",), mutants=[
     Mutant("the count never advances", replace('        _guard["calls"] += 1\n', ""),
            ("rank 0, call 1", "counted from 0")),
     Mutant("no bound on the wait", replace("deadline = time.monotonic() + GUARD_WAIT", "deadline = float('inf')"),
-           ("hangs", "deadline")),
+           ("still waiting", "deadline")),
     Mutant("checks, but never runs the collective", replace("return collective(*args, **kwargs)", "return None"),
            "exactly once"),
 ], variants=[

@@ -4,8 +4,10 @@ The wrong answers every case exists for are tests/mutants/test_mutants_10.py.
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
+import cloudpickle
 import pytest
 from checking import case_starting, stub
 
@@ -14,6 +16,9 @@ from mgpu_lab.course.checks.l10 import judges
 from mgpu_lab.course.checks.l10.ranks import NEW, OLD, classify
 
 pytestmark = pytest.mark.timeout(600)
+# The answers below travel to the check's ranks by value: by reference every rank would import this
+# file, and pytest with it (seconds per rank: the 3 ranks of each of 10.guarded's 6 scenarios).
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 NOTEBOOK = Path(__file__).resolve().parents[3] / "solutions" / "10_failures.ipynb"
 PRELUDE = """

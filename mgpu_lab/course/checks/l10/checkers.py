@@ -128,8 +128,11 @@ def _guarded(t, guarded):
                 "collective runs once with the results and return values of the plain one",
                 hint="when the ranks agree, the wrapper calls the collective with the arguments it was given and "
                      "returns what it returns"):
-        got = t.ranks(guard_probe, 3, guarded, "agree", timeout=GUARD_TIMEOUT)
+        got = t.ranks(guard_probe, 3, guarded, "agree", BOUND, timeout=GUARD_TIMEOUT)
         for r, g in enumerate(got):
+            if g.get("waiting") is not None:
+                t.fail(f"rank {r} was still waiting inside your guard after {g['waiting']} s although every rank "
+                       "made the same calls", "12 calls that return", f"the calls that ran: {g['ran']}")
             if g["raised"]:
                 t.fail(f"rank {r} raised although every rank made the same calls", "no error",
                        f"{g['raised'][0]}: {g['raised'][1][:300]}")
@@ -143,17 +146,18 @@ def _guarded(t, guarded):
     for scenario, odd, what, hidden in SCENARIOS:
         with t.case(f"{what}: every rank raises at call 1, before that collective runs, naming rank {odd} and "
                     "call 1", hidden=hidden, hint=GUARD_HINTS[scenario]):
-            judge_guard(t, t.ranks(guard_probe, 3, guarded, scenario, timeout=GUARD_TIMEOUT), odd, (0, 1, 2), what,
-                        GUARD_HINTS[scenario])
+            judge_guard(t, t.ranks(guard_probe, 3, guarded, scenario, BOUND, timeout=GUARD_TIMEOUT), odd, (0, 1, 2),
+                        what, GUARD_HINTS[scenario])
     absent = ("a right guard waits for the other ranks' calls up to a deadline; a rank that has not made the call "
               "by then is the odd rank, and the ranks that waited raise naming it")
     with t.case(f"rank 2 never makes call 1: ranks 0 and 1 raise within {WITHIN:.0f} s naming rank 2 and call 1",
                 hint=absent):
-        judge_guard(t, t.ranks(guard_probe, 3, guarded, "absent", timeout=GUARD_TIMEOUT), 2, (0, 1),
+        judge_guard(t, t.ranks(guard_probe, 3, guarded, "absent", BOUND, timeout=GUARD_TIMEOUT), 2, (0, 1),
                     "rank 2 never makes a second call", absent)
 
 
-GUARD_TIMEOUT = 25.0  # seconds for one scenario's 3 ranks (a guard with no bound on its wait hangs this long)
+BOUND = WITHIN + 0.5  # seconds the probe lets a rank's guarded calls take before it reports the rank as waiting
+GUARD_TIMEOUT = 25.0  # seconds for one scenario's 3 ranks: a last resort (the probe itself gives up after BOUND)
 
 
 GUARD_HINTS = {

@@ -249,7 +249,7 @@ def count_saves(logs: list) -> list[int]:
 
 
 # -- guarded ---------------------------------------------------------------------------
-WITHIN = 10.0  # seconds within which every rank must raise (the bounded wait included)
+WITHIN = 6.0  # seconds within which every rank must raise (the bounded wait included)
 
 
 def agreed_results() -> list:
@@ -282,6 +282,11 @@ def judge_guard(t, got: list, odd: int, ranks: tuple, what: str, hint: str = "")
 def _judge_guard(t, got: list, odd: int, ranks: tuple, what: str) -> None:
     for r in ranks:
         said, ran = got[r]["raised"], got[r]["ran"]
+        if got[r].get("waiting") is not None:
+            t.fail(f"rank {r} was still waiting inside your guard after {got[r]['waiting']} s: {what}; a wait with "
+                   "no bound hangs just like the collective it guards" + _ran(ran), f"a RuntimeError within "
+                   f"{WITHIN:.0f} s naming rank {odd} and call 1", f"rank {r}: still waiting after "
+                   f"{got[r]['waiting']} s")
         if said is None:
             t.fail(f"rank {r} raised nothing: {what}; your guard let the ranks go on" + _ran(ran), "a RuntimeError on "
                    f"every rank naming rank {odd} and call 1", f"rank {r}: no error")

@@ -310,16 +310,19 @@ def _counted(collective, ran: list):
     return call
 
 
-def guard_probe(guarded, scenario: str) -> dict:
+def guard_probe(guarded, scenario: str, bound: float = 60.0) -> dict:
     """Probe (3 ranks): one scenario of guarded collectives; what ran, what came back, what was raised and when.
 
     ``agree``: 12 agreeing calls; ``skip``: rank 2 skips the second all_reduce; ``shape``: rank 0
     all-reduces 4 numbers where the others all-reduce 3; ``order``: rank 1 broadcasts where the others
     all-reduce; ``dtype``: rank 1 all-reduces float64 where the others float32; ``absent``: rank 2 makes
     no second call at all. Every collective runs on a group of the probe's with a short timeout, so a
-    mismatched collective the guard lets through fails in seconds instead of hanging.
+    mismatched collective the guard lets through fails in seconds instead of hanging. The calls run in a
+    thread that this one watches: one still waiting after ``bound`` seconds (a guard with no deadline) is
+    reported as ``waiting`` at once, instead of holding the ranks until the launch's timeout.
     """
     import datetime
+    import threading
     import time
 
     import torch.distributed as tdist
@@ -328,7 +331,24 @@ def guard_probe(guarded, scenario: str) -> dict:
     group = tdist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=PROBE_TIMEOUT))
     store = tdist.distributed_c10d._get_default_store()
     ar, bc, bar = (guarded(_counted(f, ran)) for f in (tdist.all_reduce, tdist.broadcast, tdist.barrier))
-    start, out = time.monotonic(), {}
+    start, out = time.monotonic(), {"raised": None}
+    worker = threading.Thread(target=_guard_calls, args=(scenario, rank, (ar, bc, bar), group, store, results, out),
+                              daemon=True, name="guard-probe")
+    worker.start()
+    worker.join(bound)
+    if worker.is_alive():  # still inside the guard: it waits with no deadline
+        out["waiting"] = round(time.monotonic() - start, 2)
+    if scenario == "absent" and rank != 2:
+        store.set(f"guard-probe/done/{rank}", "1")
+    out.update(ran=list(ran), results=list(results), seconds=round(time.monotonic() - start, 2))
+    return out
+
+
+def _guard_calls(scenario: str, rank: int, calls: tuple, group, store, results: list, out: dict) -> None:
+    """The calls of one scenario (see :func:`guard_probe`), in the probe's thread; what was raised into ``out``."""
+    import datetime
+
+    ar, bc, bar = calls
     try:
         if scenario == "agree":
             for step in range(4):
@@ -338,28 +358,22 @@ def guard_probe(guarded, scenario: str) -> dict:
                 bc(b, src=step % 3, group=group)
                 results.append(b.tolist())
                 bar(group=group)
-        else:
-            ar(torch.ones(3), group=group)  # call 0: every rank agrees
-            if scenario == "skip" and rank != 2:
+            return
+        ar(torch.ones(3), group=group)  # call 0: every rank agrees
+        if scenario == "skip" and rank != 2:
+            ar(torch.ones(3), group=group)
+        elif scenario == "shape":
+            ar(torch.ones(4 if rank == 0 else 3), group=group)
+        elif scenario == "order":
+            (bc(torch.ones(2), src=0, group=group) if rank == 1 else ar(torch.ones(2), group=group))
+        elif scenario == "dtype":
+            ar(torch.ones(3, dtype=torch.float64 if rank == 1 else torch.float32), group=group)
+        elif scenario == "absent":
+            if rank != 2:
                 ar(torch.ones(3), group=group)
-            elif scenario == "shape":
-                ar(torch.ones(4 if rank == 0 else 3), group=group)
-            elif scenario == "order":
-                (bc(torch.ones(2), src=0, group=group) if rank == 1 else ar(torch.ones(2), group=group))
-            elif scenario == "dtype":
-                ar(torch.ones(3, dtype=torch.float64 if rank == 1 else torch.float32), group=group)
-            elif scenario == "absent":
-                if rank != 2:
-                    ar(torch.ones(3), group=group)
-                else:  # makes no call: waits until the others are done (or gave up)
-                    store.wait([f"guard-probe/done/{r}" for r in (0, 1)], datetime.timedelta(seconds=ABSENT_WAIT))
-            if not (scenario == "absent" and rank == 2):
-                bar(group=group)
-        out["raised"] = None
+            else:  # makes no call: waits until the others are done (or gave up)
+                store.wait([f"guard-probe/done/{r}" for r in (0, 1)], datetime.timedelta(seconds=ABSENT_WAIT))
+        if not (scenario == "absent" and rank == 2):
+            bar(group=group)
     except Exception as exc:  # noqa: BLE001 - the check judges what the guard raised
         out["raised"] = [type(exc).__name__, str(exc)[:500]]
-    finally:
-        if scenario == "absent" and rank != 2:
-            store.set(f"guard-probe/done/{rank}", "1")
-    out.update(ran=ran, results=results, seconds=round(time.monotonic() - start, 2))
-    return out
