@@ -120,3 +120,40 @@ def test_plain_torch_save_passes_only_the_save_itself_and_says_torn_files_in_the
     assert "written in place" in case_starting(result, "the temporary file is made").got
     for torch_words in ("UnpicklingError", "weights_only", "1 bytes", "PytorchStreamReader"):
         assert torch_words not in text, text
+
+
+def no_guard(collective):
+    """The collective itself: no agreement, no bound."""
+    return collective
+
+
+def test_a_guard_that_only_calls_the_collective_passes_only_the_agreeing_calls():
+    result = check("10.guarded", no_guard)
+    assert [c.passed for c in result.cases] == [True, False, False, False, False, False], result
+
+
+def train_without_snapshots(model_fn, dataset, epochs, batch_size, lr, snapshot_path, snapshot_every):
+    """Lesson 04's DDP training, right, but it never snapshots: every restart begins again from scratch."""
+    import torch
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    model = model_fn()
+    ddp = DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
+    sampler = DistributedSampler(dataset)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            opt.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+    return model.state_dict()
+
+
+def test_training_without_snapshots_passes_only_the_fresh_start():
+    result = check("10.resumable_train", train_without_snapshots)
+    assert [c.passed for c in result.cases] == [True] + [False] * 6, result
+    assert "steps" in case_starting(result, "rank 1 SIGKILLed as step 10").hint
