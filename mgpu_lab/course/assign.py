@@ -85,6 +85,9 @@ def student_notebook(nb, where: str = "notebook"):
         cell.outputs = []
         cell.execution_count = None
         cell.metadata.pop("execution", None)
+    # The kernel's own kernelspec: JupyterLab writes it into a notebook that holds another (e.g. display name
+    # "Python 3"), which then opens marked unsaved.
+    student.metadata["kernelspec"] = dict(KERNELSPEC)
     return student
 
 
@@ -139,7 +142,7 @@ def refresh(path: Path | str, timeout: float = 600) -> int:
 
     path = Path(path)
     nb = nbformat.read(path, as_version=4)
-    nb.metadata.setdefault("kernelspec", KERNELSPEC)  # JupyterLab opens it without asking
+    nb.metadata["kernelspec"] = dict(KERNELSPEC)  # JupyterLab opens it without asking, and unchanged
     NotebookClient(nb, timeout=timeout, kernel_name="python3", store_widget_state=False,
                    resources={"metadata": {"path": str(path.parent.resolve())}}).execute()  # as nbval: cwd = its folder
     nb.metadata.pop("widgets", None)  # widget views differ per run; nbval compares none

@@ -7,7 +7,7 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
-from mgpu_lab.course.assign import CHECK_TAG, STUB, MarkerError, assign, refresh, strip_solutions, student_notebook
+from mgpu_lab.course.assign import CHECK_TAG, KERNELSPEC, STUB, MarkerError, assign, refresh, strip_solutions, student_notebook
 from mgpu_lab.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -139,3 +139,13 @@ def test_refresh_keeps_the_outputs_of_tagged_cells_only(tmp_path):
     cells = nbformat.read(path, 4).cells
     assert cells[0].outputs == [] and cells[2].outputs == []
     assert cells[1].outputs[0]["data"]["text/plain"] == "42"
+
+
+def test_every_notebook_holds_the_installed_kernel_s_kernelspec():
+    """JupyterLab writes the running kernel's kernelspec into the notebook: any other opens marked unsaved."""
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    installed = KernelSpecManager().get_kernel_spec("python3")
+    assert (KERNELSPEC["name"], KERNELSPEC["display_name"]) == ("python3", installed.display_name)
+    for path in sorted((ROOT / "solutions").glob("*.ipynb")) + sorted((ROOT / "notebooks").glob("*.ipynb")):
+        assert nbformat.read(path, 4).metadata.get("kernelspec") == KERNELSPEC, path.name
