@@ -100,7 +100,7 @@ def _run_worlds(t, ring_allreduce) -> dict:
         except (LaunchError, CaseFailed) as exc:  # LaunchTimeout included; a later world after a hang: skipped
             runs[world] = exc
             t._hung = t._hung or isinstance(exc, LaunchTimeout)
-            if "NotImplementedError" == getattr(exc, "exc_type", None):
+            if getattr(exc, "exc_type", None) == "NotImplementedError":
                 break
     return runs
 

@@ -38,6 +38,12 @@ def deadlocked_worlds(runs: dict) -> list:
 
 
 def and_(items: list) -> str:
+    """Items in words.
+
+    Example:
+        >>> and_([2]), and_([2, 3, 4])
+        ('2', '2, 3 and 4')
+    """
     items = [str(i) for i in items]
     return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
