@@ -143,7 +143,7 @@ def refresh(path: Path | str, timeout: float = 600) -> int:
     path = Path(path)
     nb = nbformat.read(path, as_version=4)
     nb.metadata["kernelspec"] = dict(KERNELSPEC)  # JupyterLab opens it without asking, and unchanged
-    NotebookClient(nb, timeout=timeout, kernel_name="python3", store_widget_state=False,
+    NotebookClient(nb, timeout=timeout, kernel_name="python3", store_widget_state=True,  # False: KeyError on interact's Output
                    resources={"metadata": {"path": str(path.parent.resolve())}}).execute()  # as nbval: cwd = its folder
     nb.metadata.pop("widgets", None)  # widget views differ per run; nbval compares none
     kept = 0
