@@ -156,7 +156,7 @@ test_mutant_fails_naming_its_bug, test_correct_variant_passes, test_every_exerci
 verdicts = test_mutant_fails_naming_its_bug.verdicts
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.exercise)
+@pytest.mark.parametrize("spec", [LOADER, SEED], ids=lambda s: s.exercise)  # best_num_workers: its sleeps
 def test_shared_launches_judge_as_check_does(spec):
     """The solution gets full marks in the shared launches, and the same verdict, case by case, from check()."""
     from mgpu_lab.course.checks import check
