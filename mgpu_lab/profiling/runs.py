@@ -1,0 +1,165 @@
+"""Lesson 13's measured runs: profiled DDP and FSDP2 steps in ranks, checkpointing's cost, compile's cost.
+
+Rank functions (for ``launch``): :func:`ddp_trace` and :func:`fsdp_trace` profile training steps
+and return the trace file each rank wrote (:func:`mgpu_lab.profiling.traces.profile_steps`).
+In one process: :func:`checkpoint_modes` applies no, full or selective checkpointing to every
+block of a model, :func:`step_seconds` times forward and backward, and :func:`compile_seconds`
+times ``torch.compile``'s first call against the steps after it.
+
+Example:
+    >>> from mgpu_lab.profiling.blocks import BlockStack, tokens
+    >>> model, x = BlockStack(ratios=(2, 2)), tokens(2, 8, 32)
+    >>> checkpoint_modes(model, "full") and step_seconds(model, x, repeats=1) > 0
+    True
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import time
+
+import torch
+import torch.distributed as tdist
+from torch import nn
+
+from .traces import BusyThread, profile_steps
+
+__all__ = ["ddp_trace", "fsdp_trace", "checkpoint_modes", "step_seconds", "compile_seconds", "MODES"]
+
+MODES = ("none", "full", "selective")
+
+
+def _mlp(width: int, depth: int) -> nn.Module:
+    from mgpu_lab.comm.ddp_buckets import mlp
+
+    return mlp(width, depth)
+
+
+def ddp_trace(folder: str, cap_mb: float = 0.25, width: int = 256, depth: int = 6, batch: int = 64,
+              no_sync: bool = False, helper: int = 0, name: str = "ddp-rank", compile_backend=None) -> str:
+    """In a rank: profile DDP steps of ``depth`` Linear+ReLU layers of ``width``; the trace's path.
+
+    Args:
+        cap_mb: DDP's ``bucket_cap_mb``: small caps make several buckets whose all-reduces overlap
+            backward; a cap above the model's size makes one, all-reduced after backward.
+        no_sync: each step is two micro-batches, the first under ``no_sync()`` (no communication).
+        helper: when above 0, a :class:`~mgpu_lab.profiling.traces.BusyThread` multiplies matrices of
+            ``helper x helper`` beside the training loop, and the trace records every thread.
+        compile_backend: compile the model (``model.compile(backend=...)``) before wrapping it in DDP.
+    """
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = _mlp(width, depth)
+    if compile_backend is not None:
+        model.compile(backend=compile_backend)
+    ddp = DDP(model, bucket_cap_mb=cap_mb)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    x = torch.randn(batch, width, generator=torch.Generator().manual_seed(tdist.get_rank()))
+
+    def step():
+        opt.zero_grad()
+        if no_sync:
+            with ddp.no_sync():
+                ddp(x).square().mean().backward()
+        ddp(x).square().mean().backward()
+        opt.step()
+
+    if not helper:
+        return profile_steps(step, folder, wait=1, warmup=1, active=1, name=name)
+    with BusyThread(size=helper):
+        return profile_steps(step, folder, wait=1, warmup=1, active=1, name=name, all_threads=True)
+
+
+def fsdp_trace(folder: str, width: int = 256, depth: int = 4, batch: int = 32, mixed: bool = False,
+               name: str = "fsdp-rank") -> str:
+    """In a rank: profile FSDP2 steps of lesson 08's ``BlockNet`` (``fully_shard`` per block, then the root).
+
+    ``mixed`` adds FSDP2's ``MixedPrecisionPolicy``: bfloat16 parameters for compute, gradients
+    reduced in float32; the trace then shows the casts beside the all-gathers.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from mgpu_lab.sharding.fsdp import BlockNet, make_mesh
+
+    model, mesh = BlockNet(features=width, width=width, depth=depth, classes=10), make_mesh()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else None
+    options = {"mesh": mesh} | ({"mp_policy": policy} if policy else {})
+    for block in model.blocks:
+        fully_shard(block, **options)
+    fully_shard(model, **options)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(batch, width, generator=torch.Generator().manual_seed(tdist.get_rank()))
+
+    def step():
+        opt.zero_grad()
+        model(x).float().square().mean().backward()
+        opt.step()
+
+    return profile_steps(step, folder, wait=1, warmup=1, active=1, name=name)
+
+
+def _checkpointed(forward, context_fn=None):
+    from torch.utils.checkpoint import checkpoint
+
+    options = {} if context_fn is None else {"context_fn": context_fn}
+    if context_fn is not None and "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters:
+        options["respect_saved_tensors_hooks"] = True  # what selective checkpointing keeps shows in saved-tensor hooks
+
+    @functools.wraps(forward)
+    def run(*args):
+        return checkpoint(forward, *args, use_reentrant=False, **options)
+
+    return run
+
+
+def checkpoint_modes(model: nn.Module, mode: str) -> nn.Module:
+    """Checkpoint every block of ``model.blocks`` (in place): ``"none"``, ``"full"`` or ``"selective"``.
+
+    ``"full"`` keeps only each block's input and recomputes the block in backward; ``"selective"``
+    keeps the outputs of the matrix products and attention and recomputes the rest
+    (:func:`mgpu_lab.profiling.blocks.matmul_policy`). Calling it again replaces the mode.
+
+    Raises:
+        ValueError: an unknown mode.
+    """
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    from .blocks import matmul_policy
+
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r}: use one of {MODES}")
+    context = functools.partial(create_selective_checkpoint_contexts, matmul_policy)
+    for block in model.blocks:
+        block.__dict__.pop("forward", None)  # back to the class's forward
+        if mode != "none":
+            block.forward = _checkpointed(block.forward, context if mode == "selective" else None)
+    return model
+
+
+def step_seconds(model: nn.Module, x: torch.Tensor, repeats: int = 5) -> float:
+    """The median wall time of ``repeats`` forward+backward passes (after one untimed pass)."""
+    times = []
+    for i in range(repeats + 1):
+        start = time.perf_counter()
+        model(x).square().mean().backward()
+        if i:
+            times.append(time.perf_counter() - start)
+    model.zero_grad()
+    return sorted(times)[len(times) // 2]
+
+
+def compile_seconds(model: nn.Module, x: torch.Tensor, backend: str = "aot_eager", repeats: int = 5) -> dict:
+    """``torch.compile`` each block of ``model.blocks`` with ``backend``: the first step's time, and later ones.
+
+    Returns:
+        ``{"eager", "first", "compiled"}`` in seconds: a step before compiling (median), the first
+        compiled step (tracing and compiling included) and a compiled step after it (median).
+    """
+    torch._dynamo.reset()
+    eager = step_seconds(model, x, repeats)
+    for block in model.blocks:
+        block.compile(backend=backend)
+    start = time.perf_counter()
+    model(x).square().mean().backward()
+    first = time.perf_counter() - start
+    return {"eager": eager, "first": first, "compiled": step_seconds(model, x, repeats)}
