@@ -49,12 +49,15 @@ def ddp_trace(folder: str, cap_mb: float = 0.25, width: int = 256, depth: int = 
     """
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    model = _mlp(width, depth)
+    from mgpu_lab.sharding.fsdp import rank_device
+
+    device = rank_device()  # this rank's GPU under NCCL, else the CPU
+    model = _mlp(width, depth).to(device)
     if compile_backend is not None:
-        model.compile(backend=compile_backend)
+        model.compile(backend=compile_backend)  # before wrapping: lesson 09
     ddp = DDP(model, bucket_cap_mb=cap_mb)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
-    x = torch.randn(batch, width, generator=torch.Generator().manual_seed(tdist.get_rank()))
+    x = torch.randn(batch, width, generator=torch.Generator().manual_seed(tdist.get_rank())).to(device)
 
     def step():
         opt.zero_grad()
@@ -81,14 +84,17 @@ def fsdp_trace(folder: str, width: int = 256, depth: int = 4, batch: int = 32, m
 
     from mgpu_lab.sharding.fsdp import BlockNet, make_mesh
 
-    model, mesh = BlockNet(features=width, width=width, depth=depth, classes=10), make_mesh()
+    from mgpu_lab.sharding.fsdp import rank_device
+
+    mesh = make_mesh()
+    model = BlockNet(features=width, width=width, depth=depth, classes=10).to(rank_device())
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else None
     options = {"mesh": mesh} | ({"mp_policy": policy} if policy else {})
     for block in model.blocks:
         fully_shard(block, **options)
     fully_shard(model, **options)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x = torch.randn(batch, width, generator=torch.Generator().manual_seed(tdist.get_rank()))
+    x = torch.randn(batch, width, generator=torch.Generator().manual_seed(tdist.get_rank())).to(rank_device())
 
     def step():
         opt.zero_grad()
