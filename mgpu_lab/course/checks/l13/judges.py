@@ -101,14 +101,14 @@ WRONG = {
 
 
 def diagnose(trace: dict, thread, got: float) -> str:
-    """Name the known wrong reading ``got`` matches on this trace, or say how far off it is."""
-    for name, words in WRONG.items():
-        try:
-            value = exposed_comm(trace, thread, wrong=name)
-        except (KeyError, TypeError, ValueError):
-            continue
-        if abs(value - got) <= 1e-6 + 1e-7 * abs(value) and abs(value - exposed_comm(trace, thread)) > 1e-6:
-            return words
+    """Name the known wrong readings ``got`` matches on this trace (all of them, when several give the same
+    number), or say what a right reading is."""
+    right = exposed_comm(trace, thread)
+    matches = [words for name, words in WRONG.items()
+               if abs((value := exposed_comm(trace, thread, wrong=name)) - got) <= 1e-6 + 1e-7 * abs(value)
+               and abs(value - right) > 1e-6]
+    if matches:
+        return matches[0] if len(matches) == 1 else "your number fits several known mistakes: " + "; or ".join(matches)
     return ("exposed time is the union of the communication intervals (every thread) minus the time the main "
             "thread spends inside an operator that is not a communication call")
 

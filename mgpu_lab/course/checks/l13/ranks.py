@@ -29,7 +29,7 @@ from torch import nn
 
 from mgpu_lab.profiling.blocks import Block, BlockStack, tokens
 from .. import _references
-from ..sim.outcome import outcome
+from ..sim.outcome import one_thread, outcome
 
 
 # -- references -----------------------------------------------------------------------------
@@ -159,6 +159,7 @@ def _traces() -> dict:
 def run_exposed(exposed_comm) -> dict:
     """Probe (2 ranks): the recorded traces, and the learner's answer on each (plus the helper trace with
     ``rank_thread`` naming the training thread, then the helper thread)."""
+    one_thread()
     outcome(exposed_comm, {"traceEvents": []})  # an answer not written yet stops here, before any recording
     out = _traces()
     calls = [(name, None) for name in out["traces"]]
@@ -217,6 +218,7 @@ def known_models() -> dict:
 
 def run_saved(saved) -> dict:
     """Probe: per known model, the reference's bytes and the learner's answer (an outcome)."""
+    one_thread()
     out = {}
     for name in known_models():
         with _references.allowed():
@@ -287,6 +289,7 @@ def _one_budget(checkpoint_under, budget: int) -> dict:
 
 def run_checkpoint(checkpoint_under) -> dict:
     """Probe: ``checkpoint_under`` on a fresh stack for every budget of :func:`budgets`."""
+    one_thread()
     with _references.allowed():
         plan = budgets()
     return {name: _one_budget(checkpoint_under, budget) for name, budget in plan.items()}
