@@ -35,7 +35,7 @@ Example:
     >>> model(tokens(2, 8, 32)).shape, [type(b).__name__ for b in model.blocks]
     (torch.Size([2, 8, 32]), ['Block', 'Block'])
     >>> block_activation_bytes(batch=2, seq=8, dim=32, heads=4)
-    33408
+    33280
 """
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ def block_activation_bytes(batch: int, seq: int, dim: int, heads: int, mlp_ratio
 
     Example:
         >>> block_activation_bytes(1, 1024, 4096, 32, dtype=torch.bfloat16) / 2**20   # MiB, one sequence
-        128.140625
+        128.1328125
     """
     e, t = torch.empty((), dtype=dtype).element_size(), batch * seq
     return e * ((8 + 2 * mlp_ratio) * t * dim + 4 * t) + 4 * heads * t
