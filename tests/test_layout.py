@@ -2,7 +2,7 @@
 
 From the bottom: the base (``dist``, ``devices``, ``core/``), ``launcher/`` (start
 ranks), one package per topic (``data/``, ``parallel/``, ``sharding/``, ``comm/``,
-``failures/``, and ``devices/``' lesson-01 modules), each naming its lessons;
+``failures/``, ``profiling/``, and ``devices/``' lesson-01 modules), each naming its lessons;
 ``cluster/`` (simulated nodes, SLURM), ``course/`` (checks, assign, grade), and the
 command line (``cli``, ``doctor``) on top. These tests read the source with
 ``ast`` (nothing is imported), so a cycle or a layer crossed shows as a failure
