@@ -1,7 +1,8 @@
 """Lesson 13's measured runs: profiled DDP and FSDP2 steps in ranks, checkpointing's cost, compile's cost.
 
-Rank functions (for ``launch``): :func:`ddp_trace` and :func:`fsdp_trace` profile training steps
-and return the trace file each rank wrote (:func:`mgpu_lab.profiling.traces.profile_steps`).
+Rank functions (for ``launch``): :func:`ddp_trace` and :func:`fsdp_trace` profile training steps,
+labelled ``forward``, ``backward`` and ``optimizer`` with ``record_function``, and return the trace
+file each rank wrote (:func:`mgpu_lab.profiling.traces.profile_steps`).
 In one process: :func:`checkpoint_modes` applies no, full or selective checkpointing to every
 block of a model, :func:`step_seconds` times forward and backward, and :func:`compile_seconds`
 times ``torch.compile``'s first call against the steps after it.
@@ -21,10 +22,12 @@ import time
 import torch
 import torch.distributed as tdist
 from torch import nn
+from torch.profiler import record_function
 
 from .traces import BusyThread, profile_steps
 
-__all__ = ["ddp_trace", "fsdp_trace", "checkpoint_modes", "step_seconds", "compile_seconds", "MODES"]
+__all__ = ["ddp_trace", "fsdp_trace", "fsdp_compiled", "checkpoint_modes", "step_seconds", "compile_seconds",
+           "MODES"]
 
 MODES = ("none", "full", "selective")
 
@@ -62,10 +65,14 @@ def ddp_trace(folder: str, cap_mb: float = 0.25, width: int = 256, depth: int = 
     def step():
         opt.zero_grad()
         if no_sync:
-            with ddp.no_sync():
+            with ddp.no_sync(), record_function("micro-batch without sync"):
                 ddp(x).square().mean().backward()
-        ddp(x).square().mean().backward()
-        opt.step()
+        with record_function("forward"):
+            loss = ddp(x).square().mean()
+        with record_function("backward"):
+            loss.backward()
+        with record_function("optimizer"):
+            opt.step()
 
     if not helper:
         return profile_steps(step, folder, wait=1, warmup=1, active=1, name=name)
@@ -98,8 +105,12 @@ def fsdp_trace(folder: str, width: int = 256, depth: int = 4, batch: int = 32, m
 
     def step():
         opt.zero_grad()
-        model(x).float().square().mean().backward()
-        opt.step()
+        with record_function("forward"):
+            loss = model(x).float().square().mean()
+        with record_function("backward"):
+            loss.backward()
+        with record_function("optimizer"):
+            opt.step()
 
     return profile_steps(step, folder, wait=1, warmup=1, active=1, name=name)
 
@@ -169,3 +180,41 @@ def compile_seconds(model: nn.Module, x: torch.Tensor, backend: str = "aot_eager
     model(x).square().mean().backward()
     first = time.perf_counter() - start
     return {"eager": eager, "first": first, "compiled": step_seconds(model, x, repeats)}
+
+
+def fsdp_compiled(backend: str = "aot_eager", steps: int = 3) -> dict:
+    """In a rank: FSDP2 over a :class:`~mgpu_lab.profiling.blocks.BlockStack`, eager and with every block compiled.
+
+    Each block is sharded (``fully_shard``) and then compiled (``block.compile(backend=...)``), so that each
+    compiled graph runs between FSDP2's all-gather before the block and its reduce-scatter after it.
+
+    Returns:
+        ``{"eager": {...}, "compiled": {...}}``, each with the losses of ``steps`` SGD steps from the
+        same weights and data and the seconds they took (the compiled run's first step compiles).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    from mgpu_lab.sharding.fsdp import make_mesh, rank_device
+
+    from .blocks import BlockStack, tokens
+
+    mesh, device = make_mesh(), rank_device()
+    x = tokens(2, 32, 64, seed=tdist.get_rank()).to(device)
+    out = {}
+    for how in ("eager", "compiled"):
+        model = BlockStack(dim=64, heads=4, ratios=(2, 2)).to(device)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+            if how == "compiled":
+                block.compile(backend=backend)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses, start = [], time.perf_counter()
+        for _ in range(steps):
+            opt.zero_grad()
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        out[how] = {"losses": losses, "seconds": time.perf_counter() - start}
+    return out

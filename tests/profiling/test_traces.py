@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -13,8 +14,10 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def _lesson_traces(folder):
-    """What the lesson's notebook records: DDP (several buckets) and FSDP2 with mixed precision."""
-    return [runs.ddp_trace(folder, 0.25, width=64, depth=3), runs.fsdp_trace(folder, width=64, depth=2, mixed=True)]
+    """What the lesson's notebook records: DDP (several buckets) and FSDP2 with mixed precision; and FSDP2
+    with each block compiled (the eager backend: dynamo's capture without code generation)."""
+    return ([runs.ddp_trace(folder, 0.25, width=64, depth=3), runs.fsdp_trace(folder, width=64, depth=2, mixed=True)],
+            runs.fsdp_compiled("eager", steps=2))
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +27,7 @@ def lesson_traces(tmp_path_factory):
 
 
 def test_every_rank_writes_its_own_trace_of_valid_chrome_json(lesson_traces):
-    for rank, paths in enumerate(lesson_traces):
+    for rank, (paths, _) in enumerate(lesson_traces):
         for path in paths:
             assert path.endswith(f"rank{rank}.json")
             with open(path, encoding="utf-8") as f:
@@ -38,7 +41,7 @@ def test_every_rank_writes_its_own_trace_of_valid_chrome_json(lesson_traces):
 
 
 def test_the_traces_hold_the_collectives_of_ddp_and_fsdp2_on_the_backend_s_threads(lesson_traces):
-    ddp, fsdp = (traces.load_trace(p) for p in lesson_traces[0])
+    ddp, fsdp = (traces.load_trace(p) for p in lesson_traces[0][0])
     ddp_names = {e["name"]: e["tid"] for e in traces.complete_events(ddp)}
     assert "c10d::allreduce_" in ddp_names and "gloo:all_reduce" in ddp_names
     assert ddp_names["gloo:all_reduce"] != ddp_names["c10d::allreduce_"]  # gloo works on threads of its own
@@ -72,8 +75,8 @@ def test_load_trace_says_what_is_wrong_with_a_file_that_is_no_trace(tmp_path):
 def test_a_busy_thread_shows_in_a_trace_of_every_thread(tmp_path):
     x = torch.randn(64, 64)
     with traces.BusyThread(size=64) as helper:
-        path = traces.profile_steps(lambda: [x @ x for _ in range(20)], str(tmp_path), wait=0, warmup=1, active=2,
-                                    all_threads=True)
+        path = traces.profile_steps(lambda: (time.sleep(0.02), x @ x), str(tmp_path), wait=0, warmup=1, active=2,
+                                    all_threads=True)  # the sleep lets the helper run while a step is recorded
     tids = {e["tid"] for e in traces.complete_events(traces.load_trace(path)) if e.get("cat") == "cpu_op"}
     assert helper.tid in tids and len(tids) >= 2
 
@@ -106,3 +109,9 @@ def test_a_gpu_trace_has_kernels_on_a_stream_lane(tmp_path):
     x = torch.randn(256, 256, device="cuda")
     trace = traces.load_trace(traces.profile_steps(lambda: (x @ x).sum(), str(tmp_path)))
     assert any(name.startswith("GPU stream") and spans for name, spans in lanes.lanes(trace))
+
+
+def test_fsdp2_with_each_block_compiled_trains_as_eager(lesson_traces):
+    for _, compiled in lesson_traces:
+        assert compiled["compiled"]["losses"] == pytest.approx(compiled["eager"]["losses"], rel=1e-5)
+        assert compiled["eager"]["losses"][1] < compiled["eager"]["losses"][0]
