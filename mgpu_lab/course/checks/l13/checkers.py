@@ -34,6 +34,7 @@ def _exposed_comm(t, exposed_comm):
                 "hide communication"):
         judges.exposed_case(t, runs, {"helper"}, "training")
         judges.exposed_case(t, runs, {"helper"}, "helper")
+        judges.threads_matter(t, runs)
 
 
 @exercise("13.saved_bytes", points=5, description="saved_bytes(model, x): bytes autograd saves for backward per "

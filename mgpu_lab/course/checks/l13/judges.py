@@ -114,9 +114,14 @@ def diagnose(trace: dict, thread, got: float) -> str:
 
 
 def exposed_case(t, evidence, names, thread_kind=None) -> None:
-    """Fail unless every rank's answer on the traces ``names`` equals the reference on the same trace."""
+    """Fail unless every rank's answer on the traces ``names`` equals the reference on the same trace.
+
+    A reading of 0 ms is judged like any other (a busy helper thread can hide everything), but a case
+    whose every reading is 0 has no evidence and fails: an answer that returns 0 must not pass it.
+    """
     if evidence is None:
         t.fail("the ranks did not finish")
+    wants = []
     for rank, run in enumerate(evidence):
         threads = {None: None, "training": run["training"], "helper": run["helper"]}
         for name, thread, got in run["answers"]:
@@ -124,10 +129,8 @@ def exposed_case(t, evidence, names, thread_kind=None) -> None:
                 continue
             trace = run["traces"][name]
             want = exposed_comm(trace, thread)
+            wants.append(want)
             where = f"rank {rank}, the {name!r} trace" + (f", rank_thread={thread}" if thread else "")
-            if name != "no collective" and want <= 0:
-                t.fail("the recorded trace shows no exposed communication, so it cannot judge an answer: rerun "
-                       "the check", "a trace with exposed communication", where)
             if got[0] == "raised":
                 t.fail("", f"{want:.3f} ms", f"{where}: your code raised {got[1]}: {got[2]}")
             if not isinstance(got[1], (int, float)) or isinstance(got[1], bool):
@@ -136,6 +139,20 @@ def exposed_case(t, evidence, names, thread_kind=None) -> None:
                 t.fail(diagnose(trace, thread, float(got[1])), f"{want:.4f} ms", f"{where}: {got[1]:.4f}")
     if thread_kind == "helper" and any(run["helper"] is None for run in evidence):
         t.fail("the helper thread recorded no operator in this run, so the case has no evidence: rerun the check")
+    if names != {"no collective"} and not any(w > 0 for w in wants):
+        t.fail("the recorded traces show no exposed communication here, so they cannot judge an answer: rerun the "
+               "check", "a trace with exposed communication", f"{len(wants)} readings of 0 ms")
+
+
+def threads_matter(t, evidence) -> None:
+    """Fail unless naming the training thread or the helper gives different readings on some rank: else the
+    case could not tell an answer that ignores ``rank_thread``."""
+    for run in evidence or []:
+        if run["helper"] is not None and abs(exposed_comm(run["traces"]["helper"], run["training"])
+                                             - exposed_comm(run["traces"]["helper"], run["helper"])) > 1e-6:
+            return
+    t.fail("in this run the training thread and the helper hid the same communication, so the case has no "
+           "evidence: rerun the check")
 
 
 # -- saved_bytes -----------------------------------------------------------------------------------
