@@ -24,7 +24,7 @@ import types
 from mgpu_lab.parallel.pp_record import parse
 from mgpu_lab.parallel.timeline import Timeline
 
-__all__ = ["one_f_one_b", "orders", "simulate", "bubble", "formula", "stage_of_rank"]
+__all__ = ["one_f_one_b", "orders", "needs", "simulate", "bubble", "formula", "stage_of_rank"]
 
 
 def one_f_one_b(rank: int, n_stages: int, n_micro: int) -> list[str]:
@@ -91,8 +91,17 @@ def _needs(kind: str, mb: int, stage: int, last: int) -> list[tuple[str, int, in
     return [("F", mb, stage)] + ([("B", mb, stage + 1)] if stage < last else [])
 
 
-def simulate(per_rank: dict, durations: dict, stage_rank: dict | None = None) -> Timeline:
-    """Replay every rank's actions (labels) with ``durations`` (``{"F": s, "B": s, "I": s, "W": s}``).
+def needs(kind: str, mb: int, stage: int, last: int, done) -> list[tuple[str, int, int]]:
+    """The actions ``(kind, mb, stage)`` that must have ended before this one; ``done`` holds the actions that
+    ended (a split backward's ``I`` is the backward the previous stage waits for)."""
+    out = _needs(kind, mb, stage, last)
+    return [("I", m, s) if k == "B" and ("B", m, s) not in done and ("I", m, s) in done else (k, m, s)
+            for k, m, s in out]
+
+
+def simulate(per_rank: dict, durations: dict, transfer: float = 0.0) -> Timeline:
+    """Replay every rank's actions (labels) with ``durations`` (``{"F": s, "B": s, "I": s, "W": s}``; a key
+    ``(kind, stage)`` gives one stage its own time); ``transfer``: seconds a message takes between ranks.
 
     A rank runs its actions in order, each once the rank is free and the actions it
     needs have ended (an ``I`` counts as the backward the previous stage waits for).
@@ -103,6 +112,7 @@ def simulate(per_rank: dict, durations: dict, stage_rank: dict | None = None) ->
     todo = {r: [parse(a) + (a,) for a in acts] for r, acts in per_rank.items()}
     last = max((s for acts in todo.values() for *_, s, _ in acts), default=0)
     ended: dict = {}
+    where = {(k, m, s): r for r, acts in todo.items() for k, m, s, _ in acts}
     free = {r: 0.0 for r in todo}
     tl = Timeline()
     for r in todo:
@@ -112,14 +122,11 @@ def simulate(per_rank: dict, durations: dict, stage_rank: dict | None = None) ->
         for r, acts in todo.items():
             while acts:
                 kind, mb, stage, label = acts[0]
-                need = [("B" if k == "B" and ("I", m, s) in ended else k, m, s) for k, m, s in
-                        _needs(kind, mb, stage, last)]
-                need = [("I", m, s) if k == "B" and ("B", m, s) not in ended and ("I", m, s) in ended else
-                        (k, m, s) for k, m, s in need]
+                need = needs(kind, mb, stage, last, ended)
                 if any(n not in ended for n in need):
                     break
-                start = max([free[r]] + [ended[n] for n in need])
-                free[r] = ended[kind, mb, stage] = start + durations[kind]
+                start = max([free[r]] + [ended[n] + (transfer if where.get(n) != r else 0.0) for n in need])
+                free[r] = ended[kind, mb, stage] = start + durations.get((kind, stage), durations.get(kind, 0.0))
                 tl.add(f"rank {r}", label, start, free[r])
                 acts.pop(0)
                 moved = True

@@ -108,12 +108,12 @@ def in_flight(spans) -> dict[str, int]:
 
 
 def compute_bubble(spans) -> float:
-    """The idle fraction of the lanes counting only compute spans (F, B, I, W) as busy."""
-    tl = Timeline()
-    for lane, label, start, end in spans:
-        tl.add_lane(lane)
-    tl_all = Timeline(spans)
-    busy = sum(end - start for _, label, start, end in spans if parse(label))
-    lanes = len(tl_all.lanes)
-    span = tl_all.makespan
-    return 0.0 if span == 0 else 1.0 - busy / (lanes * span)
+    """The idle fraction of the lanes from the first action's start to the last action's end, counting
+    only the actions (F, B, I, W) as busy: waits for messages are idle."""
+    actions = [s for s in spans if parse(s[1])]
+    if not actions:
+        return 0.0
+    lanes = {s[0] for s in spans}
+    span = max(s[3] for s in actions) - min(s[2] for s in actions)
+    busy = sum(end - start for _, _, start, end in actions)
+    return 0.0 if span == 0 else 1.0 - busy / (len(lanes) * span)

@@ -188,3 +188,15 @@ def schedule_rank(model_fn, schedule: str, n_stages: int, n_micro: int, x, y, st
         with record_actions(stages, f"rank {rank}") as timeline:
             losses = _step(sched, list(modules), n_stages, x, y)
     return {"rank": rank, "spans": list(timeline.spans), "losses": [float(v.detach()) for v in losses]}
+
+
+def schedules_rank(configs: list, x, y) -> list:
+    """:func:`schedule_rank` for every ``(schedule, n_layers, n_stages, n_micro, t_f, t_b, t_w)`` in one launch."""
+    from mgpu_lab.parallel.pp_work import work_model
+
+    out = []
+    for schedule, n_layers, n_stages, n_micro, t_f, t_b, t_w in configs:
+        def model_fn():
+            return work_model(n_layers, x.shape[1], t_f, t_b, t_w)
+        out.append(schedule_rank(model_fn, schedule, n_stages, n_micro, x, y))
+    return out
