@@ -40,6 +40,7 @@ NEEDS_ROOT = ("tests/cluster/", "solutions/07_multi_node.ipynb", "mgpu_lab/clust
 # The longest files of a serial run on the 2-core machine (CI's kind), longest first; files not
 # named here come after these, in their usual order.
 LONGEST_FIRST = [
+    "tests/course/test_autograder.py",  # setup.sh installs torch into a fresh venv: minutes, mostly unpacking
     "tests/course/test_grade.py", "solutions/07_multi_node.ipynb", "tests/browser/test_lab.py",
     "tests/cluster/test_multinode.py", "solutions/10_failures.ipynb", "tests/cluster/test_troubleshoot.py",
     "tests/cluster/test_slurm_local.py", "tests/mutants/test_mutants_10.py",

@@ -97,7 +97,7 @@ def _add_refresh(subparsers) -> None:
     parser = subparsers.add_parser(
         "refresh", help="run solution notebooks; keep only the outputs nbval checks",
         description="Execute each notebook in a fresh kernel and keep the outputs of "
-                    "'# NBVAL_CHECK_OUTPUT' cells only (the ones nbval compares).")
+                    "cells tagged 'nbval-check-output' only (the ones nbval compares).")
     parser.add_argument("notebooks", nargs="+", type=Path)
     parser.add_argument("--timeout", type=float, default=600, help="seconds per cell (default: 600)")
     parser.set_defaults(handler=_refresh)

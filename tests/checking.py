@@ -1,7 +1,7 @@
 """Helpers shared by the checker tests (tests/course/checks/test_checks_NN.py).
 
 That each solution gets full marks is proven where its notebook runs, not again here: nbval
-compares every check cell's ``N/N passed`` (the cells are ``# NBVAL_CHECK_OUTPUT``), and
+compares every check cell's ``N/N points · passed`` (the cells are tagged ``nbval-check-output``), and
 tests/course/test_grade.py grades every solution notebook in the sandbox. The checker tests hold
 the stubs, the wrong answers and the checks' own machinery; tests/mutants the named mutants and
 the correct variants.

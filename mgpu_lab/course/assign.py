@@ -20,7 +20,9 @@ from .nbio import nbformat as _nbformat
 nbformat = _nbformat()
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
-CHECK_OUTPUT = "# NBVAL_CHECK_OUTPUT"
+# nbval compares the outputs of cells with this tag (a cell tag, kept by the student copy, so the learner's
+# check cells hold nothing but the check itself).
+CHECK_TAG = "nbval-check-output"
 KERNELSPEC = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
 STUB = 'raise NotImplementedError("write your solution here")'
 
@@ -68,6 +70,11 @@ def strip_solutions(source: str, where: str = "cell") -> str:
     return text[:-1] if text.endswith("\n") and not source.endswith("\n") else text
 
 
+def is_check_cell(cell) -> bool:
+    """Whether nbval compares this cell's outputs (it carries the ``nbval-check-output`` tag)."""
+    return cell.cell_type == "code" and CHECK_TAG in cell.get("metadata", {}).get("tags", [])
+
+
 def student_notebook(nb, where: str = "notebook"):
     """The student copy of a solution notebook (a new object; outputs cleared)."""
     student = nbformat.from_dict(nb)
@@ -78,6 +85,9 @@ def student_notebook(nb, where: str = "notebook"):
         cell.outputs = []
         cell.execution_count = None
         cell.metadata.pop("execution", None)
+    # The kernel's own kernelspec: JupyterLab writes it into a notebook that holds another (e.g. display name
+    # "Python 3"), which then opens marked unsaved.
+    student.metadata["kernelspec"] = dict(KERNELSPEC)
     return student
 
 
@@ -120,7 +130,7 @@ def assign(sources: list[Path] | None = None, out_dir: Path | str = "notebooks",
 
 
 def refresh(path: Path | str, timeout: float = 600) -> int:
-    """Execute a solution notebook; keep the outputs of ``# NBVAL_CHECK_OUTPUT`` cells only.
+    """Execute a solution notebook; keep the outputs of the cells tagged ``nbval-check-output`` only.
 
     Every other output is dropped, so the committed notebook holds exactly what
     nbval compares. Returns the number of cells whose outputs were kept.
@@ -132,7 +142,7 @@ def refresh(path: Path | str, timeout: float = 600) -> int:
 
     path = Path(path)
     nb = nbformat.read(path, as_version=4)
-    nb.metadata.setdefault("kernelspec", KERNELSPEC)  # JupyterLab opens it without asking
+    nb.metadata["kernelspec"] = dict(KERNELSPEC)  # JupyterLab opens it without asking, and unchanged
     NotebookClient(nb, timeout=timeout, kernel_name="python3", store_widget_state=False,
                    resources={"metadata": {"path": str(path.parent.resolve())}}).execute()  # as nbval: cwd = its folder
     nb.metadata.pop("widgets", None)  # widget views differ per run; nbval compares none
@@ -141,7 +151,7 @@ def refresh(path: Path | str, timeout: float = 600) -> int:
         if cell.cell_type != "code":
             continue
         cell.metadata.pop("execution", None)
-        if cell.source.lstrip().startswith(CHECK_OUTPUT):
+        if is_check_cell(cell):
             kept += 1
         else:
             cell.outputs = []

@@ -79,6 +79,14 @@ class Notebook:
             time.sleep(0.5)
         raise TimeoutError(f"notebook still busy after {timeout} s (kernel {status!r}, {running} cell(s) running)")
 
+    def dirty(self) -> bool:
+        """Whether JupyterLab holds the notebook as changed since it was opened or saved."""
+        return self._js("return panel.context.model.dirty;")
+
+    def metadata(self) -> dict:
+        """The notebook's metadata as JupyterLab holds it now."""
+        return self._js("return panel.context.model.sharedModel.getMetadata();")
+
     # -- cells on screen ------------------------------------------------------------
     def cell(self, index: int):
         """The cell at ``index``, scrolled into view by JupyterLab (so drawn), as a locator."""

@@ -77,7 +77,8 @@ def test_solution_01_run_as_graded_shows_every_check_block_passed(lab, page):
         out = book.output(i)
         assert out.locator(".mgpu-check").count() == 1 and out.locator(".mgpu-check-passed").count() == 1
         heads.append(out.locator(".mgpu-check").inner_text().splitlines()[0])
-    assert heads == ["01.pick_device: 6/6 passed", "01.train_step: 6/6 passed", "01.visible_devices_env: 6/6 passed"]
+    assert heads == ["01.pick_device: 6/6 points · passed", "01.train_step: 6/6 points · passed",
+                     "01.visible_devices_env: 6/6 points · passed"]
 
 
 def test_student_01_a_right_and_a_wrong_answer_typed_in_the_editor(lab, page):
@@ -94,9 +95,14 @@ def test_student_01_a_right_and_a_wrong_answer_typed_in_the_editor(lab, page):
     good = book.output(book.cell_index('check("01.pick_device"'))
     bad = book.output(book.cell_index('check("01.visible_devices_env"'))
     assert good.locator(".mgpu-check-passed").count() == 1
-    assert "01.pick_device: 6/6 passed" in good.inner_text()
+    assert "01.pick_device: 6/6 points · passed" in good.inner_text()
     assert bad.locator(".mgpu-check-failed").count() == 1
     text = bad.inner_text()
+    head = bad.locator(".mgpu-check").inner_text().splitlines()[0]
+    assert re.fullmatch(r"01\.visible_devices_env: [0-5]/6 points · not yet", head), head
+    # No test-tool marker in what the learner reads: nbval's marks are cell tags, not source lines.
+    checks = [s for s in book.sources() if s.lstrip().startswith("check(")]
+    assert len(checks) == 3 and not any("NBVAL" in s for s in book.sources()), checks
     assert "visible_devices_env([3, 1])" in text and "keeps the order" in text  # the case that names it
 
 
@@ -126,3 +132,12 @@ def test_lesson_04_launch_cells_show_every_rank_and_the_explorer_responds(lab, p
     else:
         pytest.fail("the explorer's plot did not change after drop_last was ticked")
     assert out.locator("input[type=checkbox]").first.is_checked()
+
+
+def test_a_student_notebook_opens_unchanged(lab, page):
+    """Opened, its kernel started, nothing run: not marked unsaved. JupyterLab writes the kernel's own
+    kernelspec into the notebook, so one stored with another display name ("Python 3") opened changed; every
+    notebook's kernelspec is compared with the installed kernel's in tests/course/test_assign.py."""
+    url, token, _ = lab
+    book = Notebook(page, url, token, "notebooks/01_devices.ipynb")
+    assert not book.dirty(), f"opened already marked unsaved; metadata now {book.metadata()}"

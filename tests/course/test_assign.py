@@ -7,7 +7,7 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
-from mgpu_lab.course.assign import STUB, MarkerError, assign, strip_solutions, student_notebook
+from mgpu_lab.course.assign import CHECK_TAG, KERNELSPEC, STUB, MarkerError, assign, refresh, strip_solutions, student_notebook
 from mgpu_lab.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,7 +61,7 @@ def _solution_nb():
         new_markdown_cell("# Title"),
         new_code_cell("def f():\n    ### BEGIN SOLUTION\n    return 1\n    ### END SOLUTION",
                       outputs=[new_output("stream", name="stdout", text="hi\n")], execution_count=3),
-        new_code_cell("# NBVAL_CHECK_OUTPUT\ncheck('01.pick_device', f)",
+        new_code_cell("check('01.pick_device', f)", metadata={"tags": [CHECK_TAG]},
                       outputs=[new_output("execute_result", data={"text/plain": "ok"}, execution_count=4)]),
     ])
 
@@ -106,3 +106,46 @@ def test_notebooks_folder_is_exactly_what_assign_makes_from_solutions(monkeypatc
     assert stale == [], f"regenerate with `mgpu-lab assign`: {stale}"
     extra = {p.name for p in (ROOT / "notebooks").glob("*.ipynb")} - {p.name for p in solutions}
     assert extra == set(), f"student notebooks without a solution: {extra}"
+
+
+def test_student_copy_keeps_the_check_tag():
+    student = student_notebook(_solution_nb())
+    assert student.cells[2].metadata["tags"] == [CHECK_TAG] and student.cells[2].source.startswith("check(")
+
+
+def test_every_check_cell_is_tagged_and_no_cell_carries_a_test_tool_mark():
+    """What the learner reads holds no nbval marks; nbval still compares every check cell (by its tag)."""
+    for path in sorted((ROOT / "solutions").glob("*.ipynb")) + sorted((ROOT / "notebooks").glob("*.ipynb")):
+        cells = [c for c in nbformat.read(path, 4).cells if c.cell_type == "code"]
+        checks = [c for c in cells if c.source.lstrip().startswith("check(")]
+        assert checks, f"{path.name}: no check cell"
+        untagged = [c.source for c in checks if CHECK_TAG not in c.metadata.get("tags", [])]
+        assert not untagged, f"{path.name}: check cells without the {CHECK_TAG!r} tag: {untagged}"
+        marked = [c.source.splitlines()[0] for c in cells if "NBVAL_" in c.source]
+        assert not marked, f"{path.name}: test-tool marks in cell sources: {marked}"
+        mixed = [c.source for c in checks if len(c.source.strip().splitlines()) != 1]
+        assert not mixed, f"{path.name}: a check cell holds more than its check: {mixed}"
+
+
+def test_refresh_keeps_the_outputs_of_tagged_cells_only(tmp_path):
+    nb = new_notebook(cells=[
+        new_code_cell("print('demo')", outputs=[new_output("stream", name="stdout", text="stale\n")]),
+        new_code_cell("6 * 7", metadata={"tags": [CHECK_TAG]}),
+        new_code_cell("# NBVAL_CHECK_OUTPUT\n1 + 1"),  # the old first-line mark keeps nothing any more
+    ])
+    path = tmp_path / "01_demo.ipynb"
+    nbformat.write(nb, path)
+    assert refresh(path, timeout=120) == 1
+    cells = nbformat.read(path, 4).cells
+    assert cells[0].outputs == [] and cells[2].outputs == []
+    assert cells[1].outputs[0]["data"]["text/plain"] == "42"
+
+
+def test_every_notebook_holds_the_installed_kernel_s_kernelspec():
+    """JupyterLab writes the running kernel's kernelspec into the notebook: any other opens marked unsaved."""
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    installed = KernelSpecManager().get_kernel_spec("python3")
+    assert (KERNELSPEC["name"], KERNELSPEC["display_name"]) == ("python3", installed.display_name)
+    for path in sorted((ROOT / "solutions").glob("*.ipynb")) + sorted((ROOT / "notebooks").glob("*.ipynb")):
+        assert nbformat.read(path, 4).metadata.get("kernelspec") == KERNELSPEC, path.name

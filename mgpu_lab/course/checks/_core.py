@@ -250,7 +250,7 @@ def check(exercise_id: str, *answers, **named) -> CheckResult:
         >>> def pick_device(index=None):               # the exercise cell, not written yet
         ...     raise NotImplementedError
         >>> print(check("01.pick_device", pick_device))
-        01.pick_device: not attempted (0/6)
+        01.pick_device: 0/6 points · not attempted
           not attempted: your code still raises NotImplementedError
     """
     ex = get(exercise_id)

@@ -70,12 +70,16 @@ class CheckResult:
         return out
 
     def summary(self) -> str:
-        """One line, e.g. ``01.pick_device: 3/3 passed``."""
-        if self.status == "not attempted":
-            return f"{self.exercise}: not attempted (0/{self.max_points})"
+        """One line that reads the same way round for everyone: the points, then the verdict.
+
+        ``01.pick_device: 6/6 points · passed``, ``01.pick_device: 5/6 points · not yet``,
+        ``01.pick_device: 0/6 points · not attempted`` (a fraction followed by "failed" read as
+        "5 of 6 failed").
+        """
         if self.status == "recorded":
             return f"{self.exercise}: recorded for grading"
-        return f"{self.exercise}: {self.points}/{self.max_points} {self.status}"
+        verdict = {"passed": "passed", "failed": "not yet"}.get(self.status, self.status)
+        return f"{self.exercise}: {self.points}/{self.max_points} points · {verdict}"
 
     def __str__(self) -> str:
         return "\n".join([self.summary(), *("  " + m for m in self.messages)])

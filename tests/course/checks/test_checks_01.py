@@ -46,7 +46,7 @@ def test_lesson_01_has_exactly_the_issue_s_exercises():
 def test_a_stub_is_not_attempted(exercise_id):
     result = check(exercise_id, stub)
     assert (result.status, result.points) == ("not attempted", 0)
-    assert result.summary() == f"{exercise_id}: not attempted (0/{POINTS[exercise_id]})"
+    assert result.summary() == f"{exercise_id}: 0/{POINTS[exercise_id]} points · not attempted"
 
 
 # -- hangs and crashes: failed cases in bounded time; this process lives on ---------------------

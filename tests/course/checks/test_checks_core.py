@@ -50,7 +50,7 @@ def raises(x):
 def test_right_answer_passes_with_full_points():
     r = check("99.double", right)
     assert (r.passed, r.points, r.max_points, r.status) == (True, 3, 3, "passed")
-    assert r.summary() == "99.double: 3/3 passed"
+    assert r.summary() == "99.double: 3/3 points · passed"
     assert "PASS  hidden case: double(0.5) is 1.0" in r.messages
 
 
@@ -63,7 +63,7 @@ def test_wrong_answer_shows_expected_got_and_hint_but_not_hidden_details():
     assert "FAIL  hidden case: double(0.5) is 1.0" in text
     assert "2.5" not in text  # the hidden case's values stay hidden
     html = r._repr_html_()
-    assert "99.double: 1/3 failed" in html and "negative numbers too" in html and "2.5" not in html
+    assert "99.double: 1/3 points · not yet" in html and "negative numbers too" in html and "2.5" not in html
 
 
 def test_not_implemented_is_not_attempted_without_traceback():
