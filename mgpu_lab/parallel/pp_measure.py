@@ -18,11 +18,12 @@ Example:
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from mgpu_lab.parallel.pp_record import compute_bubble, in_flight, parse
 from mgpu_lab.parallel.timeline import Timeline
 
-__all__ = ["measure", "ideal", "fitted_bubble", "stages_per_rank"]
+__all__ = ["measure", "ideal", "fitted_bubble", "stages_per_rank", "mlp", "pp_dp"]
 
 
 def stages_per_rank(schedule: str, virtual: int = 2) -> int:
@@ -35,8 +36,9 @@ def measure(schedules, n_ranks: int = 2, n_micro: int = 4, t_f: float = 0.02, t_
     """Run every schedule on ``n_ranks`` ranks (one launch) and measure it.
 
     Each stage is one :class:`~mgpu_lab.parallel.pp_work.Work` layer sleeping ``t_f``/``t_b``/``t_w``
-    (seconds); with ``virtual`` stages per rank under interleaved (2 under ZBV) each stage is one layer,
-    so a rank does ``virtual`` times the work per micro-batch: compare the bubbles, not the step times.
+    (seconds; schedules that do not split backward spend ``t_b + t_w`` in one backward); with ``virtual``
+    stages per rank under interleaved (2 under ZBV) each stage is one layer, so a rank does ``virtual``
+    times the work per micro-batch: compare the bubbles, not the step times.
 
     Returns:
         ``{schedule: {"timeline", "bubble", "model", "in_flight", "step_time", "losses"}}``.
@@ -46,7 +48,7 @@ def measure(schedules, n_ranks: int = 2, n_micro: int = 4, t_f: float = 0.02, t_
     configs = []
     for s in schedules:
         n_stages = n_ranks * stages_per_rank(s, virtual)
-        configs.append((s, n_stages, n_stages, n_micro, t_f, t_b, t_w if s == "zbv" else 0.0))
+        configs.append((s, n_stages, n_stages, n_micro, t_f, t_b, t_w))
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(2 * n_micro, width, generator=g), torch.randn(2 * n_micro, width, generator=g)
     from mgpu_lab.parallel.pp_train import schedules_rank  # here: lesson 12's notebook must not reach it
@@ -116,3 +118,33 @@ def ideal(schedule: str, n_ranks: int, n_micro: int, t_f: float = 1.0, t_b: floa
     split = schedule == "zbv"
     times = {"F": t_f, "B": t_b + t_w, "I": t_b if split else t_b + t_w, "W": t_w}
     return pp_orders.simulate(pp_orders.orders(schedule, n_ranks, n_micro, virtual), times)
+
+
+def mlp(n_layers: int, width: int, seed: int = 0) -> nn.Sequential:
+    """``n_layers`` blocks of ``Linear(width, width)`` + tanh in a ``nn.Sequential``, seeded."""
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(n_layers)])
+
+
+def pp_dp(schedule: str = "1f1b", pp: int = 2, dp: int = 2, n_micro: int = 2, steps: int = 3, width: int = 8,
+          lr: float = 0.05, timeout: float = 120) -> dict:
+    """PP x DP: ``dp`` pipelines of ``pp`` ranks on a ``(dp, pp)`` mesh, trained on ``pp * dp`` ranks, and
+    the same training in one process.
+
+    Returns:
+        ``{"diff": the largest weight difference, "n_params", "ranks": pp * dp}``.
+    """
+    from functools import partial
+
+    from mgpu_lab import launch
+    from mgpu_lab.parallel.pp_train import one_process, pipeline_train  # here: the notebook must not reach them
+
+    n_layers = pp * stages_per_rank(schedule)
+    model_fn = partial(mlp, n_layers, width)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4 * dp * n_micro, width, generator=g), torch.randn(4 * dp * n_micro, width, generator=g))
+               for _ in range(steps)]
+    state = launch(pipeline_train, pp * dp, model_fn, pp, schedule, n_micro, batches, lr, dp=dp, timeout=timeout)[0]
+    ref = one_process(model_fn, batches, lr)
+    return {"diff": max(float((state[k] - ref[k]).abs().max()) for k in ref), "ranks": pp * dp,
+            "n_params": sum(v.numel() for v in ref.values())}
