@@ -176,8 +176,10 @@ def _pipeline_train(t, pipeline_train):
     """
     evidence = launch_scenarios(t, R.probe_train, 2, pipeline_train, TRAIN_SCENARIOS, timeout=TRAIN_TIMEOUT)
     for k, (name, hint) in enumerate((
-            ("GPipe, 2 ranks, 4 layers... 8 modules, 4 micro-batches, 3 steps: rank 0 returns the whole model's "
-             "state_dict and the weights equal one process's; the other rank returns None", ""),
+            ("GPipe, 2 ranks, a Sequential of 8 modules, 4 micro-batches, 3 steps: rank 0 returns the whole "
+             "model's state_dict and the weights equal one process's; the other rank returns None",
+             "stage k holds the k-th of n_stages equal runs of consecutive layers (the stages' outputs must be "
+             "the next stages' inputs), trained with the named schedule"),
             ("1F1B: the same as one process", ""),
             ("interleaved 1F1B, two stages per rank (stages 0, 2 on rank 0; 1, 3 on rank 1), 2 micro-batches: "
              "the same as one process", "interleaved: the model cut into 2 x n_stages runs of layers, rank r "

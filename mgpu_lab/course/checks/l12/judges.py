@@ -79,8 +79,9 @@ def bubble_reference(args: tuple) -> float:
 
 
 def _known_wrong(args: tuple) -> list[tuple[str, float]]:
+    """Known wrong answers for ``args``, the schedule's own first (with equal times several coincide)."""
     schedule, p, m, t_f, t_b, t_w, v = args
-    out = [("the closed formula (p-1)/(m+p-1), whatever the schedule", (p - 1) / (m + p - 1))]
+    out = []
     if schedule == "interleaved":
         out.append(("interleaved's closed formula (p-1)/(v*m+p-1), which holds only when the micro-batches fill "
                     "whole rounds of p", (p - 1) / (v * m + p - 1)))
@@ -89,7 +90,7 @@ def _known_wrong(args: tuple) -> list[tuple[str, float]]:
                     "input gradients, in ZBV's own order", pp_orders.bubble("1f1b", p, m, t_f, t_b, t_w)))
         out.append(("ZBV with the weight gradient inside the input gradient (backward not split)",
                     pp_orders.bubble("zbv", p, m, t_f, t_b + t_w, 0.0, 2)))
-    return out
+    return out + [("the closed formula (p-1)/(m+p-1), whatever the schedule", (p - 1) / (m + p - 1))]
 
 
 def bubble_problem(args: tuple, got: tuple) -> tuple[str, str] | None:
@@ -129,9 +130,8 @@ def state_problem(state: dict, ref: dict, n_micro: int, lr: float) -> str:
     """How the gathered weights differ from one process's ('' when equal)."""
     missing = [k for k in ref if k not in state]
     if missing:
-        return (f"rank 0's state_dict lacks {missing[:4]}{' ...' if len(missing) > 4 else ''}: it holds only "
-                f"{len(state)} of the model's {len(ref)} tensors; gather every stage's weights on rank 0, named "
-                f"as in model_fn()'s state_dict")
+        return (f"rank 0's state_dict lacks {missing[:4]}{' ...' if len(missing) > 4 else ''} (it holds "
+                f"{sorted(state)[:6]}): gather every stage's weights on rank 0, named as in model_fn()'s state_dict")
     extra = [k for k in state if k not in ref]
     if extra:
         return f"rank 0's state_dict has keys the model lacks: {extra[:4]}; name them as in model_fn()'s state_dict"
