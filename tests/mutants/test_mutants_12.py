@@ -40,18 +40,17 @@ ORDER = ExerciseMutants("12.one_f_one_b", NOTEBOOK, ("one_f_one_b",), mutants=[
                                         "lambda s: rank)\n"),
            "_get_1f1b_rank_ops"),
 ], variants=[
-    Variant("greedy: a backward as soon as the bound is reached", '''
+    Variant("greedy: a forward while at most the warm-up's count are alive, else a backward", '''
 def one_f_one_b(rank, n_stages, n_micro):
-    bound = n_stages - rank
+    limit = min(n_stages - rank - 1, n_micro)
     order, f, b = [], 0, 0
     while b < n_micro:
-        if f < n_micro and f - b < bound and not (f - b == bound - 1 and b < f and f >= bound - 1 and False):
-            if f - b < min(bound, n_micro - b) and (f - b < bound - 1 or b == f):
-                order.append(f"F{f}")
-                f += 1
-                continue
-        order.append(f"B{b}")
-        b += 1
+        if f < n_micro and f - b <= limit:
+            order.append(f"F{f}")
+            f += 1
+        else:
+            order.append(f"B{b}")
+            b += 1
     return order
 '''),
     Variant("three phases as slices of two lists", '''
