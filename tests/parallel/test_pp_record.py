@@ -79,3 +79,11 @@ def test_measured_timelines_show_each_schedule_s_shape():
     assert runs["gpipe"]["timeline"].lanes == ["rank 0", "rank 1"]
     for run in runs.values():
         assert 0.0 <= run["model"] < 1.0 and 0.0 <= run["bubble"] < 1.0
+
+
+def test_the_timeline_draws_weight_gradients_green_and_waits_grey():
+    from mgpu_lab.parallel.timeline import Timeline
+
+    tl = Timeline()
+    assert [tl._colour(label) for label in ("F0/s1", "B2/s0", "I1/s3", "W1/s3", "wait", "scatter")] == \
+        ["tab:blue", "tab:orange", "tab:orange", "tab:green", "0.85", "tab:orange"]
