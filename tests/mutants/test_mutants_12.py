@@ -25,15 +25,19 @@ ORDER = ExerciseMutants("12.one_f_one_b", NOTEBOOK, ("one_f_one_b",), mutants=[
            "alive at once"),
     Mutant("one warm-up forward too many (torch's count, then F and B in turn)",
            replace("min(n_stages - rank - 1, n_micro)", "min(n_stages - rank, n_micro)"), "alive at once"),
-    Mutant("one warm-up forward too few", replace("min(n_stages - rank - 1, n_micro)", "max(n_stages - rank - 2, 0)"),
-           "deadlock"),
+    Mutant("one warm-up forward too few (runs, but ranks idle)",
+           replace("min(n_stages - rank - 1, n_micro)", "min(max(n_stages - rank - 2, 0), n_micro)"),
+           ("idle", "gpipe's bubble")),
+    Mutant("the warm-up counted from the wrong end (rank forwards)",
+           replace("min(n_stages - rank - 1, n_micro)", "min(rank, n_micro)"),
+           ("deadlock, found in bounded time", "rank 0 waits at b0")),
     Mutant("no shrink when n_micro < n_stages", replace("min(n_stages - rank - 1, n_micro)", "n_stages - rank - 1"),
            ("fewer micro-batches than stages", "2 micro-batch")),
     Mutant("the last backwards in reverse order",
            replace("range(n_micro - warmup, n_micro)]", "reversed(range(n_micro - warmup, n_micro))]"),
            "micro-batch"),
     Mutant("backward before forward in the steady phase",
-           replace('[f"F{warmup + i}", f"B{i}"]', '[f"B{i}", f"F{warmup + i}"]'), "deadlock"),
+           replace('[f"F{warmup + i}", f"B{i}"]', '[f"B{i}", f"F{warmup + i}"]'), "runs b0 before its forward"),
     Mutant("torch's own order", replace("    ### BEGIN SOLUTION\n", "    ### BEGIN SOLUTION\n"
                                         "    from torch.distributed.pipelining.schedules import _get_1f1b_rank_ops\n"
                                         "    _get_1f1b_rank_ops(1, n_stages, 1, 1, 1, rank, lambda s: rank, "

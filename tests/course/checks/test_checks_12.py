@@ -76,3 +76,39 @@ def test_the_closed_formula_passes_only_where_it_holds():
     result = check("12.bubble", formula_everywhere)
     assert [c.passed for c in result.cases] == [True, False, False, False, False, False], str(result)
     assert "yours matches the closed formula" in result.cases[1].hint, str(result)
+
+
+def warmup_reversed(rank, n_stages, n_micro):
+    """The warm-up counted from the wrong end: rank 0 waits for a gradient rank 1 cannot make yet."""
+    warm = min(rank, n_micro)
+    order = [f"F{i}" for i in range(warm)]
+    for i in range(n_micro - warm):
+        order += [f"F{warm + i}", f"B{i}"]
+    return order + [f"B{i}" for i in range(n_micro - warm, n_micro)]
+
+
+def test_a_deadlocking_order_fails_in_bounded_time_saying_where_each_rank_waits():
+    import time
+
+    start = time.perf_counter()
+    result = check("12.one_f_one_b", warmup_reversed)
+    assert time.perf_counter() - start < 120, "a deadlock must end after the receive timeout, not the launch's"
+    replay = result.cases[1]
+    assert not replay.passed and "deadlock, found in bounded time" in replay.got, str(result)
+    assert "rank 0 waits at B0 (the gradient of micro-batch 0) for rank 1" in replay.got, str(result)
+    assert "rank 1 waits at F1 (the activations of micro-batch 1) for rank 0" in replay.got, str(result)
+
+
+def short_warmup(rank, n_stages, n_micro):
+    """One warm-up forward too few: it runs and keeps the memory bound, but leaves ranks idle."""
+    warm = min(max(n_stages - rank - 2, 0), n_micro)
+    order = [f"F{i}" for i in range(warm)]
+    for i in range(n_micro - warm):
+        order += [f"F{warm + i}", f"B{i}"]
+    return order + [f"B{i}" for i in range(n_micro - warm, n_micro)]
+
+
+def test_a_warm_up_one_short_runs_but_fails_on_its_bubble():
+    result = check("12.one_f_one_b", short_warmup)
+    assert [c.passed for c in result.cases][:3] == [True, True, True], str(result)
+    assert "idle" in result.cases[3].got and "gpipe's bubble" in result.cases[3].hint.lower(), str(result)

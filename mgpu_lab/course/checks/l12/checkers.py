@@ -14,8 +14,8 @@ from __future__ import annotations
 from .._core import exercise
 from ..sim.scenarios import launch_scenarios
 from . import ranks as R
-from .judges import (ORDER_HINT, bubble_problem, in_flight_problem, orders_problem, replay_problem,
-                     returns_problem, state_problem)
+from .judges import (ORDER_HINT, bubble_problem, bubble_problem_of_orders, in_flight_problem, orders_problem,
+                     replay_problem, returns_problem, state_problem)
 
 ORDER_REFERENCES = ("mgpu_lab.parallel.pp_orders:one_f_one_b", "mgpu_lab.parallel.pp_orders:orders",
                     "torch.distributed.pipelining.schedules:_get_1f1b_rank_ops",
@@ -25,6 +25,8 @@ MAIN = [(4, 8), (4, 4), (4, 6)]
 FEW = [(4, 2), (4, 1)]
 FLIGHT_HINT = ("a rank must run a backward as soon as n_stages - rank micro-batches are alive (or all of them, "
                "when there are fewer): 1F1B's memory bound is what it has over GPipe")
+IDLE_HINT = ("1F1B keeps GPipe's bubble while bounding the memory: a rank that warms up with fewer forwards than "
+             "n_stages - rank - 1 waits for gradients when it could be working")
 DEPTHS = [(p, m) for p in (2, 3, 5, 8) for m in (1, 2, 3, 7, 16)]
 
 
@@ -33,8 +35,8 @@ def _main_cases(t, evidence):
             ("replayed on 4 real ranks with 8, 4 and 6 micro-batches (isend, blocking recv): every order runs "
              "to the end, each message the micro-batch its receiver expects", "replay"),
             ("the replay's gradients equal one process's (the whole batch's mean loss)", "grads"),
-            ("at most n_stages - rank micro-batches alive at once on each rank (GPipe holds all of them)",
-             "flight")):
+            ("at most n_stages - rank micro-batches alive at once on each rank (GPipe holds all of them), and "
+             "no more idle than GPipe's bubble (p-1)/(m+p-1) when replayed with equal times", "flight")):
         with t.case(name, hint=ORDER_HINT):
             if evidence is None:
                 t.fail("not judged: the orders could not be replayed", got="no replay")
@@ -51,6 +53,9 @@ def _main_cases(t, evidence):
                     problem = in_flight_problem(per_rank, p, m)
                     if problem:
                         t.fail(FLIGHT_HINT, f"<= {p} - rank", problem)
+                    problem = bubble_problem_of_orders({r: ev["order"] for r, ev in enumerate(per_rank)}, p, m)
+                    if problem:
+                        t.fail(IDLE_HINT, "GPipe's bubble", problem)
 
 
 @exercise("12.one_f_one_b", points=6, description="one_f_one_b(rank, n_stages, n_micro) -> list[str]: one rank's "

@@ -38,6 +38,20 @@ def in_flight_problem(per_rank: list, n_stages: int, n_micro: int) -> str:
     return ""
 
 
+def bubble_problem_of_orders(orders: dict, n_stages: int, n_micro: int) -> str:
+    """'' when the orders, replayed with equal times, idle as GPipe does ((p-1)/(m+p-1)); else what idles."""
+    labelled = {r: [f"{a}/s{r}" for a in order] for r, order in orders.items()}
+    try:
+        idle = pp_orders.simulate(labelled, {"F": 1.0, "B": 1.0}).idle_fraction()
+    except RuntimeError as exc:
+        return f"{n_stages} stages, {n_micro} micro-batches: {exc}"
+    want = (n_stages - 1) / (n_micro + n_stages - 1)
+    if idle > want + 1e-9:
+        return (f"{n_stages} stages, {n_micro} micro-batches, replayed with equal times: the ranks are idle "
+                f"{idle:.1%} of the step, 1F1B's (and GPipe's) bubble is {want:.1%}")
+    return ""
+
+
 def orders_problem(orders: dict, n_stages: int, n_micro: int) -> str:
     """For orders judged without ranks: well formed, neighbours agree on message order, no deadlock, in-flight bound."""
     for rank, order in orders.items():
@@ -56,6 +70,9 @@ def orders_problem(orders: dict, n_stages: int, n_micro: int) -> str:
         pp_orders.simulate(labelled, {"F": 1.0, "B": 1.0})
     except RuntimeError as exc:
         return f"{n_stages} stages, {n_micro} micro-batches: {exc}"
+    problem = bubble_problem_of_orders(orders, n_stages, n_micro)
+    if problem:
+        return problem
     for rank, order in orders.items():
         alive = peak = 0
         for a in order:
