@@ -28,6 +28,7 @@ FLIGHT_HINT = ("a rank must run a backward as soon as n_stages - rank micro-batc
 IDLE_HINT = ("1F1B keeps GPipe's bubble while bounding the memory: a rank that warms up with fewer forwards than "
              "n_stages - rank - 1 waits for gradients when it could be working")
 DEPTHS = [(p, m) for p in (2, 3, 5, 8) for m in (1, 2, 3, 7, 16)]
+CALLS = [(r, p, m) for p, m in DEPTHS for r in range(p)]
 
 
 def _main_cases(t, evidence):
@@ -68,11 +69,12 @@ def _one_f_one_b(t, one_f_one_b):
     no shrink with fewer micro-batches than stages, backwards out of order (the neighbours disagree),
     backward before forward, malformed labels, torch's own order.
     """
-    evidence = None
+    evidence, outs = None, {}
     with t.case("4 stages, 8 micro-batches: each rank's order holds F0..F7 and B0..B7 once each, each B after "
                 "its F", hint="a list of strings 'F<i>' and 'B<i>', micro-batches numbered from 0"):
-        got = t.ranks(R.probe_orders, 4, one_f_one_b, MAIN + FEW, timeout=ORDER_TIMEOUT)
-        evidence = [list(per) for per in zip(*got)]
+        got = t.ranks(R.probe_orders, 4, one_f_one_b, MAIN + FEW, CALLS, timeout=ORDER_TIMEOUT)
+        evidence = [list(per) for per in zip(*(r["scenarios"] for r in got))]
+        outs = dict(zip(CALLS, got[0]["calls"]))
         problem = evidence[0][0]["problem"]
         if problem:
             t.fail("", "F0..F7 and B0..B7, each once", problem)
@@ -90,9 +92,9 @@ def _one_f_one_b(t, one_f_one_b):
                 t.fail(FLIGHT_HINT if "alive at once" in problem else "", "runs, one process's gradients, within "
                        "the bound", problem)
     with t.case("2, 3, 5 and 8 stages with 1 to 16 micro-batches: well formed, neighbours agree, no deadlock, "
-                "within the bound (judged without ranks)", hidden=True):
-        calls = [(r, p, m) for p, m in DEPTHS for r in range(p)]
-        outs = dict(zip(calls, t.call(R.orders_of, one_f_one_b, calls)))
+                "within the bound, GPipe's bubble (judged without ranks)", hidden=True):
+        if evidence is None:
+            t.fail("not judged: the first case did not finish", got="no orders")
         for p, m in DEPTHS:
             got = {r: outs[r, p, m][1] if outs[r, p, m][0] == "ok" else outs[r, p, m] for r in range(p)}
             problem = orders_problem(got, p, m)

@@ -126,9 +126,15 @@ def _replay(order: list, n_stages: int, n_micro: int, group) -> dict:
     return {"done": done, "peak": peak, "stuck": "", "grads": [p.grad.clone() for p in stage.parameters()]}
 
 
-def probe_orders(one_f_one_b, scenarios: list) -> list:
+def probe_orders(one_f_one_b, scenarios: list, calls: list = ()) -> dict:
     """In each of ``n_stages`` ranks, per ``(n_stages, n_micro)``: this rank's order from the learner and,
-    when every rank's order is well formed, its replay (in a process group of its own)."""
+    when every rank's order is well formed, its replay (in a process group of its own). Rank 0 also
+    answers ``calls`` (orders judged without ranks), so that one launch serves the whole check."""
+    return {"scenarios": _replays(one_f_one_b, scenarios),
+            "calls": orders_of(one_f_one_b, calls) if tdist.get_rank() == 0 else []}
+
+
+def _replays(one_f_one_b, scenarios: list) -> list:
     from ..sim.outcome import outcome
 
     torch.set_num_threads(1)
