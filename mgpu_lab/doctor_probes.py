@@ -177,7 +177,9 @@ def check_nodes(nodes: int, nprocs: int, timeout: float) -> tuple[bool, str]:
                "ALLREDUCE_CHECK_TIMEOUT": f"{max(5.0, timeout / 3):g}"}
         # Workers forked from torchrun (--run-path --start-method=fork): they do not import torch again,
         # about 2 s of CPU each here; the rendezvous and gloo's connections across the nodes are the same.
-        argv = cluster.torchrun(PROBE_SCRIPT, "--backend", "gloo", nproc_per_node=nprocs, fork=True)
+        from mgpu_lab.cluster.commands import torchrun_commands
+
+        argv = torchrun_commands(cluster, PROBE_SCRIPT, "--backend", "gloo", nproc_per_node=nprocs, fork=True)
         try:
             result = cluster.run(argv, env=env, timeout=timeout, after_failure=5, echo=False)
         except Exception as err:  # e.g. torchrun missing: report it, like a failed launch

@@ -17,9 +17,10 @@ always removed, also when a run raises or times out; namespaces left by a
 killed process are removed by the next :class:`SimCluster`.
 
 Example:
+    >>> from mgpu_lab.cluster.commands import torchrun_commands
     >>> from mgpu_lab.cluster.multinode import SimCluster, PROBE_SCRIPT
     >>> with SimCluster(2) as cluster:   # as root: network namespaces; else every node on 127.0.0.1
-    ...     result = cluster.run(cluster.torchrun(PROBE_SCRIPT),
+    ...     result = cluster.run(torchrun_commands(cluster, PROBE_SCRIPT),
     ...                          env={"GLOO_SOCKET_IFNAME": cluster.interface}, echo=False)
     >>> result.ok, len(result.nodes)
     (True, 2)
@@ -167,50 +168,32 @@ class SimCluster:
             yield
 
     # -- commands ---------------------------------------------------------------------
-    def torchrun(self, script, *script_args, nproc_per_node: int = 1, rdzv: str = "static",
-                 port: int | None = None, is_host: bool = True, local_addr: bool = True,
-                 rdzv_conf: str = "", nnodes: int | str | None = None, fork: bool = False) -> list[list[str]]:
-        """Every node's torchrun command for one job, with static or c10d rendezvous.
+    def torchrun(self, script, *script_args, rdzv: str = "c10d", **options) -> list[list[str]]:
+        """Every node's torchrun command for one job with **c10d** rendezvous (lesson 10's elastic jobs).
+
+        Static rendezvous (``--node-rank``, ``--master-addr``) is lesson 07's exercise, so no
+        method of this class builds it; the library's own is
+        :func:`mgpu_lab.cluster.commands.torchrun_commands`, which takes the same options.
 
         Args:
             script, script_args: the training script and its arguments.
-            nproc_per_node: processes per node.
-            rdzv: ``"static"`` (``--node-rank`` and ``--master-addr/--master-port``)
-                or ``"c10d"`` (``--rdzv-backend=c10d --rdzv-endpoint --rdzv-id``;
-                node ranks are assigned at the rendezvous).
-            port: the rendezvous port (default: :meth:`port`).
-            is_host: c10d only: give node 0 ``--rdzv-conf=is_host=1``.
-            local_addr: c10d only: give every node ``--local-addr=<its address>``.
-            rdzv_conf: more ``--rdzv-conf`` settings, e.g. ``"timeout=5"`` (static)
-                or ``"join_timeout=5"`` (c10d).
-            nnodes: ``--nnodes`` (default: the number of nodes; ``"1:2"`` is a range).
-            fork: add ``--run-path --start-method=fork``: workers are forked from
-                torchrun instead of starting Python and importing torch again
-                (about 3 s of CPU each). Saves time on this 2-core machine; a
-                cluster does not need it.
+            rdzv: ``"c10d"`` (the only one).
+            options: ``nproc_per_node``, ``port``, ``is_host``, ``local_addr``,
+                ``rdzv_conf``, ``nnodes``, ``fork`` as in ``torchrun_commands``.
 
         Returns:
             One argv per node, starting with ``torchrun``.
+
+        Raises:
+            ValueError: ``rdzv`` is not ``"c10d"``.
         """
-        if rdzv not in ("static", "c10d"):
-            raise ValueError(f"rdzv={rdzv!r}: use 'static' or 'c10d'")
-        port = self.port() if port is None else port
-        nnodes = len(self.nodes) if nnodes is None else nnodes
-        script = str(Path(script).resolve()) if fork else str(script)
-        out = []
-        for node in self.nodes:
-            argv = ["torchrun", f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}"]
-            argv += ["--run-path", "--start-method=fork"] if fork else []
-            if rdzv == "static":
-                argv += [f"--node-rank={node.rank}", f"--master-addr={self.master_addr}", f"--master-port={port}"]
-                argv += [f"--rdzv-conf={rdzv_conf}"] if rdzv_conf else []
-            else:
-                conf = [c for c in ("is_host=1" if is_host and node.rank == 0 else "", rdzv_conf) if c]
-                argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={self.master_addr}:{port}", "--rdzv-id=lesson07"]
-                argv += [f"--rdzv-conf={','.join(conf)}"] if conf else []
-                argv += [f"--local-addr={node.addr}"] if local_addr else []
-            out.append(argv + [script, *map(str, script_args)])
-        return out
+        if rdzv != "c10d":
+            raise ValueError(f"rdzv={rdzv!r}: SimCluster.torchrun builds c10d commands only; static rendezvous is "
+                             "lesson 07's exercise (write torchrun_command), or call "
+                             "mgpu_lab.cluster.commands.torchrun_commands")
+        from .commands import torchrun_commands  # here: lesson 07's notebook imports this module, not its answers
+
+        return torchrun_commands(self, script, *script_args, rdzv="c10d", **options)
 
     def banner(self, timeout: float | None = None) -> str:
         """The line that says what the nodes are."""

@@ -131,13 +131,15 @@ def setup(key: str, cluster: SimCluster, fixed: bool = False) -> dict:
     Raises:
         KeyError: unknown ``key``.
     """
+    from .commands import torchrun_commands  # here: lesson 07's notebook imports this module, not its answers
+
     if key not in FAULTS:
         raise KeyError(f"no fault {key!r}; known: {', '.join(FAULTS)}")
     iface = cluster.interface
     right = {"GLOO_SOCKET_IFNAME": iface, "NCCL_SOCKET_IFNAME": iface}
     args = (PROBE_SCRIPT, "--timeout", str(PG_TIMEOUT))
     static = dict(rdzv_conf=f"timeout={RDZV_TIMEOUT}", fork=True)
-    job = {"argv": cluster.torchrun(*args, **static), "env": right, "delays": None, "drop": None,
+    job = {"argv": torchrun_commands(cluster, *args, **static), "env": right, "delays": None, "drop": None,
            "after_failure": AFTER_FAILURE}
     if key == "wrong_interface" and not fixed:
         job["env"] = {"GLOO_SOCKET_IFNAME": "docker0", "NCCL_SOCKET_IFNAME": "docker0"}
@@ -146,20 +148,20 @@ def setup(key: str, cluster: SimCluster, fixed: bool = False) -> dict:
     elif key == "blocked_port" and not fixed:
         job["drop"] = (1, 0)
     elif key == "world_size_mismatch":
-        job["argv"] = cluster.torchrun(*args, nnodes=len(cluster.nodes) + (0 if fixed else 1), **static)
+        job["argv"] = torchrun_commands(cluster, *args, nnodes=len(cluster.nodes) + (0 if fixed else 1), **static)
     elif key == "late_node":
         job["delays"] = [0, 5] if fixed else [0, "after node0"]
         job["after_failure"] = None  # node 1 starts after node 0 failed: let it fail in its own time
         if fixed:  # the default rendezvous timeout, far longer than 5 s
-            job["argv"] = cluster.torchrun(*args, fork=True)
+            job["argv"] = torchrun_commands(cluster, *args, fork=True)
     elif key.startswith("c10d"):
         conf = f"read_timeout={RDZV_TIMEOUT},join_timeout={RDZV_TIMEOUT}"
-        job["argv"] = cluster.torchrun(*args, rdzv="c10d", rdzv_conf=conf, fork=True,
+        job["argv"] = torchrun_commands(cluster, *args, rdzv="c10d", rdzv_conf=conf, fork=True,
                                        is_host=fixed or key != "c10d_no_is_host",
                                        local_addr=fixed or key != "c10d_no_local_addr")
     elif key == "exit_barrier":
         extra = () if fixed else ("--abort-after-destroy", "1")
-        job["argv"] = cluster.torchrun(*args, *extra, fork=True)
+        job["argv"] = torchrun_commands(cluster, *args, *extra, fork=True)
         job["env"] = {**right, "LOGLEVEL": "INFO"}  # torchrun says it waits only at INFO level
     return job
 

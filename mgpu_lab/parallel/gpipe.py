@@ -1,10 +1,8 @@
 """Lesson 06's reference answers, which its notebook does not import: the exercises are the learner's.
 
 :func:`stage_step` is one training step of one pipeline stage in its own rank
-(activations sent forward, their gradient received back); :func:`gpipe_rank`
-runs the micro-batched GPipe step of each rank, timed (:func:`mgpu_lab.parallel.pipeline.run_gpipe`
-launches it); :func:`pipelined_step` is GPipe's micro-batched step on one process,
-:func:`timed_step` the same with every stage's work timed; :func:`bubble_fraction` is
+(activations sent forward, their gradient received back); :func:`pipelined_step` is
+GPipe's micro-batched step on one process, :func:`timed_step` the same with every stage's work timed; :func:`bubble_fraction` is
 the idle fraction of GPipe's schedule (:func:`mgpu_lab.parallel.schedule.gpipe_schedule`)
 in closed form, :func:`fit_bubble` that of a measured step's fit. Scripts and
 later lessons may import them.
@@ -22,112 +20,11 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
-from mgpu_lab import dist
 from mgpu_lab.parallel.model_parallel import _device_of, _positive_int
-from mgpu_lab.parallel.pinning import pin_to_core
 from mgpu_lab.parallel.schedule import gpipe_schedule
 from mgpu_lab.parallel.timeline import Timeline
 
-__all__ = ["stage_step", "gpipe_rank", "pipelined_step", "timed_step", "bubble_fraction", "fit_bubble"]
-
-_MAX_DIM = 8  # the shape header of a sent activation: [ndim, size0, size1, ...]
-
-
-def _isend(tensor: torch.Tensor, dst: int, header: bool) -> list:
-    """Send the tensor, after its shape when ``header`` (the receiver need not know the shape)."""
-    shape = list(tensor.shape)
-    if len(shape) > _MAX_DIM - 1:
-        raise ValueError(f"cannot send a tensor of {len(shape)} dimensions; at most {_MAX_DIM - 1}")
-    sent = []
-    if header:  # messages between two ranks arrive in the order they were sent: the shape first
-        head = torch.tensor([len(shape), *shape] + [0] * (_MAX_DIM - 1 - len(shape)), device=tensor.device)
-        sent.append((tdist.isend(head, dst), head))
-    tensor = tensor.contiguous()
-    return sent + [(tdist.isend(tensor, dst), tensor)]
-
-
-def _recv(src: int, device, shape=None, dtype=torch.float32) -> torch.Tensor:
-    """Receive a tensor of ``shape``, or of the shape sent first when ``shape`` is None."""
-    if shape is None:
-        head = torch.empty(_MAX_DIM, dtype=torch.int64, device=device)
-        tdist.recv(head, src)
-        shape = [int(v) for v in head[1:1 + int(head[0])]]
-    out = torch.empty(shape, dtype=dtype, device=device)
-    tdist.recv(out, src)
-    return out
-
-
-def _gpipe_step(stage, dev, x, y, loss_fn, n_micro, timeline, lane) -> torch.Tensor | None:
-    """One GPipe step of this rank's stage: every forward, then every backward."""
-    rank, world = tdist.get_rank(), tdist.get_world_size()
-    first, last = rank == 0, rank == world - 1
-    xs, ys = torch.chunk(x, n_micro), torch.chunk(y, n_micro)
-    ins, outs, pending = [], [], []
-    for i, chunk in enumerate(xs):
-        if first:
-            h_in = chunk.to(dev)
-        else:  # only the first activation comes with its shape: the others differ in batch size only
-            h_in = _recv(rank - 1, dev, None if i == 0 else (len(chunk), *ins[0].shape[1:])).requires_grad_()
-        with timeline.span(lane, f"F{i}", dev):
-            out = stage(h_in)
-            if last:  # weighted by the micro-batch's share: the gradient of the batch's mean loss
-                out = loss_fn(out, ys[i].to(dev)) * (len(chunk) / len(x))
-        if not last:
-            pending += _isend(out.detach(), rank + 1, header=i == 0)  # async: the next forward starts at once
-        ins.append(h_in)
-        outs.append(out)
-    for i in range(len(xs)):
-        grad = None
-        if not last:
-            grad = torch.empty_like(outs[i])
-            tdist.recv(grad, rank + 1)
-        with timeline.span(lane, f"B{i}", dev):
-            outs[i].backward(grad)
-        if not first:
-            pending.append((tdist.isend(ins[i].grad.contiguous(), rank - 1), ins[i].grad))
-    for work, _ in pending:
-        work.wait()
-    return torch.stack([o.detach() for o in outs]).sum() if last else None
-
-
-def gpipe_rank(stages, x, y, loss_fn, n_micros=(1, 2, 4, 8), steps: int = 3, warmup: int = 1,
-               pin: bool = True, return_grads: bool = True) -> dict:
-    """Run in every rank of a launch with ``len(stages)`` ranks: rank r holds ``stages[r]``.
-
-    For each micro-batch count, ``warmup`` untimed steps then ``steps`` timed
-    ones (no optimizer: the weights stay fixed, so every step has the same
-    gradients). Every rank gets the whole batch; the first rank feeds ``x``,
-    the last one uses ``y``.
-
-    Returns:
-        ``{"rank", "lane", "results": [{"n_micro", "spans": [spans of each timed step],
-        "loss", "grads", "cpu_share"}]}``; ``loss`` is the batch's mean loss on the
-        last rank, ``cpu_share`` the CPU time the rank got in its compute spans over
-        their wall time (None on a GPU).
-    """
-    rank, world = tdist.get_rank(), tdist.get_world_size()
-    if len(stages) != world:
-        raise ValueError(f"{len(stages)} stages but world_size={world}; launch one rank per stage")
-    dev = dist.device()
-    core = pin_to_core(rank) if pin and dev.type == "cpu" else None
-    lane = f"stage {rank + 1} · rank {rank} · " + (f"cpu core {core}" if core is not None else str(dev))
-    stage = stages[rank].to(dev)
-    results = []
-    for n_micro in n_micros:
-        spans, loss, cpu = [], None, [0.0, 0.0]
-        for step in range(warmup + steps):
-            stage.zero_grad(set_to_none=True)
-            tdist.barrier()
-            timeline = Timeline()
-            loss = _gpipe_step(stage, dev, x, y, loss_fn, n_micro, timeline, lane)
-            if step >= warmup:
-                spans.append(timeline.resolve().spans)
-                cpu = [cpu[0] + timeline.cpu_seconds, cpu[1] + timeline.cpu_wall_seconds]
-        grads = [p.grad.detach().cpu() for p in stage.parameters()] if return_grads else None
-        results.append({"n_micro": n_micro, "spans": spans, "grads": grads,
-                        "loss": None if loss is None else float(loss),
-                        "cpu_share": cpu[0] / cpu[1] if cpu[1] else None})
-    return {"rank": rank, "lane": lane, "results": results}
+__all__ = ["stage_step", "pipelined_step", "timed_step", "bubble_fraction", "fit_bubble"]
 
 
 def pipelined_step(stage1: nn.Module, stage2: nn.Module, x: torch.Tensor, y: torch.Tensor,

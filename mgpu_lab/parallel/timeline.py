@@ -102,18 +102,36 @@ class Timeline:
                 self.cpu_wall_seconds += end - start
             self.add(lane, label, start, end)
             return
+        start = self.stamp(device)
+        yield
+        self.add_stamped(lane, label, start, self.stamp(device), device)
+
+    def stamp(self, device=None):
+        """Now, on ``device``'s clock: a recorded CUDA event on a CUDA device, else ``time.perf_counter()``.
+
+        For spans whose start and end are seen in different places (hooks of forward and
+        backward): pass two stamps to :meth:`add_stamped`.
+        """
+        device = torch.device(device) if device is not None else None
+        if device is None or device.type != "cuda":
+            return time.perf_counter()
         if device not in self._base:  # one host/GPU clock pairing per device
             torch.cuda.synchronize(device)
             base = torch.cuda.Event(enable_timing=True)
             base.record(torch.cuda.current_stream(device))
             torch.cuda.synchronize(device)
             self._base[device] = (base, time.perf_counter())
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(torch.cuda.current_stream(device))
-        yield
-        end.record(torch.cuda.current_stream(device))
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(device))
+        return event
+
+    def add_stamped(self, lane: str | None, label: str, start, end, device=None) -> None:
+        """Record a span between two :meth:`stamp` s of ``device``."""
+        if isinstance(start, float):
+            self.add(lane, label, start, end)
+            return
         with self._lock:
-            self._pending.append((lane, label, device, start, end))
+            self._pending.append((lane, label, torch.device(device), start, end))
 
     @property
     def cpu_share(self) -> float | None:

@@ -7,7 +7,8 @@ step (:func:`mgpu_lab.sharding.fsdp.peak_bytes`: ``torch.cuda.max_memory_allocat
 GPU), the elements its collectives move in a step (:func:`mgpu_lab.comm.record.record`;
 DDP's all-reduce is made visible by registering PyTorch's own ``allreduce_hook``) and
 the time per step, measured in steps that are not recorded.
-:func:`compare` launches it. The lesson's demos that run ZeRO by hand and FSDP2
+:func:`compare` launches it; its ZeRO-1 row runs the optimizer it is given after DDP (the notebook
+gives the learner's ``ShardedAdam``). The lesson's demos that run ZeRO by hand and FSDP2
 before its exercises show their results only (:func:`one_step_collectives`,
 :func:`zero_by_hand`, :func:`pitfalls`): the implementations they run,
 :mod:`mgpu_lab.sharding.flat` and :mod:`mgpu_lab.sharding.wrap`, are imported inside
@@ -42,20 +43,24 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _build(scheme: str, model, device: torch.device, lr: float):
-    """``(what to call, what steps, the module whose parameters count, the optimizer that holds state)``."""
+def _ddp(model, device: torch.device):
+    """DDP whose all-reduce is recorded: PyTorch's own ``allreduce_hook`` does in Python what DDP does in C++."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+    # .grad as views into DDP's buckets (else the buckets are a second copy of the gradients)
+    net = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
+    net.register_comm_hook(None, default_hooks.allreduce_hook)
+    return net
+
+
+def _build(scheme: str, model, device: torch.device, lr: float, zero1=None):
+    """``(what to call, what steps, the module whose parameters count, the optimizer that holds state)``."""
     from mgpu_lab.sharding import flat, wrap  # here, not at the top: see the module's docstring
 
     adam = lambda params: torch.optim.Adam(params, lr=lr)  # noqa: E731
-    if scheme == "DDP":
-        # .grad as views into DDP's buckets (else the buckets are a second copy of the gradients);
-        # PyTorch's own allreduce_hook does what DDP does without a hook, in Python, where it is recorded
-        net = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                  gradient_as_bucket_view=True)
-        net.register_comm_hook(None, default_hooks.allreduce_hook)
-        opt = adam(net.parameters())
+    if scheme == "DDP" or (scheme == "ZeRO-1" and zero1 is not None):
+        net = _ddp(model, device)
+        opt = adam(net.parameters()) if scheme == "DDP" else zero1(net.parameters(), lr=lr)
         return net, opt, model, opt
     if scheme in ("ZeRO-1", "ZeRO-2"):
         flat_zero = flat.FlatZero(model, STAGE[scheme], adam)
@@ -66,8 +71,13 @@ def _build(scheme: str, model, device: torch.device, lr: float):
 
 
 def scheme_rank(width: int = 256, depth: int = 4, features: int = 64, classes: int = 10, batch: int = 32,
-                steps: int = 3, lr: float = 1e-3, schemes=SCHEMES) -> list[dict]:
+                steps: int = 3, lr: float = 1e-3, schemes=SCHEMES, zero1=None) -> list[dict]:
     """In every rank: train under each scheme: one warm-up step, one recorded step, ``steps`` timed ones.
+
+    Args:
+        zero1: a ZeRO-1 optimizer class used after DDP, called as ``zero1(params, lr=lr)`` (lesson 08's
+            ``ShardedAdam``, the learner's): the ZeRO-1 row is then DDP + it. None: ZeRO-1 on the
+            library's flat parameter (reduce-scatter, Adam on the shard, all-gather).
 
     Returns:
         One dict per scheme: ``scheme``, ``n_params``, ``held`` (dict of bytes),
@@ -84,7 +94,7 @@ def scheme_rank(width: int = 256, depth: int = 4, features: int = 64, classes: i
     for scheme in schemes:
         model = fsdp.BlockNet(features, width, depth, classes).to(device)
         n = sum(p.numel() for p in model.parameters())
-        net, stepper, module, opt = _build(scheme, model, device, lr)
+        net, stepper, module, opt = _build(scheme, model, device, lr, zero1)
         fsdp.train_steps(net, stepper, x, y, 1)  # warm-up: the optimizer creates its state
         with record() as log:  # a recorder slows every operation down: the timed steps are not recorded
             fsdp.train_steps(net, stepper, x, y, 1)

@@ -13,6 +13,7 @@ import psutil
 import pytest
 
 from mgpu_lab.cluster import agents, netns, noderunner
+from mgpu_lab.cluster.commands import torchrun_commands
 from mgpu_lab.cluster.multinode import SimCluster
 
 pytestmark = pytest.mark.timeout(300)
@@ -47,10 +48,10 @@ def test_a_forked_torchrun_runs_as_the_command_does_on_each_node(tmp_path):
     script.write_text(SCRIPT)
     with SimCluster(2) as cluster:
         env = {"GLOO_SOCKET_IFNAME": cluster.interface, "LOGLEVEL": "INFO"}
-        forked = cluster.run(cluster.torchrun(script, fork=True), env=env, timeout=120, echo=False)
+        forked = cluster.run(torchrun_commands(cluster, script, fork=True), env=env, timeout=120, echo=False)
         server = agents._server
         # a variable torch may read at import: this run's torchrun is started as a command instead
-        started = cluster.run(cluster.torchrun(script, fork=True), env={**env, "FOO": "bar"}, timeout=120, echo=False)
+        started = cluster.run(torchrun_commands(cluster, script, fork=True), env={**env, "FOO": "bar"}, timeout=120, echo=False)
     assert forked.ok and started.ok, (forked.nodes[0].output[-2000:], started.nodes[0].output[-2000:])
     for node in (0, 1):
         seen = _line(forked, node)

@@ -22,6 +22,7 @@ import psutil
 import pytest
 
 from mgpu_lab.cluster import multinode, netns, noderunner
+from mgpu_lab.cluster.commands import torchrun_commands
 from mgpu_lab.cluster.multinode import PROBE_SCRIPT, SimCluster, probe_reports
 
 pytestmark = pytest.mark.timeout(300)
@@ -306,7 +307,7 @@ def test_run_arguments_are_checked(no_netns):
         with pytest.raises(ValueError, match="timeout"):
             cluster.run([["true"]] * 2, timeout=0)
         with pytest.raises(ValueError, match="rdzv"):
-            cluster.torchrun("x.py", rdzv="etcd")
+            torchrun_commands(cluster, "x.py", rdzv="etcd")
     for nodes in (0, 17, True, "2"):
         with pytest.raises(ValueError, match="nodes="):
             SimCluster(nodes)
@@ -314,10 +315,10 @@ def test_run_arguments_are_checked(no_netns):
 
 def test_torchrun_commands_static_c10d_and_fork(no_netns):
     with SimCluster(2) as cluster:
-        static = cluster.torchrun("train.py", "--epochs", "1", nproc_per_node=2, port=29511)
-        c10d = cluster.torchrun("train.py", rdzv="c10d", port=29400, rdzv_conf="join_timeout=5")
-        bare = cluster.torchrun("train.py", rdzv="c10d", port=29400, is_host=False, local_addr=False)
-        forked = cluster.torchrun("train.py", port=1, fork=True)
+        static = torchrun_commands(cluster, "train.py", "--epochs", "1", nproc_per_node=2, port=29511)
+        c10d = torchrun_commands(cluster, "train.py", rdzv="c10d", port=29400, rdzv_conf="join_timeout=5")
+        bare = torchrun_commands(cluster, "train.py", rdzv="c10d", port=29400, is_host=False, local_addr=False)
+        forked = torchrun_commands(cluster, "train.py", port=1, fork=True)
     assert static[1] == ["torchrun", "--nnodes=2", "--nproc-per-node=2", "--node-rank=1", "--master-addr=127.0.0.1",
                          "--master-port=29511", "train.py", "--epochs", "1"]
     assert c10d[0] == ["torchrun", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
@@ -354,7 +355,7 @@ def _ranks(result):
 @needs_netns
 def test_torchrun_static_rendezvous_across_two_namespaces():
     with SimCluster(2) as cluster:
-        result = cluster.run(cluster.torchrun(PROBE_SCRIPT, nproc_per_node=2),
+        result = cluster.run(torchrun_commands(cluster, PROBE_SCRIPT, nproc_per_node=2),
                              env={**GLOO, "GLOO_SOCKET_IFNAME": "eth0"}, timeout=180, echo=False)
     assert result.ok, "\n".join(result.lines())
     assert _ranks(result) == [(r, r % 2, r // 2, 4, r // 2, 10.0) for r in range(4)]
@@ -366,7 +367,7 @@ def test_torchrun_static_rendezvous_across_two_namespaces():
 @needs_netns
 def test_torchrun_c10d_rendezvous_across_two_namespaces_with_a_late_node():
     with SimCluster(2) as cluster:
-        result = cluster.run(cluster.torchrun(PROBE_SCRIPT, rdzv="c10d"),
+        result = cluster.run(torchrun_commands(cluster, PROBE_SCRIPT, rdzv="c10d"),
                              env={**GLOO, "GLOO_SOCKET_IFNAME": "eth0"}, delays=[0, 3], timeout=180, echo=False)
     assert result.ok, "\n".join(result.lines())
     assert sorted(r[:4] for r in _ranks(result)) == [(0, 0, 0, 2), (1, 0, 1, 2)]
@@ -376,7 +377,7 @@ def test_torchrun_c10d_rendezvous_across_two_namespaces_with_a_late_node():
 @pytest.mark.slow
 def test_torchrun_across_two_nodes_on_127_0_0_1(no_netns):
     with SimCluster(2) as cluster:
-        result = cluster.run(cluster.torchrun(PROBE_SCRIPT, fork=True), env={**GLOO, "GLOO_SOCKET_IFNAME": "lo"},
+        result = cluster.run(torchrun_commands(cluster, PROBE_SCRIPT, fork=True), env={**GLOO, "GLOO_SOCKET_IFNAME": "lo"},
                              timeout=180, echo=False)
     assert result.ok, "\n".join(result.lines())
     assert [r[:4] for r in _ranks(result)] == [(0, 0, 0, 2), (1, 0, 1, 2)]
@@ -389,7 +390,7 @@ def test_gloo_without_an_interface_works_once_hosts_maps_the_hostname_to_the_rea
     GLOO_SOCKET_IFNAME fix, run in test_troubleshoot: fault hostname_loopback)."""
     with SimCluster(2) as cluster:
         cluster.hostname_loopback = False
-        fixed = cluster.run(cluster.torchrun(PROBE_SCRIPT, fork=True), env=GLOO, timeout=120, echo=False)
+        fixed = cluster.run(torchrun_commands(cluster, PROBE_SCRIPT, fork=True), env=GLOO, timeout=120, echo=False)
     assert fixed.ok, "\n".join(fixed.lines())
 
 

@@ -11,7 +11,7 @@ from mgpu_lab import LaunchError, launch
 from mgpu_lab.parallel.gpipe import bubble_fraction, fit_bubble, pipelined_step, timed_step
 from mgpu_lab.parallel.schedule import gpipe_schedule
 from mgpu_lab.parallel.model_parallel import TwoStageNet, ideal_timeline, mlp, replica_devices, split, stage_devices
-from mgpu_lab.parallel.pipeline import ddp_replica_rank, run_gpipe, torch_gpipe_rank
+from mgpu_lab.parallel.pipeline import TimedStage, ddp_replica_rank, run_gpipe, torch_gpipe_rank
 from mgpu_lab.parallel.timeline import Timeline, fit_gpipe
 
 pytestmark = pytest.mark.timeout(300)
@@ -233,7 +233,7 @@ def test_timeline_times_cuda_spans_with_events():
 # -- pipelines across ranks -------------------------------------------------------------
 def test_gpipe_across_two_ranks_gives_the_full_batch_gradients_and_a_timeline():
     model = mlp(features=8, width=16, depth=4, classes=3)
-    x, y = _data(10)
+    x, y = _data(12)
     ref_loss, ref = _full_batch_grads(model, x, y)
     runs = run_gpipe(split(copy.deepcopy(model), 2), x, y, nn.CrossEntropyLoss(), n_micros=(1, 4), steps=2,
                      pin=False, timeout=120)
@@ -244,6 +244,28 @@ def test_gpipe_across_two_ranks_gives_the_full_batch_gradients_and_a_timeline():
         assert tl.lanes == ["stage 1 · rank 0 · cpu", "stage 2 · rank 1 · cpu"]
         assert len(tl.spans) == 2 * 2 * run["n_micro"] and 0 < run["bubble"] < 1 and run["step_time"] > 0
         assert 0 < run["cpu_share"] <= 1.05
+        for lane in tl.lanes:  # every micro-batch's forward, then its backward, in order, on each rank
+            labels = [label for name, label, _, _ in sorted(tl.spans, key=lambda s: s[2]) if name == lane]
+            assert sorted(labels) == sorted([f"F{i}" for i in range(run["n_micro"])]
+                                            + [f"B{i}" for i in range(run["n_micro"])]), labels
+            assert labels[0] == "F0" and labels.index("B0") >= (run["n_micro"] if lane.startswith("stage 1") else 1)
+    with pytest.raises(LaunchError, match="must divide the batch of 12"):
+        run_gpipe(split(copy.deepcopy(model), 2), x, y, nn.CrossEntropyLoss(), n_micros=(5,), steps=1, pin=False,
+                  timeout=120)
+
+
+def test_a_timed_stage_spans_forward_and_backward_and_adds_no_input_gradient():
+    stage = TimedStage(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)), Timeline(), "s")
+    x = torch.ones(5, 3)
+    for _ in range(2):
+        stage(x).sum().backward()
+    labels = [label for _, label, _, _ in stage.timeline.spans]
+    assert labels == ["F0", "B0", "F1", "B1"] and x.grad is None
+    (f0, b0) = [s for s in stage.timeline.spans[:2]]
+    assert f0[2] <= f0[3] <= b0[2] <= b0[3]
+    stage.restart(Timeline())
+    stage(x).sum().backward()
+    assert [label for _, label, _, _ in stage.timeline.spans] == ["F0", "B0"]
 
 
 def test_torch_pipelining_gpipe_on_gloo_gives_the_full_batch_gradients():

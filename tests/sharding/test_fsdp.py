@@ -102,6 +102,34 @@ def test_the_schemes_compared_hold_the_formula_and_move_2p_or_3p_less_the_root()
         assert row["peak"] > 0 and row["step_s"] > 0
 
 
+class _OwnerAdam(torch.optim.Optimizer):
+    """A ZeRO-1 optimizer for the test: rank ``i % world`` owns parameter i, steps it with Adam, broadcasts it."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, {"lr": lr})
+        every = [p for g in self.param_groups for p in g["params"]]
+        self.owner = {p: i % dist.get_world_size() for i, p in enumerate(every)}
+        self.adam = torch.optim.Adam([p for p in every if self.owner[p] == dist.get_rank()], lr=lr)
+        self.state = self.adam.state
+
+    def step(self, closure=None):
+        self.adam.step()
+        with torch.no_grad():
+            for p, owner in self.owner.items():
+                dist.broadcast(p, src=owner)
+
+
+def test_the_zero1_row_runs_the_optimizer_given_after_ddp_s_all_reduce():
+    rows = launch(scheme_rank, 2, width=16, depth=2, features=8, classes=4, batch=8, steps=1, schemes=("ZeRO-1",),
+                  zero1=_OwnerAdam)
+    n = BlockNet.count(8, 16, 2, 4)
+    for rank_rows in rows:
+        (row,) = rank_rows
+        assert row["moved"] == {"all_reduce": n, "broadcast": n}, row["moved"]  # DDP's 2P, then P shared: 3P
+        assert row["held"]["params"] == row["held"]["grads"] == 4 * n
+        assert 0 < row["held"]["optimizer"] < 8 * n  # Adam's state for the owned parameters only
+
+
 # -- DCP: saved by 4 ranks, loaded by 2 --------------------------------------------------------
 def _save(path):
     model = shard_model(BlockNet(features=6, width=10, depth=2), make_mesh())

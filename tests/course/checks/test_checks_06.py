@@ -80,11 +80,24 @@ def test_the_solution_gets_full_marks(exercise_id):
 
 
 def test_trivial_stage_steps_pass_no_case_naming_a_behaviour_they_lack():
-    result = check("06.stage_step", returns_nothing)  # completes, but returns no loss and trains nothing
-    assert [c.passed for c in result.cases] == [True, False, False, False], str(result)
-    result = check("06.stage_step", forward_only)  # a loss on rank 1, but nothing trains
-    assert [c.passed for c in result.cases] == [True, True, False, False], str(result)
+    result = check("06.stage_step", returns_nothing)  # completes, but sends nothing, returns no loss, trains nothing
+    assert [c.passed for c in result.cases] == [False, False, False, False], str(result)
+    assert "rank 0 sent 0 tensor(s) and rank 1 sent 0" in result.cases[0].hint, str(result)
+    result = check("06.stage_step", forward_only)  # a loss on rank 1, but no gradient goes back and nothing trains
+    assert [c.passed for c in result.cases] == [False, True, False, False], str(result)
+    assert "rank 1 sent 0 tensor(s)" in result.cases[0].hint, str(result)
     assert "never changed" in case_starting(result, "two ranks train").hint, str(result)
+
+
+def gpipe_formula(forward, backward, n_micro, transfer=0.0):
+    """Section 3's formula, copied: right for equal stages and free transfers only."""
+    p = len(forward)
+    return (p - 1) / (n_micro + p - 1)
+
+
+def test_the_formula_of_the_text_passes_only_the_case_of_equal_stages_and_free_transfers():
+    result = check("06.bubble_fraction", gpipe_formula)
+    assert [c.passed for c in result.cases] == [True, False, False, False, False, False], str(result)
 
 
 def does_nothing(*args, **kwargs):
@@ -102,7 +115,9 @@ def test_a_stage_step_that_hangs_fails_in_bounded_time(monkeypatch):
 
     monkeypatch.setattr(checkers, "STAGE_TIMEOUT", 6.0)
     result = check("06.stage_step", never_receives)
-    assert result.points == 0 and "no answer within 6 s" in result.cases[0].got, str(result)
+    got = result.cases[0].got
+    # the recorder of the sends sees every rank waiting and names the receive that cannot match; else the limit
+    assert result.points == 0 and ("rank 1 waits in recv from 0" in got or "no answer within 6 s" in got), str(result)
     assert "every send needs its receive" in result.cases[0].hint
 
 

@@ -88,3 +88,58 @@ def test_an_answer_that_returns_none_passes_no_case_of_pick_interface():
 def test_an_answer_that_returns_none_passes_no_case_of_torchrun_command():
     result = check("07.torchrun_command", returns_none)
     assert result.points == 0, str(result)
+
+
+def flat_all_reduce(tensor):
+    """The library call a learner tries first: one all_reduce over every rank, nodes ignored."""
+    import torch.distributed as dist
+
+    dist.all_reduce(tensor)
+    return tensor
+
+
+def p2p_to_everyone(tensor):
+    """Every rank sends its tensor to every other rank and sums what it receives: right, but every rank
+    crosses the network, with sends and receives that gloo's flight recorder does not see."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    works = [dist.isend(tensor.clone(), peer) for peer in range(world) if peer != rank]
+    total = tensor.clone()
+    for peer in range(world):
+        if peer != rank:
+            got = torch.empty_like(tensor)
+            dist.recv(got, peer)
+            total += got
+    for work in works:
+        work.wait()
+    return total
+
+
+def standalone_command(script, nnodes, nproc_per_node, node_rank, master_addr, master_port):
+    """Lesson 04's one-machine command, copied: torchrun reads it, but it starts a job of one node."""
+    return ["torchrun", "--standalone", f"--nproc-per-node={nproc_per_node}", script]
+
+
+def bare_command(script, nnodes, nproc_per_node, node_rank, master_addr, master_port):
+    """torchrun and the script, nothing else: torchrun's defaults (static, 1 node, 127.0.0.1:29500)."""
+    return ["torchrun", script]
+
+
+def first_with_an_address(addrs, peer):
+    """The first interface that is not loopback: right on a machine with one network only."""
+    return next(a["ifname"] for a in addrs if a["ifname"] != "lo" and a.get("addr_info"))
+
+
+def test_trivially_wrong_answers_pass_only_the_cases_whose_behaviour_they_have():
+    result = check("07.hierarchical_allreduce", flat_all_reduce)  # the right sum, but every rank crosses nodes
+    assert [c.passed for c in result.cases] == [True, False, False], str(result)
+    result = check("07.hierarchical_allreduce", p2p_to_everyone)  # the same, by sends and receives
+    assert [c.passed for c in result.cases] == [True, False, True], str(result)
+    assert "all communicate across nodes" in result.cases[1].hint, str(result)
+    for answer in (standalone_command, bare_command):  # read by torchrun, but no job of 2 nodes
+        result = check("07.torchrun_command", answer)
+        assert [c.passed for c in result.cases] == [True] + [False] * 6, str(result)
+    result = check("07.pick_interface", first_with_an_address)  # eth0 happens to be right for the first peer only
+    assert [c.passed for c in result.cases] == [True] + [False] * 5, str(result)

@@ -15,6 +15,7 @@ import torch
 from mgpu_lab.course.checks import check, exercises
 from mgpu_lab.course.checks._core import CaseFailed, Exercise, Tester
 from mgpu_lab.course.checks.l08 import judges
+from mgpu_lab.course.checks.l08.ranks import BUILD_STEPS
 
 pytestmark = pytest.mark.timeout(400)
 NOTEBOOK = Path(__file__).resolve().parents[3] / "solutions" / "08_sharding.ipynb"
@@ -102,6 +103,42 @@ exec("import torch\n"
 def test_an_answer_that_does_nothing_passes_no_case_of_the_behaviour_it_lacks(exercise_id, name):
     result = check(exercise_id, _NOTHING[name])
     assert result.status == "failed" and not [c.name for c in result.cases if c.passed], str(result)
+
+
+# -- trivially wrong answers (a plain step, torch's Adam, a copy of the lesson's demos) pass only the cases
+# -- whose behaviour they have ---------------------------------------------------------------------------
+_TRIVIAL: dict = {}
+exec("import torch\n"
+     "import torch.distributed as dist\n"
+     "from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict\n"
+     "from torch.distributed.fsdp import fully_shard\n"
+     "def sharded_sgd_step(param, grad, lr):\n"  # a local SGD step: no rank sees another's gradient
+     "    return param - lr * grad\n"
+     "class ShardedAdam(torch.optim.Adam):\n"  # plain Adam on every rank: nothing sharded, nothing shared
+     "    pass\n"
+     "def build_sharded(model_fn, mesh):\n"  # section 4's demo: the whole model built, then sharded
+     "    model = model_fn()\n"
+     "    for block in model.blocks:\n"
+     "        fully_shard(block, mesh=mesh)\n"
+     "    return fully_shard(model, mesh=mesh)\n"
+     "def load_full_into_sharded(model, path):\n"  # every rank reads the whole file
+     "    state = torch.load(path, weights_only=True)\n"
+     "    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))\n", _TRIVIAL)
+PASSES = {  # the cases each trivially wrong answer has the behaviour of
+    "08.sharded_sgd_step": [],
+    "08.ShardedAdam": ["2 ranks, DDP, 5 steps", "betas=(0.8, 0.95)", "the replicas stay equal"],
+    "08.build_sharded": ["returns the model sharded", "the weights, gathered", "a forward all-gathers",
+                         f"{BUILD_STEPS} SGD steps"],
+    "08.load_full_into_sharded": ["2 ranks: after loading", "every rank ends with exactly its shards"],
+}
+
+
+@pytest.mark.parametrize("exercise_id", sorted(PASSES))
+def test_a_trivially_wrong_answer_passes_only_the_cases_whose_behaviour_it_has(exercise_id):
+    result = check(exercise_id, _TRIVIAL[ANSWERS[exercise_id][0]])
+    passed = [c.name for c in result.cases if c.passed]
+    assert len(passed) == len(PASSES[exercise_id]) and all(
+        any(name.startswith(start) for name in passed) for start in PASSES[exercise_id]), str(result)
 
 
 def _adam_evidence(weights_of_rank, owned, step_ops=(("broadcast", 10),), state_bytes=80):

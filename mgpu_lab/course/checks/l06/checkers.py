@@ -20,8 +20,7 @@ from .judges import (judge_bubble, judge_grads, judge_loss, judge_raises, requir
 from .ranks import evaluate, probe_stage, run_pipelined, STAGE_SCENARIOS
 
 
-STAGE_REFERENCES = ("mgpu_lab.parallel.gpipe:stage_step", "mgpu_lab.parallel.gpipe:_gpipe_step",
-                    "mgpu_lab.parallel.gpipe:gpipe_rank", "torch.distributed.pipelining.stage:PipelineStage")
+STAGE_REFERENCES = ("mgpu_lab.parallel.gpipe:stage_step", "torch.distributed.pipelining.stage:PipelineStage")
 
 
 STAGE_TIMEOUT = 20.0  # seconds: a right answer takes about one
@@ -47,8 +46,14 @@ def _stage_step(t, stage_step):
     evidence = launch_scenarios(t, probe_stage, 2, stage_step, STAGE_SCENARIOS, timeout=STAGE_TIMEOUT)
     res = None
     with t.case("2 ranks, 3 steps of an MLP cut in two (CrossEntropyLoss, SGD with momentum): every step "
-                "completes on both ranks", hint=STAGE_HINT):
+                "completes on both ranks, and each rank sends the other a tensor in every step", hint=STAGE_HINT):
         res = evidence.get(t, 0)
+        sent = [r["sent"] for r in res]
+        if min(sent) < len(res[0]["returns"]):
+            t.fail("in a pipeline both ranks send: rank 0 its activations to rank 1, rank 1 their gradient back to "
+                   "rank 0, once per step; " + " and ".join(f"rank {r} sent {n} tensor(s)" for r, n in
+                                                           enumerate(sent)) + f" in {len(res[0]['returns'])} steps",
+                   "at least one send per rank and step", f"sends: {sent}")
     with t.case("rank 1 returns each step's loss as a float, rank 0 returns None"):
         if res is None:
             t.fail("not judged: the first case did not pass")

@@ -83,9 +83,12 @@ def _returned(value) -> tuple:
 
 def probe_stage(stage_step, scenarios: list, log_dir: str) -> list:
     """In each of 2 real ranks, per scenario: this rank's stage trained by the learner's ``stage_step``
-    for a few steps (rank 0 passes x, rank 1 the target). Returns per scenario what each step returned
-    and the stage's final parameters."""
+    for a few steps (rank 0 passes x, rank 1 the target). Returns per scenario what each step returned,
+    the stage's final parameters, and how many sends this rank issued (:func:`mgpu_lab.comm.record.record`
+    sees send, isend and batched point-to-point calls alike)."""
     import torch.distributed as tdist
+
+    from mgpu_lab.comm.record import record
 
     from ..sim.scenarios import run_scenarios
 
@@ -96,13 +99,16 @@ def probe_stage(stage_step, scenarios: list, log_dir: str) -> list:
         stage = stages[rank]
         optimizer = make_optimizer(stage.parameters())
         returns, first = [], None
-        for x, target in data:
-            got = stage_step(stage, x if rank == 0 else None, None if rank == 0 else target, loss_fn, optimizer,
-                             act_shape)
-            returns.append(_returned(got))
-            first = first or [p.detach().clone() for p in stage.parameters()]  # after the first step
+        with record() as log:
+            for x, target in data:
+                got = stage_step(stage, x if rank == 0 else None, None if rank == 0 else target, loss_fn, optimizer,
+                                 act_shape)
+                returns.append(_returned(got))
+                first = first or [p.detach().clone() for p in stage.parameters()]  # after the first step
+        sent = sum(e["op"] == "send" for e in log)
         tdist.barrier()
-        return {"returns": returns, "params": [p.detach().clone() for p in stage.parameters()], "first": first}
+        return {"returns": returns, "params": [p.detach().clone() for p in stage.parameters()], "first": first,
+                "sent": sent}
 
     return run_scenarios(log_dir, one, scenarios)
 

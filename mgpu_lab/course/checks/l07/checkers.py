@@ -17,8 +17,8 @@ import json
 
 from .._core import exercise
 from ..sim.outcome import in_words, outcomes
-from .judges import (hier_expected, judge_leaders, judge_static, node_of, NO_ROUTE, parse_torchrun, pick_hint, PICKS,
-                     runnable)
+from .judges import (hang_text, hier_expected, judge_leaders, judge_static, node_of, NO_ROUTE, parse_torchrun,
+                     pick_hint, PICKS, runnable)
 from .ranks import failure_text, fast, hier_probe, PG_TIMEOUT, run_commands, where
 
 
@@ -40,6 +40,9 @@ def _hierarchical_allreduce(t, hierarchical_allreduce):
                 "shape and dtype (float32 (5,), float64 (2, 3), int64 (4,), one call after the other)",
                 hint="the result on every rank of every node is the sum of all 4 ranks' tensors"):
         got = t.ranks(hier_probe, 4, hierarchical_allreduce, timeout=HIER_TIMEOUT)
+        if any(g["stuck"] for g in got):
+            why, got = hang_text(got), None
+            t.fail(why, "every rank returns from every call", "a collective that waited in vain")
         for r, g in enumerate(got):
             for call, (res, exp) in enumerate(zip(g["results"], expected)):
                 if res != exp:
@@ -50,7 +53,8 @@ def _hierarchical_allreduce(t, hierarchical_allreduce):
                                "result never came back from the node's leader to the other ranks of the node")
                     t.fail(why, f"rank {r}, call {call}: {exp}", f"{res}")
     with t.case("only one rank per node (its leader) communicates across nodes; the other rank talks within its "
-                "node only (every collective and send of every group, from the flight recorder)",
+                "node only (every collective of every group, from torch's flight recorder, and every send and "
+                "receive)",
                 hint="reduce within the node, all-reduce among the leaders, broadcast within the node"):
         if got is None:
             t.fail("not judged: the first case did not finish")
@@ -62,15 +66,16 @@ def _hierarchical_allreduce(t, hierarchical_allreduce):
             t.fail("not judged: the first case did not finish")
         for r, g in enumerate(got):
             node = [q for q in range(4) if node_of(q) == node_of(r)]
-            if not any(ranks is not None and sorted(ranks) == node for _, ranks in g["comm"]):
-                groups = sorted({tuple(ranks) for _, ranks in g["comm"] if ranks is not None})
+            if not any(ranks is not None and sorted(ranks) == node for _, ranks in g["comm"] + g["p2p"]):
+                groups = sorted({tuple(ranks) for _, ranks in g["comm"] + g["p2p"] if ranks is not None})
                 t.fail(f"rank {r} took part in no collective of its node, ranks {node}: it communicated in the "
                        f"groups {groups}; nodes are rank // LOCAL_WORLD_SIZE (LOCAL_WORLD_SIZE=2 here), not "
                        "rank % LOCAL_WORLD_SIZE, and a flat all_reduce has no node groups at all",
                        f"a group of ranks {node}", groups)
 
 
-HIER_TIMEOUT = 20.0  # seconds for the 4 ranks' three calls (about 1 s): a collective some ranks never join hangs
+HIER_TIMEOUT = 20.0  # seconds for the 4 ranks' three calls (about 1 s); a collective that waits in vain gives up
+# after ranks.GROUP_TIMEOUT and is reported at once: this bounds only what no collective waits on (an endless loop)
 
 
 def _hier_why(r: int, res, exp, call: int) -> str:
@@ -100,7 +105,7 @@ STATIC = ("10.213.7.1", 29517)  # node 0's address and a port that is not torchr
 
 @exercise("07.torchrun_command", points=7, description="torchrun_command(script, nnodes, nproc_per_node, "
           "node_rank, master_addr, master_port): this node's torchrun argv with static rendezvous, run "
-          "for real on 2 simulated nodes")
+          "for real on 2 simulated nodes", references=("mgpu_lab.cluster.commands:torchrun_commands",))
 def _torchrun_command(t, torchrun_command):
     """Judges four calls with torchrun's own parser, then runs node 0's and node 1's commands for real.
 
@@ -143,15 +148,20 @@ def _torchrun_command(t, torchrun_command):
         if parsed[1] is None:
             t.fail("not judged: the first case failed")
         judge_static(t, parsed[1], script, 2, 2, 1, *STATIC, rank_hint)
-    with t.case("static rendezvous: no --standalone, no --rdzv-backend/--rdzv-endpoint",
+    with t.case(f"static rendezvous at {STATIC[0]}:{STATIC[1]} on both nodes: no --standalone, no "
+                "--rdzv-backend/--rdzv-endpoint",
                 hint="static rendezvous is torchrun's default; --standalone starts a one-node job of its own on "
                      "each node, and c10d would ignore --node-rank"):
-        if parsed[0] is None:
+        if parsed[0] is None or parsed[1] is None:
             t.fail("not judged: the first case failed")
         for p in parsed[:2]:
-            if p is not None and (p.standalone or p.rdzv_backend != "static" or p.rdzv_endpoint):
+            if p.standalone or p.rdzv_backend != "static" or p.rdzv_endpoint:
                 t.fail("", "rdzv_backend static, standalone off",
                        f"standalone={p.standalone}, rdzv_backend={p.rdzv_backend!r}, rdzv_endpoint={p.rdzv_endpoint!r}")
+            if (p.master_addr, p.master_port) != STATIC:
+                t.fail("the nodes of a static rendezvous meet at node 0's store, --master-addr and --master-port: "
+                       "without them torchrun waits at its defaults, 127.0.0.1:29500, where no other node looks",
+                       f"{STATIC[0]}:{STATIC[1]}", f"{p.master_addr}:{p.master_port}")
     for args, hidden_case in ((other, False), (hidden, True)):
         i = calls.index(args)
         belongs = ("use each argument where it belongs: --nnodes counts machines, --nproc-per-node the processes "
@@ -239,6 +249,7 @@ def _pick_interface(t, pick_interface):
 
 
 def _run_pick(t, pick_interface) -> None:
+    from mgpu_lab.cluster.commands import torchrun_commands
     from mgpu_lab.cluster.multinode import PROBE_SCRIPT, SimCluster
 
     with SimCluster(2) as cluster:
@@ -249,7 +260,7 @@ def _run_pick(t, pick_interface) -> None:
         if got[0] != "ok" or not isinstance(got[1], str):
             t.fail(f"on node 0 of {where(cluster)}, peer {peer}", cluster.interface, in_words(got))
         env = {"GLOO_SOCKET_IFNAME": got[1], "ALLREDUCE_CHECK_TIMEOUT": "3"}
-        result, reports = run_commands(cluster, cluster.torchrun(PROBE_SCRIPT, fork=True), env)
+        result, reports = run_commands(cluster, torchrun_commands(cluster, PROBE_SCRIPT, fork=True), env)
         if len(reports) != 2 or not all(r["ok"] for r in reports):
             t.fail(f"on {where(cluster)} with GLOO_SOCKET_IFNAME={got[1]}: {failure_text(result)}",
                    "both ranks: all_reduce sum 3", f"{len(reports)} rank(s) finished; "

@@ -121,6 +121,25 @@ def hier_expected() -> list:
     return out
 
 
+def hang_text(got: list) -> str:
+    """What a hang looked like: where each rank's last collective was when it gave up, or that it returned."""
+    from .ranks import GROUP_TIMEOUT
+
+    call = min(g["stuck"][0] for g in got if g["stuck"])
+    where = []
+    for r, g in enumerate(got):
+        if not g["stuck"]:
+            where.append(f"rank {r} returned")
+        elif g["comm"]:
+            op, ranks = g["comm"][-1]
+            where.append(f"rank {r}'s last collective: {op} over ranks {ranks}")
+        else:
+            where.append(f"rank {r} never got into a collective")
+    return (f"your code hangs in call {call}: " + "; ".join(where) + f" (each gave up after waiting "
+            f"{GROUP_TIMEOUT:g} s). Every rank of a group must call the same collectives on it in the same "
+            "order: a rank that calls another collective, or uses another group, waits forever")
+
+
 def node_of(rank: int) -> int:
     from .ranks import PER_NODE
 
@@ -134,7 +153,7 @@ def crossing(comm: list) -> list:
 
 def judge_leaders(t, got: list) -> None:
     """At most one rank per node communicates across nodes, and every group that crosses nodes holds one per node."""
-    talkers = {r: crossing(g["comm"]) for r, g in enumerate(got) if crossing(g["comm"])}
+    talkers = {r: crossing(g["comm"] + g["p2p"]) for r, g in enumerate(got) if crossing(g["comm"] + g["p2p"])}
     for node in sorted({node_of(r) for r in range(len(got))}):
         mine = [r for r in talkers if node_of(r) == node]
         if len(mine) > 1:

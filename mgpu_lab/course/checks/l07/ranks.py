@@ -68,13 +68,37 @@ def hier_input(rank: int, dtype: str, shape: tuple):
     return (torch.arange(n, dtype=torch.float64).reshape(shape) * (rank + 1) + 10 ** rank).to(getattr(torch, dtype))
 
 
+GROUP_TIMEOUT = 5.0  # seconds a rank of the check waits in one collective: a right answer's take milliseconds
+
+
+def _short_waits(tdist) -> None:
+    """Every collective of this rank gives up after :data:`GROUP_TIMEOUT`: the world's and any group made later."""
+    from datetime import timedelta
+
+    c10d = tdist.distributed_c10d
+    c10d.default_pg_timeout = timedelta(seconds=GROUP_TIMEOUT)  # what new_group gives a group made without one
+    setter = getattr(tdist, "set_timeout", None) or getattr(c10d, "_set_pg_timeout", None)
+    if setter is not None:  # torch 2.11 and 2.14 have one of them
+        setter(timedelta(seconds=GROUP_TIMEOUT))
+
+
+def _gave_up(err: BaseException) -> bool:
+    """Whether an error is a collective that waited in vain (or whose peer gave up waiting), not the answer's own."""
+    text = str(err)
+    return any(s in text for s in ("Timed out", "timed out", "Connection closed by peer", "Connection reset by peer"))
+
+
 def hier_probe(hierarchical_allreduce) -> dict:
     """Probe (4 ranks): the learner's function on the calls of :data:`HIER_CALLS`, as 2 nodes x 2 ranks.
 
     LOCAL_WORLD_SIZE, LOCAL_RANK and GROUP_RANK are set as torchrun sets them for 2 nodes of 2 ranks
     (node = rank // 2). What this rank took part in comes from torch's flight recorder (on by default; it
-    sees every collective and point-to-point call of every process group, whatever API issued it):
-    each entry's operation and the global ranks of its group.
+    sees every collective of every process group, whatever API issued it; with gloo, no sends or
+    receives): each entry's operation and the global ranks of its group; ``p2p`` lists the sends and
+    receives (:func:`mgpu_lab.comm.record.record`), each with this rank and its peer. A collective that waits more than
+    :data:`GROUP_TIMEOUT` seconds (ranks that call different collectives wait for each other forever)
+    ends the calls: ``stuck`` is then ``[the call, the error]`` and the last entry of ``comm`` is where
+    this rank waited, so a hang is reported in seconds, with every rank's position.
     """
     import json
 
@@ -82,20 +106,31 @@ def hier_probe(hierarchical_allreduce) -> dict:
     import torch.distributed as tdist
     from torch._C import _distributed_c10d as c10d
 
+    from mgpu_lab.comm.record import record
+
     rank = tdist.get_rank()
     os.environ.update(LOCAL_WORLD_SIZE=str(PER_NODE), LOCAL_RANK=str(rank % PER_NODE), GROUP_RANK=str(rank // PER_NODE))
+    _short_waits(tdist)
 
     def entries():
         return json.loads(c10d._dump_fr_trace_json(includeCollectives=True)).get("entries", [])
 
     seen = {e["record_id"] for e in entries()}
-    results = []
-    for dtype, shape in HIER_CALLS:
-        got = hierarchical_allreduce(hier_input(rank, dtype, shape))
-        results.append([str(got.dtype), list(got.shape), got.tolist()] if isinstance(got, torch.Tensor)
-                       else ["not a tensor", type(got).__name__, None])
+    results, stuck = [], None
+    with record() as log:  # sends and receives, which gloo's flight recorder does not see
+        for call, (dtype, shape) in enumerate(HIER_CALLS):
+            try:
+                got = hierarchical_allreduce(hier_input(rank, dtype, shape))
+            except RuntimeError as err:
+                if not _gave_up(err):
+                    raise
+                stuck = [call, str(err).strip().splitlines()[0][:200]]
+                break
+            results.append([str(got.dtype), list(got.shape), got.tolist()] if isinstance(got, torch.Tensor)
+                           else ["not a tensor", type(got).__name__, None])
+    p2p = [[e["op"], sorted({rank, e["peer"]})] for e in log if e["op"] in ("send", "recv") and e["peer"] is not None]
     world = tdist.distributed_c10d._world
     groups = {name: tdist.get_process_group_ranks(pg) for pg, name in world.pg_names.items()}
     comm = [[e["profiling_name"].split(":", 1)[-1], groups.get(e["process_group"][0])]
             for e in sorted(entries(), key=lambda e: e["record_id"]) if e["record_id"] not in seen]
-    return {"results": results, "comm": comm}
+    return {"results": results, "comm": comm, "p2p": p2p, "stuck": stuck}
