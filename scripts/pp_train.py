@@ -1,6 +1,7 @@
 """Train an MLP with a pipeline schedule of torch.distributed.pipelining: lesson 12 as a plain script.
 
-Runs unchanged under torchrun, on CPUs (gloo) or on one machine's GPUs:
+Runs unchanged under torchrun, on one machine or several; the ranks talk over gloo and
+the stages stay on the CPU (a GPU run would put each stage on ``cuda:LOCAL_RANK`` and use NCCL):
 
     torchrun --standalone --nproc-per-node=2 scripts/pp_train.py --schedule 1f1b
     torchrun --standalone --nproc-per-node=2 scripts/pp_train.py --schedule zbv --n-micro 8
