@@ -151,24 +151,36 @@ def overlap_probe(model_fn, cap_mb: float, batch: int = 64, steps: int = 3) -> d
 
 
 def plot_overlap(results: list[dict], ax=None):
-    """Backward compute (per layer) and all-reduce (per bucket) of every rank, on one time axis."""
+    """Backward compute (per layer) and all-reduce (per bucket) of every rank, on one time axis.
+
+    Each bucket's all-reduce gets a strip of its own (they may overlap in time), tall enough
+    for its label; a bar is labelled (``L<k>`` for layer k, ``b<i>`` for bucket i) only where
+    the label fits inside it, so that labels never run into each other.
+    """
     import matplotlib.pyplot as plt
 
+    strips = max(len(res["comm"]) for res in results)
+    lane_rows = [("compute", 1)] + [("comm", strips)]
+    height = sum(rows for _, rows in lane_rows) * len(results)
     if ax is None:
-        _, ax = plt.subplots(figsize=(10, 0.8 + 0.6 * 2 * len(results)))
-    lanes = []
+        _, ax = plt.subplots(figsize=(10, 0.8 + 0.22 * height))
+    end = max(max(b for _, _, b, *_ in res[k]) for res in results for k in ("compute", "comm") if res[k]) * 1e3
+    ticks, names, y = [], [], 0.0
     for res in results:
-        for kind, color in (("compute", "tab:orange"), ("comm", "tab:green")):
-            row = len(lanes)
-            lanes.append(f"rank {res['rank']} {'backward' if kind == 'compute' else 'all-reduce'}")
-            spans = sorted(res[kind], key=lambda s: s[1])
-            height = 0.8 / (len(spans) if kind == "comm" else 1)  # all-reduces may overlap: one strip each
-            for i, (label, a, b, *_) in enumerate(spans):
-                low = row - 0.4 + (i * height if kind == "comm" else 0)
-                ax.broken_barh([(a * 1e3, (b - a) * 1e3)], (low, height), color=color, edgecolor="white")
-                ax.text(a * 1e3, low + height / 2, " " + label.split()[-1], ha="left", va="center", fontsize=6)
-    ax.set_yticks(range(len(lanes)), lanes, fontsize=8)
-    ax.invert_yaxis()
+        for kind, rows in lane_rows:
+            color = "tab:orange" if kind == "compute" else "tab:green"
+            ticks.append(y + rows / 2)
+            names.append(f"rank {res['rank']} {'backward' if kind == 'compute' else 'all-reduce'}")
+            for i, (label, a, b, *_) in enumerate(sorted(res[kind], key=lambda s: s[1])):
+                low = y + (i if kind == "comm" else 0) + 0.1
+                ax.broken_barh([(a * 1e3, (b - a) * 1e3)], (low, 0.8), color=color, edgecolor="white")
+                text = ("L" if kind == "compute" else "b") + label.split()[-1]
+                if (b - a) * 1e3 > 0.025 * end * len(text):  # the label fits inside its bar
+                    ax.text((a + b) / 2 * 1e3, low + 0.4, text, ha="center", va="center", fontsize=7)
+            y += rows + 0.5
+    ax.set_yticks(ticks, names, fontsize=8)
+    ax.set_ylim(y, 0)
+    ax.set_xlim(0, end * 1.02)
     ax.set_xlabel("time since backward started (ms)")
     return ax
 

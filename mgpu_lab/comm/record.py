@@ -4,7 +4,7 @@ The course's one recorder: lessons 08 and 09 show and judge communication with i
 ``with record() as log:`` each call lands in ``log.events`` as a plain dict::
 
     {"op": "all_gather", "call": "all_gather_single", "api": "c10d", "peer": None,
-     "numel": 12, "bytes": 48, "dtype": "torch.float32", "device": "cpu"}
+     "numel": 12, "bytes": 48, "dtype": "torch.float32", "device": "cpu", "ranks": [0, 1, 2]}
 
 - ``op``: the kind of communication: ``all_reduce``, ``all_gather``, ``reduce_scatter``,
   ``broadcast``, ``reduce``, ``all_to_all``, ``gather``, ``scatter``, ``barrier``,
@@ -20,7 +20,11 @@ The course's one recorder: lessons 08 and 09 show and judge communication with i
   all-reduce, a broadcast, a send or a receive, the input of a reduce-scatter, the output of an
   all-gather; for gather and scatter this rank's piece times the group's size;
   0 for barriers and object collectives; ``bytes`` is ``numel`` times the element size;
-- ``dtype`` and ``device`` of that tensor.
+- ``dtype`` and ``device`` of that tensor;
+- ``ranks``: the global ranks of the group the call used (the default group's for calls
+  without one): on a 2D mesh it tells which dimension a collective ran over, e.g.
+  ``[0, 1]`` for a "tp" group and ``[0, 2]`` for a "dp" group of a (2, 2) mesh; ``None``
+  for a ``wait`` (which belongs to the collective before it).
 
 A functional collective returns at once; the wait for its result (``wait_tensor``,
 when the result is first used or ``.wait()`` is called) is an event of its own, with
@@ -144,7 +148,18 @@ def _recording() -> bool:
     return bool(_ACTIVE) and not getattr(_local, "busy", 0)
 
 
-def _note(op: str, call: str, api: str, peer, whole, times: int = 1, source=None) -> None:
+def _group_ranks(group) -> list | None:
+    """The global ranks of a process group (a ProcessGroup, a functional collective's group name, or None for
+    the default group); None when it cannot be told."""
+    try:
+        if isinstance(group, str):
+            group = c10d._resolve_process_group(group)
+        return [int(r) for r in tdist.get_process_group_ranks(group if group is not None else tdist.group.WORLD)]
+    except Exception:  # noqa: BLE001 - a group torch cannot resolve: the event says so with None
+        return None
+
+
+def _note(op: str, call: str, api: str, peer, whole, times: int = 1, source=None, group=None) -> None:
     """Append one event to every open recording (and check the device of a send or receive)."""
     tensors = _tensors(whole)
     sample = tensors[0] if tensors else None
@@ -152,7 +167,8 @@ def _note(op: str, call: str, api: str, peer, whole, times: int = 1, source=None
     event = {"op": op, "call": call, "api": api, "peer": peer, "numel": int(numel),
              "bytes": int(numel * sample.element_size()) if sample is not None else 0,
              "dtype": str(sample.dtype) if sample is not None else "",
-             "device": str(sample.device) if sample is not None else ""}
+             "device": str(sample.device) if sample is not None else "",
+             "ranks": None if op == "wait" else _group_ranks(group)}
     for rec in list(_ACTIVE):
         if rec.expect_device and op in ("send", "recv") and event["device"] != rec.expect_device:
             raise RuntimeError(
@@ -339,7 +355,8 @@ def _p2p(name: str, original, nonblocking):
         group_peer = a.get("group_dst", a.get("group_src"))
         if peer is None and group_peer is not None:
             peer = tdist.get_global_rank(a["group"], group_peer) if a.get("group") else group_peer
-        _note(kind, name, "c10d", peer, a.get("tensor"), source=a.get("tensor") if kind == "send" else None)
+        _note(kind, name, "c10d", peer, a.get("tensor"), source=a.get("tensor") if kind == "send" else None,
+              group=a.get("group"))
         rec = _ACTIVE[-1]  # the innermost recording watches for deadlocks
         with _inside():
             work = nonblocking(a["tensor"], **{k: v for k, v in a.items() if k != "tensor"})
@@ -368,7 +385,8 @@ def _collective(name: str, original):
         except TypeError:  # wrong arguments: let the real function say so
             return original(*args, **kwargs)
         times = tdist.get_world_size(bound.get("group")) if per_rank else 1
-        _note(op, name, "c10d", None, bound.get(whole) if whole else None, times, bound.get(source))
+        _note(op, name, "c10d", None, bound.get(whole) if whole else None, times, bound.get(source),
+              bound.get("group"))
         with _inside():
             return original(*args, **kwargs)
 
@@ -397,7 +415,8 @@ class _FunctionalSpy(TorchDispatchMode):
         op, per_rank = spec
         tensor = args[0] if args else next(iter(kwargs.values()), None)  # input, inputs or tensor
         times = int(args[1] if len(args) > 1 else kwargs["group_size"]) if per_rank else 1
-        _note(op, func._opname, "functional", None, tensor, times, tensor)
+        group = kwargs.get("group_name", next((a for a in reversed(args) if isinstance(a, str)), None))
+        _note(op, func._opname, "functional", None, tensor, times, tensor, group)
         with _inside():
             return func(*args, **kwargs)
 

@@ -78,3 +78,15 @@ def test_the_benchmark_prints_both_algorithms_side_by_side_and_checks_its_argume
     assert float(large.split()[5]) == pytest.approx((1 << 20) / 2e-3 / 1e9 * 1.5, abs=1e-3)  # busbw, 4 ranks
     with pytest.raises(SystemExit):
         bench.main(["--world", "1"])
+
+
+def test_overlapped_step_hides_every_bucket_but_the_last_and_exposes_one_big_bucket():
+    grads, secs = [1 << 20] * 6, [0.002] * 6          # 6 layers of 1 MiB, 2 ms of backward each
+    alpha, bandwidth = 1e-4, 1e9
+    per_layer = alpha + (1 << 20) / bandwidth
+    small = cost_model.overlapped_step(grads, secs, 1 << 20, alpha, bandwidth)
+    big = cost_model.overlapped_step(grads, secs, 64 << 20, alpha, bandwidth)
+    assert small == pytest.approx(6 * 0.002 + per_layer)  # only the last bucket's all-reduce shows
+    assert big == pytest.approx(6 * 0.002 + alpha + 6 * (1 << 20) / bandwidth)  # all of it after backward
+    slow_network = cost_model.overlapped_step(grads, secs, 1 << 20, alpha, bandwidth / 100)
+    assert slow_network == pytest.approx(0.002 + 6 * (alpha + (1 << 20) / (bandwidth / 100)))  # queued

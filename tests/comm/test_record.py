@@ -247,3 +247,24 @@ def test_every_rank_sending_first_raises_a_deadlock_error_at_once_instead_of_han
     assert info.value.exc_type == "Deadlock"
     assert "rank 0 waits in send to 1, rank 1 waits in send to 2, rank 2 waits in send to 0" in text
     assert "irecv" in text
+
+
+# -- which group a collective used ------------------------------------------------------------
+def _on_a_2d_mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    with record() as log:
+        dist.all_reduce(torch.ones(2))                                   # the default group
+        dist.all_reduce(torch.ones(2), group=mesh["dp"].get_group())     # c10d, one mesh dimension
+        partial = DTensor.from_local(torch.ones(3), mesh["tp"], [Partial()])
+        partial.redistribute(mesh["tp"], [Replicate()]).to_local()      # functional, over "tp"
+    return [(e["op"], e["api"], e["ranks"]) for e in log]
+
+
+def test_every_event_names_the_global_ranks_of_its_group_c10d_and_functional():
+    got = launch(_on_a_2d_mesh, 4)
+    assert got[0] == [("all_reduce", "c10d", [0, 1, 2, 3]), ("all_reduce", "c10d", [0, 2]),
+                      ("all_reduce", "functional", [0, 1]), ("wait", "functional", None)]
+    assert got[3][1:3] == [("all_reduce", "c10d", [1, 3]), ("all_reduce", "functional", [2, 3])]

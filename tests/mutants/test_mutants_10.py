@@ -51,17 +51,29 @@ ATOMIC = ExerciseMutants("10.atomic_save", NOTEBOOK, ("atomic_save",), mutants=[
     Mutant("the temporary file in the system temp dir", replace("tempfile.mkstemp(dir=directory, ", "tempfile.mkstemp("),
            expect="file system"),
     Mutant("the pickling error swallowed", replace("        raise\n", "        return\n"), expect="propagate"),
+    Mutant("the new file's data not fsynced before the rename", drop_statement("os.fsync(f.fileno())"),
+           expect="data was not fsynced before the rename"),
+    Mutant("the directory not fsynced after the rename", drop_statement("os.fsync(dir_fd)"),
+           expect="directory was not fsynced after the rename"),
+    Mutant("fsync before torch.save has written anything",
+           (replace("            torch.save(obj, f)\n            f.flush()\n            os.fsync(f.fileno())",
+                    "            os.fsync(f.fileno())\n            torch.save(obj, f)"),), expect="before all of it"),
 ], variants=[
-    Variant("path + '.tmp', plain open, no fsync", """
+    Variant("path + '.tmp', plain open, fsync of the file object, O_DIRECTORY", """
 def atomic_save(obj, path):
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
             torch.save(obj, f)
+            f.flush()
+            os.fsync(f)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+    d = os.open(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY)
+    os.fsync(d)
+    os.close(d)
 """),
     Variant("pathlib, NamedTemporaryFile in the same directory", """
 def atomic_save(obj, path):
@@ -75,7 +87,14 @@ def atomic_save(obj, path):
             f.close()
             tmp.unlink()
             raise
+        f.flush()
+        os.fdatasync(f.fileno())
     tmp.replace(target)
+    fd = os.open(target.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 """),
 ])
 
@@ -97,7 +116,7 @@ GUARD = ExerciseMutants("10.guarded", NOTEBOOK, ("guarded",), mutants=[
     Mutant("the count never advances", replace('        _guard["calls"] += 1\n', ""),
            ("rank 0, call 1", "counted from 0")),
     Mutant("no bound on the wait", replace("deadline = time.monotonic() + GUARD_WAIT", "deadline = float('inf')"),
-           ("hangs", "deadline")),
+           ("still waiting", "deadline")),
     Mutant("checks, but never runs the collective", replace("return collective(*args, **kwargs)", "return None"),
            "exactly once"),
 ], variants=[

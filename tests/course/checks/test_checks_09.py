@@ -170,3 +170,94 @@ def test_everyone_to_everyone_fails_only_the_neighbour_and_traffic_cases():
                       "each rank sends about 2(W-1)/W of the tensor"}, result
     assert "rank 0 did isend with rank 2" in case_starting(result, "each rank talks only").got
     assert "rank 0 sent 12012 bytes" in case_starting(result, "each rank sends about").got
+
+
+ANSWERS["ring_by_all_reduce"] = _by_value('''
+def ring_by_all_reduce(tensor):
+    import torch.distributed as dist
+
+    out = tensor.clone()
+    dist.all_reduce(out)
+    return out
+''', "ring_by_all_reduce")
+ANSWERS["ring_send_first"] = _by_value('''
+def ring_send_first(tensor):
+    """Every rank sends its whole tensor right with a blocking send, then receives: a deadlock."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    incoming = torch.empty_like(tensor)
+    dist.send(tensor.contiguous(), (rank + 1) % world)
+    dist.recv(incoming, (rank - 1) % world)
+    return tensor + incoming
+''', "ring_send_first")
+
+
+def test_a_ring_that_calls_all_reduce_passes_only_the_sums():
+    result = check("09.ring_allreduce", ANSWERS["ring_by_all_reduce"])
+    passed = [c.name for c in result.cases if c.passed]
+    assert len(passed) == 4 and all("the sum" in name for name in passed), result
+    assert "rank 0 sent 0 bytes" in case_starting(result, "each rank sends about").got
+    assert "no send or receive" in case_starting(result, "the buffers live").got
+
+
+def test_a_deadlocking_ring_passes_no_case_and_says_the_deadlock_once_with_its_world_sizes():
+    result = check("09.ring_allreduce", ANSWERS["ring_send_first"])
+    assert result.points == 0, result
+    text = str(result)
+    assert text.count("every rank waits and none can proceed") == 1, text
+    assert "deadlock with 2, 3 and 4 ranks" in text, text
+    assert text.count("A blocking send returns only") == 1, text
+    assert "rank 0:" not in text, text
+
+
+ANSWERS["mini_sync_at_end"] = _by_value('''
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class mini_sync_at_end(nn.Module):
+    """Rank 0's weights at the start, then one blocking all-reduce per gradient after backward: no buckets."""
+
+    def __init__(self, module, bucket_cap_bytes):
+        super().__init__()
+        self.module = module
+        for p in module.parameters():
+            dist.broadcast(p.data, 0)
+
+    def forward(self, *args):
+        return self.module(*args)
+
+    def finish_gradient_sync(self):
+        for p in self.module.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad /= dist.get_world_size()
+''', "mini_sync_at_end")
+
+
+def test_a_minddp_that_all_reduces_each_gradient_after_backward_passes_only_start_and_gradients():
+    result = check("09.MiniDDP", ANSWERS["mini_sync_at_end"])
+    failed = [c.name for c in result.cases if not c.passed]
+    assert len(failed) == 3 and all(("bucket" in n or "during backward" in n) for n in failed), result
+    assert "one all-reduce per parameter" in case_starting(result, "one asynchronous all-reduce").hint
+
+
+ANSWERS["hook_fp32"] = _by_value('''
+import torch
+import torch.distributed as dist
+
+
+def hook_fp32(state, bucket):
+    """Plain float32 averaging: right gradients, no compression, no residuals."""
+    buffer = bucket.buffer().div_(dist.get_world_size())
+    return dist.all_reduce(buffer, async_op=True).get_future().then(lambda fut: fut.value()[0])
+''', "hook_fp32")
+
+
+def test_a_float32_hook_passes_only_what_it_does():
+    result = check("09.error_feedback_hook", ANSWERS["hook_fp32"])
+    assert [c.passed for c in result.cases] == [True, False, True, True, False, False], result
+    assert "torch.float32" in case_starting(result, "the tensors it all-reduces").got

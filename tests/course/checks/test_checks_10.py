@@ -4,16 +4,21 @@ The wrong answers every case exists for are tests/mutants/test_mutants_10.py.
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
+import cloudpickle
 import pytest
-from checking import stub
+from checking import case_starting, stub
 
 from mgpu_lab.course.checks import check, exercises
 from mgpu_lab.course.checks.l10 import judges
 from mgpu_lab.course.checks.l10.ranks import NEW, OLD, classify
 
 pytestmark = pytest.mark.timeout(600)
+# The answers below travel to the check's ranks by value: by reference every rank would import this
+# file, and pytest with it (seconds per rank: the 3 ranks of each of 10.guarded's 6 scenarios).
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 NOTEBOOK = Path(__file__).resolve().parents[3] / "solutions" / "10_failures.ipynb"
 PRELUDE = """
@@ -31,7 +36,7 @@ from mgpu_lab import dist as mdist
 
 def test_lesson_10_registers_its_three_exercises_with_one_point_per_case():
     got = {e.id: e.points for e in exercises("10")}
-    assert got == {"10.atomic_save": 6, "10.guarded": 6, "10.resumable_train": 7}
+    assert got == {"10.atomic_save": 7, "10.guarded": 6, "10.resumable_train": 7}
 
 
 @pytest.mark.parametrize("exercise_id,answer", [
@@ -52,7 +57,7 @@ def test_classify_tells_old_new_missing_and_torn_files(tmp_path):
     data = path.read_bytes()
     assert classify(str(path)) == "new"
     path.write_bytes(data[: len(data) // 2])
-    assert classify(str(path)).startswith("torn:")
+    assert classify(str(path)) == "torn"
 
 
 def test_resumed_from_follows_the_snapshots_of_a_kill_schedule():
@@ -97,3 +102,58 @@ def does_nothing(*args, **kwargs):
 def test_an_answer_that_does_nothing_passes_no_case(exercise_id):
     result = check(exercise_id, does_nothing)
     assert result.points == 0, str(result)
+
+
+def plain_save(obj, path):
+    import torch
+
+    torch.save(obj, path)
+
+
+def test_plain_torch_save_passes_only_the_save_itself_and_says_torn_files_in_the_check_s_words():
+    result = check("10.atomic_save", plain_save)
+    assert [c.name for c in result.cases if c.passed] == [
+        "saves the object (torch.load(path) gives it back) and a second save replaces it"], result
+    text = str(result)
+    assert "the file at path was half written when the writer was killed at byte 1 (it holds 1 byte)" in text, text
+    assert "no file operation" in case_starting(result, "SIGKILL at each file operation").got
+    assert "written in place" in case_starting(result, "the temporary file is made").got
+    for torch_words in ("UnpicklingError", "weights_only", "1 bytes", "PytorchStreamReader"):
+        assert torch_words not in text, text
+
+
+def no_guard(collective):
+    """The collective itself: no agreement, no bound."""
+    return collective
+
+
+def test_a_guard_that_only_calls_the_collective_passes_only_the_agreeing_calls():
+    result = check("10.guarded", no_guard)
+    assert [c.passed for c in result.cases] == [True, False, False, False, False, False], result
+
+
+def train_without_snapshots(model_fn, dataset, epochs, batch_size, lr, snapshot_path, snapshot_every):
+    """Lesson 04's DDP training, right, but it never snapshots: every restart begins again from scratch."""
+    import torch
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    model = model_fn()
+    ddp = DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
+    sampler = DistributedSampler(dataset)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            opt.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+    return model.state_dict()
+
+
+def test_training_without_snapshots_passes_only_the_fresh_start():
+    result = check("10.resumable_train", train_without_snapshots)
+    assert [c.passed for c in result.cases] == [True] + [False] * 6, result
+    assert "steps" in case_starting(result, "rank 1 SIGKILLed as step 10").hint

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 
 from mgpu_lab.comm.record import P2P
-from .._core import exercise
+from .._core import CaseFailed, exercise
 from . import judges
 from .judges import ring_events, ring_device, ring_result, ring_traffic
 from .ranks import CAP, run_feedback, run_mini_both, run_ring
@@ -50,20 +50,24 @@ def _ring_allreduce(t, ring_allreduce):
          f"{hint}; {SPLIT_HINT}"),
         (4, [0, 1], "4 ranks, 1001 elements and 5: the sum on every rank", f"{hint}; {SPLIT_HINT}"),
     ]
+    runs = _run_worlds(t, ring_allreduce)
+    said: set = set()  # a deadlock is said in full once, with every world size it happened at
     for world, picks, name, case_hint in cases:
         with t.case(name):
-            if world not in runs:
-                runs[world] = None
-                runs[world] = t.ranks(run_ring, world, ring_allreduce, RING_TRIALS[world], timeout=60)
-            if runs[world] is None:
+            if isinstance(runs.get(world), BaseException):
+                failed, runs[world] = runs[world], None
+                raise failed
+            if runs.get(world) is None:
                 t.fail("the ranks did not finish")
-            ring_result(t, runs, world, picks, case_hint)
-    done = {w: r for w, r in runs.items() if r is not None}
+            ring_result(t, runs, world, picks, case_hint, said)
+    stuck = judges.deadlocked_worlds(runs)  # a ring that deadlocked proves nothing about its messages
+    done = {w: r for w, r in runs.items() if r is not None and not isinstance(r, BaseException) and w not in stuck}
     with t.case("only point-to-point calls (send/recv, isend/irecv): no collective",
                 hint="the point is to build the all-reduce yourself: use dist.isend/dist.irecv (or send/recv) "
                      "between neighbours, not dist.all_reduce, broadcast, all_gather, reduce_scatter, ..."):
         if len(done) < 3:
-            t.fail("not every world size ran to the end", "3 runs", f"{len(done)}")
+            t.fail("not every world size ran to the end" + (f" (deadlocked with {judges.and_(stuck)} ranks)"
+                                                            if stuck else ""), "3 runs", f"{len(done)}")
         used = sorted({e["call"] for *_, e in ring_events(done)
                        if e["call"] not in P2P + ("barrier",) and e["op"] != "wait"})
         if used:
@@ -73,7 +77,7 @@ def _ring_allreduce(t, ring_allreduce):
                 hint="in a ring rank r sends only to (r + 1) % world_size and receives only from "
                      "(r - 1) % world_size; name the peer (src=...) in every receive"):
         if 4 not in done:
-            t.fail("the 4-rank run did not finish")
+            t.fail("the 4-rank run did not finish" + (" (it deadlocked)" if 4 in stuck else ""))
         judges.sends_something(t, {4: done[4]})
         for world, rank, trial, event in ring_events({4: done[4]}):
             if event["call"] in P2P and event["peer"] not in ((rank + 1) % world, (rank - 1) % world):
@@ -82,6 +86,23 @@ def _ring_allreduce(t, ring_allreduce):
                        f"rank {rank} did {event['call']} with {peer}")
     ring_traffic(t, done)
     ring_device(t, done)
+
+
+def _run_worlds(t, ring_allreduce) -> dict:
+    """Every world size's run, before any case is judged (so a deadlock can be told once, with every world size
+    it happened at); a run that raised keeps its exception, for the first case of its world to fail with."""
+    from mgpu_lab.launcher.errors import LaunchError, LaunchTimeout
+
+    runs: dict = {}
+    for world in RING_TRIALS:
+        try:
+            runs[world] = t.ranks(run_ring, world, ring_allreduce, RING_TRIALS[world], timeout=60)
+        except (LaunchError, CaseFailed) as exc:  # LaunchTimeout included; a later world after a hang: skipped
+            runs[world] = exc
+            t._hung = t._hung or isinstance(exc, LaunchTimeout)
+            if getattr(exc, "exc_type", None) == "NotImplementedError":
+                break
+    return runs
 
 
 @exercise("09.MiniDDP", points=6, description="MiniDDP(module, bucket_cap_bytes): DDP by hand, gradients in buckets "

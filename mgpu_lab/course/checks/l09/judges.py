@@ -7,13 +7,15 @@ import torch
 from mgpu_lab.comm.bucketing import torch_bucket_assignment
 
 
-def ring_result(t, runs, world, picks, hint):
+def ring_result(t, runs, world, picks, hint, said: set | None = None):
     for k in picks:
         for rank, trials in enumerate(runs[world]):
             if k >= len(trials):
                 t.fail("the ranks stopped before this tensor: an earlier one failed", "a result", "none")
             trial = trials[k]
             call = f"{world} ranks, rank {rank}, a {trial['dtype']} tensor of shape {tuple(trial['shape'])}"
+            if trial.get("error", "").startswith("Deadlock"):
+                _deadlocked(t, runs, world, said if said is not None else set())
             if "error" in trial:
                 t.fail(f"{call}: {hint}", "the sum over ranks", f"raised {trial['error']}")
             got = trial["result"]
@@ -27,6 +29,37 @@ def ring_result(t, runs, world, picks, hint):
             if got["values"] != trial["expected"]:
                 wrong = sum(a != b for a, b in zip(got["values"], trial["expected"]))
                 t.fail(f"{call}: {hint}", trial["expected"], f"{got['values']} ({wrong} elements differ)")
+
+
+def deadlocked_worlds(runs: dict) -> list:
+    """The world sizes at which some rank's ring stopped with the recorder's Deadlock."""
+    return sorted(w for w, ranks in runs.items() if isinstance(ranks, list) and any(
+        trial.get("error", "").startswith("Deadlock") for trials in ranks for trial in trials))
+
+
+def and_(items: list) -> str:
+    """Items in words.
+
+    Example:
+        >>> and_([2]), and_([2, 3, 4])
+        ('2', '2, 3 and 4')
+    """
+    items = [str(i) for i in items]
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def _deadlocked(t, runs: dict, world: int, said: set) -> None:
+    """Fail the case with the deadlock, in full the first time (with every world size it happened at)."""
+    worlds = deadlocked_worlds(runs)
+    if said:
+        t.fail("", "the sum over ranks", f"deadlocked with {world} ranks too (the first failed case says why)")
+    said.add(world)
+    error = next(trial["error"] for trials in runs[world] for trial in trials
+                 if trial.get("error", "").startswith("Deadlock"))
+    text = error.split(": ", 1)[1].removeprefix("deadlock: ")
+    waits, _, why = text.partition("). ")
+    head, _, verdict = waits.partition(" (")
+    t.fail(why, "the sum over ranks", f"deadlock with {and_(worlds)} ranks: {head} (with {world} ranks: {verdict})")
 
 
 def ring_events(runs):
@@ -83,6 +116,10 @@ def ring_device(t, done: dict) -> None:
                        f"{last['result'].get('device', last['result']['type'])}")
             if last["result"]["values"] != last["expected"]:
                 t.fail("", last["expected"], last["result"]["values"])
+            if not any(e["op"] in ("send", "recv") for e in last["events"]):
+                t.fail("not judged: this tensor was summed without a send or receive of yours, so no buffer of "
+                       "yours was seen", "sends and receives of tensors on the input's device",
+                       f"rank {rank}: no send or receive")
 
 
 # -- MiniDDP ------------------------------------------------------------------------------
@@ -250,8 +287,17 @@ def hook_grads(t, results) -> None:
                            f"norm ratio {ratio:.3f}")
 
 
+def _hook_called(t, results) -> list:
+    """The runs, or the case fails when DDP never called the hook (nothing to judge)."""
+    done = hook_ran(t, results)
+    for rank, res in enumerate(done):
+        if not res["seen"]:
+            t.fail("not judged: DDP never called your hook", "a call per bucket and step", f"rank {rank}: none")
+    return done
+
+
 def returned_like_bucket(t, results) -> None:
-    for got in (r for res in hook_ran(t, results) for r in res["seen"]):
+    for got in (r for res in _hook_called(t, results) for r in res["seen"]):
         if got.get("type") != "Tensor" or got["dtype"] != got["buffer_dtype"] or got["shape"] != got["buffer_shape"]:
             t.fail("DDP copies the future's value into the gradients: one tensor of the bucket's dtype and shape "
                    "(a bfloat16 value goes unnoticed there, but it is not what the hook promises)",
@@ -260,7 +306,7 @@ def returned_like_bucket(t, results) -> None:
 
 
 def residuals_kept(t, results) -> None:
-    for rank, res in enumerate(hook_ran(t, results)):
+    for rank, res in enumerate(_hook_called(t, results)):
         last = {}
         for seen in res["seen"]:  # the last step's buckets: after DDP rebuilt them
             last[seen["index"]] = seen

@@ -1,7 +1,9 @@
 """Checks of lesson 10 (failures): atomic_save, resumable_train, guarded.
 
 atomic_save runs in forked writers killed at every file operation of the save
-and at byte offsets of its writes; what each leaves at the path is loaded.
+and at byte offsets of its writes; what each leaves at the path is loaded. A
+complete save's renames and ``os.fsync`` calls (on what file, holding how many
+bytes) are recorded in the writer: a power loss is judged from them.
 resumable_train runs in real ranks that are killed with SIGKILL at steps the
 learner does not know (or while a snapshot is written), restarted as torchrun
 restarts them, and finally under real ``torchrun --max-restarts``; the final
@@ -18,8 +20,9 @@ import os
 from mgpu_lab.launcher import elastic
 from mgpu_lab.launcher.errors import LaunchError, LaunchTimeout
 from .._core import _error_text, CaseFailed, exercise
-from .judges import (agreed_results, count_saves, judge_guard, judge_run, judge_trials, other_filesystem, CFG,
-                     read_logs, resumed_from, RUN_TIMEOUT, STEPS, WITHIN, WORLD)
+from .judges import (agreed_results, count_saves, judge_durable, judge_guard, judge_run, judge_trials,
+                     judge_written_beside, other_filesystem, outcome_words, CFG, read_logs, resumed_from,
+                     RUN_TIMEOUT, STEPS, WITHIN, WORLD)
 from .ranks import atomic_probe, guard_probe, read_log, run_resumable
 
 
@@ -27,9 +30,9 @@ ATOMIC_HINT = ("a right save leaves path untouched until the new content is comp
                "then swaps it in with one atomic step: path holds the old file or the new one at every moment")
 
 
-@exercise("10.atomic_save", points=6, description="atomic_save(obj, path): torch.save such that a process killed "
-          "at any moment leaves the old file or the new one at path, never a torn one",
-          references=("mgpu_lab.failures.resume:atomic_save",))
+@exercise("10.atomic_save", points=7, description="atomic_save(obj, path): torch.save such that a process killed "
+          "at any moment leaves the old file or the new one at path, never a torn one, and a power loss after it "
+          "returned leaves the new one", references=("mgpu_lab.failures.resume:atomic_save",))
 def _atomic_save(t, atomic_save):
     root = t.scratch("mgpu-lab-10-atomic-")  # where the learner's code runs (a grader's sandbox)
     other = t.remove_after(t.local(other_filesystem, root))
@@ -42,12 +45,16 @@ def _atomic_save(t, atomic_save):
         dry = got["dry"]
         if dry.get("raised") or dry["outcome"] != "new":
             t.fail("a save over an existing file must leave the new object there",
-                   "new", dry.get("raised") or dry["outcome"])
+                   "new", dry.get("raised") or outcome_words(dry))
     for trial in (got or {}).get("events", []):
         trial["at"] = got["dry"]["events"][trial["k"] - 1] if trial["k"] <= len(got["dry"]["events"]) else "?"
     with t.case("SIGKILL at each file operation of a save over an old file (open, rename, remove, copy, ...): "
                 "the old or the new object, never a torn file or none", hint=ATOMIC_HINT):
         _saved_at_all(t, got)
+        if not got["events"]:
+            t.fail("not judged: your save made no file operation the check can stop it at (no open, rename, "
+                   "copy, ...): it writes path in one go from torch's own code, in place; " + ATOMIC_HINT,
+                   "a save that opens, writes and renames files", "no file operation")
         judge_trials(t, got["events"], ("old", "new"),
                       "killed there, your save left path missing or half written: it removes, truncates or "
                       "writes path itself before the new content is complete; " + ATOMIC_HINT)
@@ -61,27 +68,30 @@ def _atomic_save(t, atomic_save):
     with t.case("an object torch.save cannot pickle: the error reaches the caller and the old file is intact",
                 hint="a failed torch.save must reach the caller with its error and leave path as it was: your "
                      "save swallowed the error, or had already changed path"):
-        if got is None:
-            t.fail("the first case did not finish")
+        _saved_at_all(t, got)  # a save that always raises says nothing about this error reaching the caller
         bad = got["bad"]
         if not bad.get("raised"):
             t.fail("atomic_save returned as if it had saved: let the pickling error propagate",
                    "an exception", "returned normally")
         if bad["outcome"] != "old":
-            t.fail("the failed save damaged path: " + ATOMIC_HINT, "old", bad["outcome"])
+            t.fail("the failed save damaged path: " + ATOMIC_HINT, "the old object", outcome_words(bad))
     with t.case("no old file yet: a writer killed at any point leaves no file or the complete new one",
                 hidden=True):
         _saved_at_all(t, got)
         judge_trials(t, got["fresh"], ("missing", "new"), ATOMIC_HINT)
-    with t.case("the temporary file is made in path's directory (it works with the system temp dir on "
-                "another file system)", hint="with the system temp dir on another file system your save failed: a "
-                "rename cannot cross file systems, so the new content must be written on path's own file system"):
+    with t.case("the temporary file is made in path's directory and renamed onto path (it works with the system "
+                "temp dir on another file system)", hint="with the system temp dir on another file system your "
+                "save failed: a rename cannot cross file systems, so the new content must be written on path's "
+                "own file system"):
         if got is None:
             t.fail("the first case did not finish")
-        cross = got["cross"]
-        if cross is not None and (cross.get("raised") or cross["outcome"] != "new"):
-            t.fail("", f"the new object at path, with TMPDIR={other}",
-                   f"raised {cross['raised']}" if cross.get("raised") else cross["outcome"])
+        judge_written_beside(t, got["cross"] or got["dry"], other)
+    with t.case("after it returns, the save survives a power loss: the new file's data fsynced before the rename, "
+                "path's directory fsynced after it (the check records each os.fsync and what it was called on)",
+                hint="a kill loses nothing the kernel has, a power loss loses what is not on disk: the new file's "
+                     "bytes, then the directory entry the rename changed, each made durable in that order"):
+        _saved_at_all(t, got)
+        judge_durable(t, got["dry"])
 
 
 def _saved_at_all(t, got) -> None:
@@ -90,7 +100,7 @@ def _saved_at_all(t, got) -> None:
         t.fail("the first case did not finish")
     if got["dry"].get("raised") or got["dry"]["outcome"] != "new":
         t.fail("not judged: a complete save of yours leaves no new object at path, so what a kill leaves proves "
-               "nothing", "new after a complete save", got["dry"].get("raised") or got["dry"]["outcome"])
+               "nothing", "the new object after a complete save", got["dry"].get("raised") or outcome_words(got["dry"]))
 
 
 SCENARIOS = [  # (scenario, odd rank, what the program did, hidden)
@@ -117,8 +127,11 @@ def _guarded(t, guarded):
                 "collective runs once with the results and return values of the plain one",
                 hint="when the ranks agree, the wrapper calls the collective with the arguments it was given and "
                      "returns what it returns"):
-        got = t.ranks(guard_probe, 3, guarded, "agree", timeout=GUARD_TIMEOUT)
+        got = t.ranks(guard_probe, 3, guarded, "agree", BOUND, timeout=GUARD_TIMEOUT)
         for r, g in enumerate(got):
+            if g.get("waiting") is not None:
+                t.fail(f"rank {r} was still waiting inside your guard after {g['waiting']} s although every rank "
+                       "made the same calls", "12 calls that return", f"the calls that ran: {g['ran']}")
             if g["raised"]:
                 t.fail(f"rank {r} raised although every rank made the same calls", "no error",
                        f"{g['raised'][0]}: {g['raised'][1][:300]}")
@@ -132,17 +145,18 @@ def _guarded(t, guarded):
     for scenario, odd, what, hidden in SCENARIOS:
         with t.case(f"{what}: every rank raises at call 1, before that collective runs, naming rank {odd} and "
                     "call 1", hidden=hidden, hint=GUARD_HINTS[scenario]):
-            judge_guard(t, t.ranks(guard_probe, 3, guarded, scenario, timeout=GUARD_TIMEOUT), odd, (0, 1, 2), what,
-                        GUARD_HINTS[scenario])
+            judge_guard(t, t.ranks(guard_probe, 3, guarded, scenario, BOUND, timeout=GUARD_TIMEOUT), odd, (0, 1, 2),
+                        what, GUARD_HINTS[scenario])
     absent = ("a right guard waits for the other ranks' calls up to a deadline; a rank that has not made the call "
               "by then is the odd rank, and the ranks that waited raise naming it")
     with t.case(f"rank 2 never makes call 1: ranks 0 and 1 raise within {WITHIN:.0f} s naming rank 2 and call 1",
                 hint=absent):
-        judge_guard(t, t.ranks(guard_probe, 3, guarded, "absent", timeout=GUARD_TIMEOUT), 2, (0, 1),
+        judge_guard(t, t.ranks(guard_probe, 3, guarded, "absent", BOUND, timeout=GUARD_TIMEOUT), 2, (0, 1),
                     "rank 2 never makes a second call", absent)
 
 
-GUARD_TIMEOUT = 25.0  # seconds for one scenario's 3 ranks (a guard with no bound on its wait hangs this long)
+BOUND = WITHIN + 0.5  # seconds the probe lets a rank's guarded calls take before it reports the rank as waiting
+GUARD_TIMEOUT = 25.0  # seconds for one scenario's 3 ranks: a last resort (the probe itself gives up after BOUND)
 
 
 GUARD_HINTS = {

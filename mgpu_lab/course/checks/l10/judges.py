@@ -43,14 +43,40 @@ def other_filesystem(root: str) -> str | None:
     return None
 
 
+def plural(n: int, word: str) -> str:
+    """``n`` and ``word``, in the singular for 1.
+
+    Example:
+        >>> plural(1, "byte"), plural(2048, "byte")
+        ('1 byte', '2048 bytes')
+    """
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
 def _where(trial: dict) -> str:
     events = trial.get("events") or []
     if trial["kind"] == "event":
         return f"SIGKILL at file operation {trial['k']} ({trial.get('at', '?')})"
     if trial["kind"] == "bytes":
         after = f" after file operation {trial['k']}" if trial["k"] else ""
-        return f"killed{after} once a file being written reaches {trial['n']} bytes"
+        return f"killed{after} once a file being written reaches {plural(trial['n'], 'byte')}"
     return "a complete save" + (f" (file operations: {', '.join(events)})" if events else "")
+
+
+def outcome_words(trial: dict) -> str:
+    """What a trial left at path, in the check's words (never the loader's error)."""
+    outcome = trial["outcome"]
+    if outcome == "missing":
+        return "no file at path"
+    if outcome != "torn":
+        return f"the {outcome} object"
+    held = f" (it holds {plural(trial['final'][2], 'byte')})" if trial.get("final") else ""
+    if trial["kind"] == "bytes":
+        return f"the file at path was half written when the writer was killed at byte {trial['n']}{held}"
+    if trial["kind"] == "event":
+        return (f"the file at path was half written when the writer was killed at file operation {trial['k']} "
+                f"({trial.get('at', '?')}){held}")
+    return f"the file at path does not load{held}"
 
 
 def judge_trials(t, trials, allowed, hint):
@@ -58,7 +84,57 @@ def judge_trials(t, trials, allowed, hint):
         if trial.get("raised"):
             t.fail(f"{_where(trial)}: your atomic_save raised {trial['raised']}", "no error", trial["raised"])
         if trial["outcome"] not in allowed:
-            t.fail(f"{_where(trial)}: {hint}", " or ".join(allowed), trial["outcome"])
+            t.fail(f"{_where(trial)}: {hint}", " or ".join(f"the {a} object" if a != "missing" else "no file"
+                                                          for a in allowed), outcome_words(trial))
+
+
+def _new_from_rename(trial: dict) -> tuple[int, dict] | None:
+    """The rename that put the file now at path there (its index in the trial's log), or None."""
+    final = trial.get("final")
+    for i, e in reversed(list(enumerate(trial.get("log") or []))):
+        if e["op"] == "rename" and final and e["src"] and e["src"][:2] == final[:2] and e["dst"] == trial["path"]:
+            return i, e
+    return None
+
+
+def judge_written_beside(t, trial: dict, other: str | None) -> None:
+    """The new file at path came from a rename of a file in path's directory (made there, written, renamed)."""
+    if trial.get("raised") or trial["outcome"] != "new":
+        t.fail("", f"the new object at path, with TMPDIR={other}",
+               f"raised {trial['raised']}" if trial.get("raised") else outcome_words(trial))
+    found = _new_from_rename(trial)
+    if found is None:
+        t.fail("no temporary file was renamed onto path: your save writes (or copies) path itself, so there is "
+               "a moment when path holds part of the new file", "the new file renamed onto path",
+               "the file at path was written in place")
+    if found[1]["src_dir"] != os.path.dirname(trial["path"]):
+        t.fail("the temporary file was not in path's directory", os.path.dirname(trial["path"]),
+               found[1]["src_dir"])
+
+
+def judge_durable(t, trial: dict) -> None:
+    """The new file's data fsynced (all of it) before the rename, path's directory fsynced after it."""
+    found = _new_from_rename(trial)
+    if found is None:
+        t.fail("not judged: no rename put the new file at path (the cases above say why)",
+               "the new file renamed onto path", "the file at path was written in place")
+    at, rename = found
+    log, size = trial["log"], trial["final"][2]
+    data = [e for e in log[:at] if e["op"] in ("fsync", "fdatasync") and e["file"][:2] == trial["final"][:2]]
+    if not data:
+        t.fail("the new file's data was not fsynced before the rename: after a power loss the rename can be on "
+               "disk and the data not, and path names an empty or partial file",
+               "an fsync of the new file before the rename", "none")
+    if not any(e["file"][2] == size for e in data):
+        t.fail("the new file was fsynced before all of it reached the kernel: what Python's file object still "
+               "buffered was not part of it", f"an fsync of all {plural(size, 'byte')}",
+               f"fsynced at {', '.join(plural(e['file'][2], 'byte') for e in data)}")
+    dirs = [i for i, e in enumerate(log) if e["op"] == "fsync" and e["file"][:2] == trial["directory"]]
+    if not any(i > at for i in dirs):
+        t.fail("path's directory was not fsynced after the rename: the rename is a change of the directory, and "
+               "until the directory is on disk a power loss can bring back the old file (or none)"
+               + (" (your fsync of the directory came before the rename)" if dirs else ""),
+               "an fsync of path's directory after the rename", "none after it")
 
 
 def reference() -> dict:
@@ -173,7 +249,7 @@ def count_saves(logs: list) -> list[int]:
 
 
 # -- guarded ---------------------------------------------------------------------------
-WITHIN = 10.0  # seconds within which every rank must raise (the bounded wait included)
+WITHIN = 6.0  # seconds within which every rank must raise (the bounded wait included)
 
 
 def agreed_results() -> list:
@@ -206,6 +282,11 @@ def judge_guard(t, got: list, odd: int, ranks: tuple, what: str, hint: str = "")
 def _judge_guard(t, got: list, odd: int, ranks: tuple, what: str) -> None:
     for r in ranks:
         said, ran = got[r]["raised"], got[r]["ran"]
+        if got[r].get("waiting") is not None:
+            t.fail(f"rank {r} was still waiting inside your guard after {got[r]['waiting']} s: {what}; a wait with "
+                   "no bound hangs just like the collective it guards" + _ran(ran), f"a RuntimeError within "
+                   f"{WITHIN:.0f} s naming rank {odd} and call 1", f"rank {r}: still waiting after "
+                   f"{got[r]['waiting']} s")
         if said is None:
             t.fail(f"rank {r} raised nothing: {what}; your guard let the ranks go on" + _ran(ran), "a RuntimeError on "
                    f"every rank naming rank {odd} and call 1", f"rank {r}: no error")

@@ -22,6 +22,7 @@ import json
 import os
 import resource
 import signal
+import stat
 import sys
 import tempfile
 import torch
@@ -41,18 +42,23 @@ FILE_EVENTS = {"open", "os.rename", "os.remove", "shutil.copyfile", "shutil.move
 
 
 def classify(path: str) -> str:
-    """What a file holds after a save: "old", "new", "missing" or "torn: <why it does not load>"."""
+    """What a file holds after a save: "old", "new", "missing" or "torn" (it does not load, or loads as neither).
+
+    The check says why in its own words (:func:`.judges.outcome_words`): the reason torch gives for a file it
+    cannot load (an ``UnpicklingError`` about ``weights_only``, a zip archive without its end) points away
+    from what happened, a writer killed halfway through.
+    """
     if not os.path.exists(path):
         return "missing"
     try:
         obj = torch.load(path, weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - any failure to load is a torn file
-        return f"torn: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+    except Exception:  # noqa: BLE001 - any failure to load is a torn file
+        return "torn"
     for name, ref in (("old", OLD), ("new", NEW)):
         if isinstance(obj, dict) and obj.get("version") == ref["version"] \
                 and torch.equal(obj["weights"], ref["weights"]):
             return name
-    return "torn: loads, but is neither the old object nor the new one"
+    return "torn"
 
 
 class _Unpicklable:
@@ -61,12 +67,12 @@ class _Unpicklable:
 
 
 def _child(atomic_save, obj, path, trial, watch, out_fd) -> None:
-    """In a forked writer: arm the kill, save, report the file operations seen through the pipe."""
+    """In a forked writer: arm the kill, save, report the file operations and fsyncs seen through the pipe."""
     signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # Python ignores it; the default kills the process
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     if trial.get("tmpdir"):
         os.environ["TMPDIR"] = tempfile.tempdir = trial["tmpdir"]
-    seen = []
+    seen, log = [], []
     kind, k = trial["kind"], trial.get("k", 0)
 
     def hook(event, args):
@@ -74,15 +80,18 @@ def _child(atomic_save, obj, path, trial, watch, out_fd) -> None:
                 isinstance(a, (str, bytes, os.PathLike)) and os.fsdecode(a).startswith(tuple(watch)) for a in args):
             return
         seen.append(event)
+        if event == "os.rename":
+            log.append(_renamed(args))
         if kind == "event" and len(seen) == k:
             os.kill(os.getpid(), signal.SIGKILL)
         if kind == "bytes" and len(seen) == k:
             resource.setrlimit(resource.RLIMIT_FSIZE, (trial["n"], trial["n"]))
 
+    _record_fsyncs(log)
     sys.addaudithook(hook)
     if kind == "bytes" and k == 0:
         resource.setrlimit(resource.RLIMIT_FSIZE, (trial["n"], trial["n"]))
-    report = {"events": seen}
+    report = {"events": seen, "log": log}
     try:
         atomic_save(obj, path)
         report["returned"] = True
@@ -90,6 +99,40 @@ def _child(atomic_save, obj, path, trial, watch, out_fd) -> None:
         report["raised"] = f"{type(exc).__name__}: {exc}"[:300]
     os.write(out_fd, json.dumps(report).encode())
     os._exit(0)
+
+
+def _identity(st) -> list:
+    """A file's identity and size, as plain data: ``[st_dev, st_ino, st_size]``."""
+    return [st.st_dev, st.st_ino, st.st_size]
+
+
+def _renamed(args) -> dict:
+    """What an ``os.rename`` (``os.replace``, ``Path.rename``, ...) audit event is about to move where."""
+    src, dst, src_fd, dst_fd = (list(args) + [-1, -1])[:4]
+    src_fd, dst_fd = (None if fd in (None, -1) else fd for fd in (src_fd, dst_fd))  # the audit event's -1: none
+    try:
+        st = os.stat(src, dir_fd=src_fd)
+        ident = _identity(st)
+    except OSError:
+        ident = None
+    where = os.path.dirname(os.path.realpath(os.fsdecode(src))) if src_fd is None else None
+    return {"op": "rename", "src": ident, "src_dir": where,
+            "dst": os.path.realpath(os.fsdecode(dst)) if dst_fd is None else None}
+
+
+def _record_fsyncs(log: list) -> None:
+    """In this (forked) writer: note every ``os.fsync``/``os.fdatasync``, what it was called on and its size."""
+    for name in ("fsync", "fdatasync"):
+        real = getattr(os, name, None)
+        if real is None:
+            continue
+
+        def recorded(fd, _real=real, _name=name):
+            st = os.fstat(fd if isinstance(fd, int) else fd.fileno())
+            log.append({"op": _name, "file": _identity(st), "dir": stat.S_ISDIR(st.st_mode)})
+            return _real(fd)
+
+        setattr(os, name, recorded)
 
 
 def _trial(atomic_save, root, trial, watch) -> dict:
@@ -115,7 +158,10 @@ def _trial(atomic_save, root, trial, watch) -> dict:
     report = json.loads(b"".join(chunks) or b"{}")
     killed = os.WIFSIGNALED(status) and signal.Signals(os.WTERMSIG(status)).name
     left = sorted(n for n in os.listdir(d) if n != "snapshot.pt")
-    return {**trial, "outcome": classify(path), "killed": killed or "", "leftovers": left, **report}
+    final = _identity(os.stat(path)) if os.path.exists(path) else None
+    return {**trial, "outcome": classify(path), "killed": killed or "", "leftovers": left,
+            "path": os.path.realpath(path),
+            "final": final, "directory": _identity(os.stat(d))[:2], **report}
 
 
 def atomic_probe(atomic_save, root: str, other_fs: str | None) -> dict:
@@ -264,16 +310,19 @@ def _counted(collective, ran: list):
     return call
 
 
-def guard_probe(guarded, scenario: str) -> dict:
+def guard_probe(guarded, scenario: str, bound: float = 60.0) -> dict:
     """Probe (3 ranks): one scenario of guarded collectives; what ran, what came back, what was raised and when.
 
     ``agree``: 12 agreeing calls; ``skip``: rank 2 skips the second all_reduce; ``shape``: rank 0
     all-reduces 4 numbers where the others all-reduce 3; ``order``: rank 1 broadcasts where the others
     all-reduce; ``dtype``: rank 1 all-reduces float64 where the others float32; ``absent``: rank 2 makes
     no second call at all. Every collective runs on a group of the probe's with a short timeout, so a
-    mismatched collective the guard lets through fails in seconds instead of hanging.
+    mismatched collective the guard lets through fails in seconds instead of hanging. The calls run in a
+    thread that this one watches: one still waiting after ``bound`` seconds (a guard with no deadline) is
+    reported as ``waiting`` at once, instead of holding the ranks until the launch's timeout.
     """
     import datetime
+    import threading
     import time
 
     import torch.distributed as tdist
@@ -282,7 +331,24 @@ def guard_probe(guarded, scenario: str) -> dict:
     group = tdist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=PROBE_TIMEOUT))
     store = tdist.distributed_c10d._get_default_store()
     ar, bc, bar = (guarded(_counted(f, ran)) for f in (tdist.all_reduce, tdist.broadcast, tdist.barrier))
-    start, out = time.monotonic(), {}
+    start, out = time.monotonic(), {"raised": None}
+    worker = threading.Thread(target=_guard_calls, args=(scenario, rank, (ar, bc, bar), group, store, results, out),
+                              daemon=True, name="guard-probe")
+    worker.start()
+    worker.join(bound)
+    if worker.is_alive():  # still inside the guard: it waits with no deadline
+        out["waiting"] = round(time.monotonic() - start, 2)
+    if scenario == "absent" and rank != 2:
+        store.set(f"guard-probe/done/{rank}", "1")
+    out.update(ran=list(ran), results=list(results), seconds=round(time.monotonic() - start, 2))
+    return out
+
+
+def _guard_calls(scenario: str, rank: int, calls: tuple, group, store, results: list, out: dict) -> None:
+    """The calls of one scenario (see :func:`guard_probe`), in the probe's thread; what was raised into ``out``."""
+    import datetime
+
+    ar, bc, bar = calls
     try:
         if scenario == "agree":
             for step in range(4):
@@ -292,28 +358,22 @@ def guard_probe(guarded, scenario: str) -> dict:
                 bc(b, src=step % 3, group=group)
                 results.append(b.tolist())
                 bar(group=group)
-        else:
-            ar(torch.ones(3), group=group)  # call 0: every rank agrees
-            if scenario == "skip" and rank != 2:
+            return
+        ar(torch.ones(3), group=group)  # call 0: every rank agrees
+        if scenario == "skip" and rank != 2:
+            ar(torch.ones(3), group=group)
+        elif scenario == "shape":
+            ar(torch.ones(4 if rank == 0 else 3), group=group)
+        elif scenario == "order":
+            (bc(torch.ones(2), src=0, group=group) if rank == 1 else ar(torch.ones(2), group=group))
+        elif scenario == "dtype":
+            ar(torch.ones(3, dtype=torch.float64 if rank == 1 else torch.float32), group=group)
+        elif scenario == "absent":
+            if rank != 2:
                 ar(torch.ones(3), group=group)
-            elif scenario == "shape":
-                ar(torch.ones(4 if rank == 0 else 3), group=group)
-            elif scenario == "order":
-                (bc(torch.ones(2), src=0, group=group) if rank == 1 else ar(torch.ones(2), group=group))
-            elif scenario == "dtype":
-                ar(torch.ones(3, dtype=torch.float64 if rank == 1 else torch.float32), group=group)
-            elif scenario == "absent":
-                if rank != 2:
-                    ar(torch.ones(3), group=group)
-                else:  # makes no call: waits until the others are done (or gave up)
-                    store.wait([f"guard-probe/done/{r}" for r in (0, 1)], datetime.timedelta(seconds=ABSENT_WAIT))
-            if not (scenario == "absent" and rank == 2):
-                bar(group=group)
-        out["raised"] = None
+            else:  # makes no call: waits until the others are done (or gave up)
+                store.wait([f"guard-probe/done/{r}" for r in (0, 1)], datetime.timedelta(seconds=ABSENT_WAIT))
+        if not (scenario == "absent" and rank == 2):
+            bar(group=group)
     except Exception as exc:  # noqa: BLE001 - the check judges what the guard raised
         out["raised"] = [type(exc).__name__, str(exc)[:500]]
-    finally:
-        if scenario == "absent" and rank != 2:
-            store.set(f"guard-probe/done/{rank}", "1")
-    out.update(ran=ran, results=results, seconds=round(time.monotonic() - start, 2))
-    return out

@@ -1,0 +1,249 @@
+"""Lesson 11's named mutants (learner bugs put into the solution's source) and correct variants."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from mutation import ExerciseMutants, Mutant, Variant, mutant_tests, prelude, replace, solution_cell
+
+pytestmark = pytest.mark.timeout(600)
+NOTEBOOK = "11_tensor_parallel.ipynb"
+
+COPY_BACKWARD = "        grad = grad.clone()\n        dist.all_reduce(grad)\n        return grad\n"
+MLP_BODY = ("    h = F.gelu(F.linear(CopyToTP.apply(x), w1_shard, b1_shard))\n"
+            "    return ReduceFromTP.apply(F.linear(h, w2_shard)) + b2\n")
+REDUCE_BACKWARD = "    def backward(ctx, grad):\n        ### BEGIN SOLUTION\n        return grad\n"
+MLP = ExerciseMutants("11.tp_mlp", NOTEBOOK, ("tp_mlp", "CopyToTP", "ReduceFromTP"), mutants=[
+    Mutant("ReduceFromTP all-reduces in backward too (the wrong conjugate)",
+           replace(REDUCE_BACKWARD, REDUCE_BACKWARD.replace("return grad", "grad = grad.clone()\n"
+                                                            "        dist.all_reduce(grad)\n        return grad")),
+           expect=("wrong conjugate", "2 times")),
+    Mutant("CopyToTP's backward does not all-reduce", replace(COPY_BACKWARD, "        return grad\n"),
+           expect=("own gradient", "x's gradient holds only this rank's slice")),
+    Mutant("CopyToTP's backward averages over the ranks",
+           replace(COPY_BACKWARD, COPY_BACKWARD.replace("return grad", "return grad / dist.get_world_size()")),
+           expect="averaged"),
+    Mutant("GELU applied after the reduction",
+           replace(MLP_BODY, "    h = F.linear(CopyToTP.apply(x), w1_shard, b1_shard)\n"
+                             "    return F.gelu(ReduceFromTP.apply(F.linear(h, w2_shard))) + b2\n"),
+           expect="gelu was applied after the sum"),
+    Mutant("fc2's bias added on every rank before the reduce",
+           replace("ReduceFromTP.apply(F.linear(h, w2_shard)) + b2", "ReduceFromTP.apply(F.linear(h, w2_shard, b2))"),
+           expect="added on every rank before the sum"),
+    Mutant("x enters the TP region without CopyToTP",
+           replace("F.linear(CopyToTP.apply(x), w1_shard, b1_shard)", "F.linear(x, w1_shard, b1_shard)"),
+           expect=("x's gradient holds only this rank's slice", "no collective in backward")),
+    Mutant("ReduceFromTP's forward forgets to sum",
+           replace("        total = partial.clone()\n        dist.all_reduce(total)\n",
+                   "        total = partial.clone()\n"),
+           expect=("own partial sum", "no collective forward")),
+], variants=[
+    Variant("explicit group and op, matmuls instead of F.linear", '''
+class CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        summed = grad_output.contiguous().clone()
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=dist.group.WORLD)
+        return summed
+
+
+class ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        out = x.contiguous().clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=dist.group.WORLD)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return grad_output.clone()
+
+
+def tp_mlp(x, w1_shard, b1_shard, w2_shard, b2):
+    inside = CopyToTP.apply(x)
+    hidden = torch.nn.functional.gelu(inside @ w1_shard.T + b1_shard)
+    return b2 + ReduceFromTP.apply(hidden @ w2_shard.T)
+'''),
+    Variant("Functions that take the group, addmm for fc1", '''
+class CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group=None):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        total = grad.clone()
+        dist.all_reduce(total, group=ctx.group)
+        return total, None
+
+
+class ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, partial, group=None):
+        out = partial.detach().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def tp_mlp(x, w1_shard, b1_shard, w2_shard, b2):
+    pre = torch.addmm(b1_shard, CopyToTP.apply(x).reshape(-1, x.shape[-1]), w1_shard.t())
+    out = ReduceFromTP.apply(F.gelu(pre) @ w2_shard.t()) + b2
+    return out.reshape(*x.shape[:-1], -1)
+'''),
+])
+
+PREPARE = ('        "attn": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),\n')
+PREPARE_MLP = PREPARE.replace('"attn"', '"mlp"')
+PLAN = ExerciseMutants("11.tp_plan", NOTEBOOK, ("tp_plan",), mutants=[
+    Mutant("no PrepareModuleInput: wq, wk and wv each all-reduce the gradient of attention's input",
+           (replace(PREPARE, ""), replace(PREPARE_MLP, "")), expect="once per projection"),
+    Mutant("wo column-parallel (split along the wrong dimension)",
+           replace('"attn.wo": RowwiseParallel(output_layouts=between)', '"attn.wo": ColwiseParallel()'),
+           expect="split along the wrong dimension"),
+    Mutant("fc1 row-parallel and fc2 column-parallel (swapped)",
+           (replace('"mlp.fc1": ColwiseParallel()', '"mlp.fc1": RowwiseParallel()'),
+            replace('"mlp.fc2": RowwiseParallel(output_layouts=between)', '"mlp.fc2": ColwiseParallel()')),
+           expect=("mlp.fc1 is given rowwiseparallel", "wrong dimension")),
+    Mutant("SP without SequenceParallel on the norms",
+           replace('        plan["norm1"] = SequenceParallel()\n        plan["norm2"] = SequenceParallel()\n',
+                   "        pass\n"),
+           expect=("norm1's weights differ", "summed over the tp ranks")),
+    Mutant("SP declared nowhere: the activations between the parts taken as replicated",
+           replace("between = Shard(1) if sequence_parallel else Replicate()", "between = Replicate()"),
+           expect="no all-reduce"),
+    Mutant("attention left out of the plan (only the MLP split)",
+           replace('        "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),\n'
+                   '        "attn.wo": RowwiseParallel(output_layouts=between),\n', ""),
+           expect=("leaves attn.wq", "whole on every rank")),
+], variants=[
+    Variant("built in a loop, single placements, SequenceParallel(sequence_dim=1)", '''
+def tp_plan(block, sequence_parallel):
+    outside = Shard(1) if sequence_parallel else Replicate()
+    plan = {}
+    for part, first, last in (("attn", ("wq", "wk", "wv"), "wo"), ("mlp", ("fc1",), "fc2")):
+        plan[part] = PrepareModuleInput(input_layouts=outside, desired_input_layouts=Replicate())
+        for name in first:
+            plan[f"{part}.{name}"] = ColwiseParallel(input_layouts=Replicate())
+        plan[f"{part}.{last}"] = RowwiseParallel(output_layouts=outside, use_local_output=True)
+    for norm in ("norm1", "norm2"):
+        if sequence_parallel:
+            plan[norm] = SequenceParallel(sequence_dim=1)
+    return plan
+'''),
+    Variant("two literal dicts", '''
+def tp_plan(block, sequence_parallel):
+    if not sequence_parallel:
+        return {
+            "attn": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
+            "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
+            "attn.wo": RowwiseParallel(),
+            "mlp": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
+            "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel(),
+        }
+    return {
+        "norm1": SequenceParallel(), "norm2": SequenceParallel(),
+        "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
+        "attn.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel(output_layouts=Shard(1)),
+    }
+'''),
+])
+
+TP_LOOP = ("    for b in model.blocks:\n"
+           "        parallelize_module(b, mesh[\"tp\"], tp_plan(b, sequence_parallel=True))\n")
+FSDP_LOOP = "    for b in model.blocks:\n        fully_shard(b, mesh=mesh[\"dp\"])\n"
+TWO_D = ExerciseMutants("11.parallelize_2d", NOTEBOOK, ("parallelize_2d",), mutants=[
+    Mutant("FSDP applied before TP", replace(TP_LOOP + FSDP_LOOP, FSDP_LOOP + TP_LOOP),
+           expect="fsdp was applied before tp"),
+    Mutant("mesh dimensions swapped: TP over \"dp\", FSDP over \"tp\"",
+           (replace('parallelize_module(b, mesh["tp"]', 'parallelize_module(b, mesh["dp"]'),
+            replace('mesh=mesh["dp"]', 'mesh=mesh["tp"]', count=2)),
+           expect='tp runs over mesh["tp"]'),
+    Mutant("only the root is an FSDP unit", replace(FSDP_LOOP, ""), expect="each block is gathered on its own"),
+    Mutant("TP without sequence parallelism in the 2D model",
+           replace("tp_plan(b, sequence_parallel=True)", "tp_plan(b, sequence_parallel=False)"),
+           expect="the norms' weights are on \"dp\" only"),
+    Mutant("TP only, no FSDP", (replace(FSDP_LOOP, ""), replace('    fully_shard(model, mesh=mesh["dp"])\n', "")),
+           expect="both are needed"),
+    Mutant("returns nothing", replace("    return model\n", ""), expect="not the model"),
+], variants=[
+    Variant("block by block: TP then FSDP for each, then the root", '''
+def parallelize_2d(model, mesh):
+    tp_mesh, dp_mesh = mesh["tp"], mesh["dp"]
+    for b in model.blocks:
+        parallelize_module(b, tp_mesh, tp_plan(b, True))
+        fully_shard(b, mesh=dp_mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=dp_mesh)
+    return model
+'''),
+    Variant("its own plan written inline, returning what the root fully_shard returns", '''
+def parallelize_2d(model, mesh):
+    seq = Shard(1)
+    for b in model.blocks:
+        parallelize_module(b, mesh["tp"], {
+            "norm1": SequenceParallel(), "norm2": SequenceParallel(),
+            "attn": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+            "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+            **{f"attn.{n}": ColwiseParallel() for n in ("wq", "wk", "wv")}, "mlp.fc1": ColwiseParallel(),
+            "attn.wo": RowwiseParallel(output_layouts=seq), "mlp.fc2": RowwiseParallel(output_layouts=seq)})
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh["dp"])
+    return fully_shard(model, mesh=mesh["dp"])
+'''),
+])
+
+BYTES = ExerciseMutants("11.tp_bytes", NOTEBOOK, ("tp_bytes",), mutants=[
+    Mutant("forward only", replace("(8 if sequence_parallel else 4)", "(4 if sequence_parallel else 2)"),
+           expect="forward only"),
+    Mutant("elements, not bytes", replace("batch * seq * hidden * 4", "batch * seq * hidden"),
+           expect="elements, not bytes"),
+    Mutant("SP counted like the all-reduces it replaces", replace("(8 if sequence_parallel else 4)", "4"),
+           expect="without sequence parallelism"),
+    Mutant("every collective counted by this rank's slice",
+           replace("return (8 if sequence_parallel else 4) * activation",
+                   "return (8 if sequence_parallel else 4) * activation // tp"),
+           expect="not by this rank's slice"),
+    Mutant("one rank still communicates", replace("    if tp == 1:\n        return 0\n", ""),
+           expect="tp=1 hands nothing"),
+], variants=[
+    Variant("collectives counted one by one", '''
+def tp_bytes(batch, seq, hidden, tp, sequence_parallel):
+    if tp < 2:
+        return 0
+    per_direction = 2 * (2 if sequence_parallel else 1)   # attention and MLP; SP: all-gather + reduce-scatter
+    return 2 * per_direction * batch * seq * hidden * torch.tensor(0.0).element_size()
+'''),
+    Variant("a sum over the block's collectives", '''
+def tp_bytes(batch, seq, hidden, tp, sequence_parallel):
+    kinds = ["all_gather", "reduce_scatter"] if sequence_parallel else ["all_reduce"]
+    calls = [(part, kind, way) for part in ("attn", "mlp") for kind in kinds for way in ("forward", "backward")]
+    return sum(batch * seq * hidden * 4 for _ in calls) * (tp > 1)
+'''),
+])
+
+SPECS = [MLP, PLAN, TWO_D, BYTES]
+
+
+@functools.cache
+def namespace() -> dict:
+    """The notebook's first cell (its imports) and its tp_plan, which parallelize_2d uses."""
+    ns: dict = {}
+    exec(compile(prelude(NOTEBOOK), "<prelude 11>", "exec"), ns)
+    exec(compile(solution_cell(NOTEBOOK, "def tp_plan"), "<tp_plan 11>", "exec"), ns)
+    return ns
+
+
+test_mutant_fails_naming_its_bug, test_correct_variant_passes, test_every_exercise_has_five_mutants_and_two_variants = \
+    mutant_tests(SPECS, "11", namespace)
