@@ -125,12 +125,18 @@ def record_traces(folder: str) -> dict:
     from mgpu_lab.profiling.runs import ddp_trace
     from mgpu_lab.profiling.traces import complete_events, load_trace
 
-    traces = {name: load_trace(ddp_trace(folder, width=128, depth=4, batch=32,
-                                         name=name.replace(" ", "_") + "-rank", **options))
-              for name, options in SCENARIOS.items()}
+    record = lambda name: load_trace(ddp_trace(folder, width=128, depth=4, batch=32,  # noqa: E731
+                                               name=name.replace(" ", "_") + "-rank", **SCENARIOS[name]))
+    traces = {name: record(name) for name in SCENARIOS}
     traces["no collective"] = load_trace(_local_step(folder))
     training = threading.get_native_id()
-    others = {e["tid"] for e in complete_events(traces["helper"]) if e.get("cat") == "cpu_op"} - {training}
+    for _ in range(3):  # the profiler now and then misses every operator of the helper thread: record it again
+        others = {e["tid"] for e in complete_events(traces["helper"]) if e.get("cat") == "cpu_op"} - {training}
+        missed = torch.tensor([0 if others else 1])
+        torch.distributed.all_reduce(missed)  # DDP is collective: every rank records again, or none
+        if not missed.item():
+            break
+        traces["helper"] = record("helper")
     return {"traces": traces, "training": training, "helper": min(others) if others else None}
 
 
