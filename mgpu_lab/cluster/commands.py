@@ -10,8 +10,9 @@ Example:
     >>> from types import SimpleNamespace
     >>> nodes = [SimpleNamespace(rank=r, addr=f"10.0.0.{r + 1}") for r in range(2)]
     >>> cluster = SimpleNamespace(nodes=nodes, master_addr="10.0.0.1", port=lambda: 29511)
-    >>> torchrun_commands(cluster, "train.py", nproc_per_node=2)[1]
-    ['torchrun', '--nnodes=2', '--nproc-per-node=2', '--node-rank=1', '--master-addr=10.0.0.1', '--master-port=29511', 'train.py']
+    >>> torchrun_commands(cluster, "train.py", nproc_per_node=2)[1]  # doctest: +NORMALIZE_WHITESPACE
+    ['torchrun', '--nnodes=2', '--nproc-per-node=2', '--node-rank=1', '--master-addr=10.0.0.1',
+     '--master-port=29511', 'train.py']
 """
 from __future__ import annotations
 

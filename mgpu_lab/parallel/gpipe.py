@@ -2,10 +2,10 @@
 
 :func:`stage_step` is one training step of one pipeline stage in its own rank
 (activations sent forward, their gradient received back); :func:`pipelined_step` is
-GPipe's micro-batched step on one process, :func:`timed_step` the same with every stage's work timed; :func:`bubble_fraction` is
-the idle fraction of GPipe's schedule (:func:`mgpu_lab.parallel.schedule.gpipe_schedule`)
-in closed form, :func:`fit_bubble` that of a measured step's fit. Scripts and
-later lessons may import them.
+GPipe's micro-batched step on one process, :func:`timed_step` the same with every stage's
+work timed; :func:`bubble_fraction` is the idle fraction of GPipe's schedule
+(:func:`mgpu_lab.parallel.schedule.gpipe_schedule`) in closed form, :func:`fit_bubble` that
+of a measured step's fit. Scripts and later lessons may import them.
 
 Example:
     >>> s1, s2 = nn.Linear(4, 8), nn.Linear(8, 1)

@@ -196,11 +196,15 @@ class Timeline:
     def _colour(self, label: str) -> str:
         if label in self.PHASES:
             return self.PHASES[label]
-        return "tab:blue" if label.startswith("F") else "tab:orange" if label.startswith("B") else "tab:olive"
+        if label == "wait":  # lesson 12: a rank waiting for a message
+            return "0.85"
+        colours = {"F": "tab:blue", "B": "tab:orange", "I": "tab:orange", "W": "tab:green"}
+        return colours.get(label[:1], "tab:olive")
 
     def plot(self, ax=None, title: str = "", unit: float = 1e3):
         """Draw the lanes as bars, idle blank: lesson 03's phases in their colours (with a legend),
-        forward spans (labels F...) blue, backward (B...) orange; a span of every lane in every row."""
+        forward spans (labels F...) blue, backward (B...) and input-gradient (I...) orange, weight-gradient
+        (W...) green, ``wait`` light grey; a span of every lane in every row."""
         import matplotlib.pyplot as plt
         from matplotlib.patches import Patch
 

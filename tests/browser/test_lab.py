@@ -12,6 +12,7 @@ from submissions import PICK_DEVICE_BODY
 
 from mgpu_lab.course.cells import SKIP_TAG
 
+from .conftest import ARTIFACTS
 from .lab import Notebook
 
 pytestmark = pytest.mark.timeout(600)
@@ -141,3 +142,39 @@ def test_a_student_notebook_opens_unchanged(lab, page):
     url, token, _ = lab
     book = Notebook(page, url, token, "notebooks/01_devices.ipynb")
     assert not book.dirty(), f"opened already marked unsaved; metadata now {book.metadata()}"
+
+
+TORN_AND_DEADLOCK = [
+    "from mgpu_lab import check",
+    "import torch\n\ndef atomic_save(obj, path):\n    torch.save(obj, path)   # in place: a kill tears the file",
+    'check("10.atomic_save", atomic_save)',
+    "import torch\nimport torch.distributed as dist\n\ndef ring_allreduce(tensor):\n"
+    "    rank, world = dist.get_rank(), dist.get_world_size()\n    incoming = torch.empty_like(tensor)\n"
+    "    dist.send(tensor.contiguous(), (rank + 1) % world)   # every rank sends first\n"
+    "    dist.recv(incoming, (rank - 1) % world)\n    return tensor + incoming",
+    'check("09.ring_allreduce", ring_allreduce)',
+]
+
+
+def test_a_torn_file_and_a_deadlock_read_in_the_check_s_own_words(lab, page):
+    """What a learner sees for two classic wrong answers (the screenshot in artifacts/browser shows it): the
+    torn file named as such, never torch's unpickling error; the ring's deadlock said once, with its world sizes."""
+    url, token, work = lab
+    nb = new_notebook(cells=[new_code_cell(source) for source in TORN_AND_DEADLOCK])
+    nb.metadata.kernelspec = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
+    nbformat.write(nb, work / "scratch" / "wrong_answers.ipynb")
+    book = Notebook(page, url, token, "scratch/wrong_answers.ipynb")
+    book.run_all(timeout=300)
+    heads, texts = [], []
+    for i in (2, 4):
+        block = book.output(i).locator(".mgpu-check")
+        assert block.count() == 1 and book.output(i).locator(".mgpu-check-failed").count() == 1
+        texts.append(block.inner_text())
+        heads.append(texts[-1].splitlines()[0])
+        block.screenshot(path=str(ARTIFACTS / f"check-{heads[-1].split(':')[0]}-wrong-answer.png"))
+    assert re.fullmatch(r"10\.atomic_save: [1-6]/7 points · not yet", heads[0]), heads
+    assert heads[1] == "09.ring_allreduce: 0/8 points · not yet", heads
+    torn, ring = texts
+    assert "the file at path was half written when the writer was killed at byte 1 (it holds 1 byte)" in torn
+    assert not any(words in torn for words in ("UnpicklingError", "weights_only", "1 bytes")), torn
+    assert "deadlock with 2, 3 and 4 ranks" in ring and ring.count("every rank waits and none can proceed") == 1

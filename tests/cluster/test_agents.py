@@ -51,7 +51,8 @@ def test_a_forked_torchrun_runs_as_the_command_does_on_each_node(tmp_path):
         forked = cluster.run(torchrun_commands(cluster, script, fork=True), env=env, timeout=120, echo=False)
         server = agents._server
         # a variable torch may read at import: this run's torchrun is started as a command instead
-        started = cluster.run(torchrun_commands(cluster, script, fork=True), env={**env, "FOO": "bar"}, timeout=120, echo=False)
+        started = cluster.run(torchrun_commands(cluster, script, fork=True), env={**env, "FOO": "bar"}, timeout=120,
+                              echo=False)
     assert forked.ok and started.ok, (forked.nodes[0].output[-2000:], started.nodes[0].output[-2000:])
     for node in (0, 1):
         seen = _line(forked, node)

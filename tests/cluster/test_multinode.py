@@ -377,8 +377,8 @@ def test_torchrun_c10d_rendezvous_across_two_namespaces_with_a_late_node():
 @pytest.mark.slow
 def test_torchrun_across_two_nodes_on_127_0_0_1(no_netns):
     with SimCluster(2) as cluster:
-        result = cluster.run(torchrun_commands(cluster, PROBE_SCRIPT, fork=True), env={**GLOO, "GLOO_SOCKET_IFNAME": "lo"},
-                             timeout=180, echo=False)
+        result = cluster.run(torchrun_commands(cluster, PROBE_SCRIPT, fork=True),
+                             env={**GLOO, "GLOO_SOCKET_IFNAME": "lo"}, timeout=180, echo=False)
     assert result.ok, "\n".join(result.lines())
     assert [r[:4] for r in _ranks(result)] == [(0, 0, 0, 2), (1, 0, 1, 2)]
 

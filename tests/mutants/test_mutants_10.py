@@ -135,7 +135,7 @@ def guarded(collective):
         keys = [f"g{n}:{r}" for r in range(dist.get_world_size())]
         store.set(keys[dist.get_rank()], json.dumps(me))
         try:
-            store.wait(keys, datetime.timedelta(seconds=3))
+            store.wait(keys, datetime.timedelta(seconds=2))
         except Exception:
             late = [r for r, k in enumerate(keys) if not store.check([k])]
             raise RuntimeError(f"rank {late[0]} never reached call {n}") from None
@@ -162,7 +162,7 @@ def guarded(collective):
         store, world = dist.distributed_c10d._get_default_store(), dist.get_world_size()
         store.set(f"guarded-{call}-{dist.get_rank()}", pickle.dumps(what))
         waiting, t0 = set(range(world)), time.time()
-        while waiting and time.time() - t0 < 4:
+        while waiting and time.time() - t0 < 2.5:
             waiting = {r for r in waiting if not store.check([f"guarded-{call}-{r}"])}
             time.sleep(0.01)
         if waiting:

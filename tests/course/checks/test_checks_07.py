@@ -143,3 +143,20 @@ def test_trivially_wrong_answers_pass_only_the_cases_whose_behaviour_they_have()
         assert [c.passed for c in result.cases] == [True] + [False] * 6, str(result)
     result = check("07.pick_interface", first_with_an_address)  # eth0 happens to be right for the first peer only
     assert [c.passed for c in result.cases] == [True] + [False] * 5, str(result)
+
+
+def calls_the_library(script, nnodes, nproc_per_node, node_rank, master_addr, master_port):
+    """The library's commands for a cluster made up on the spot: the answer, not the learner's."""
+    from types import SimpleNamespace
+
+    from mgpu_lab.cluster.commands import torchrun_commands
+
+    nodes = [SimpleNamespace(rank=r, addr=master_addr) for r in range(nnodes)]
+    cluster = SimpleNamespace(nodes=nodes, master_addr=master_addr, port=lambda: master_port)
+    return torchrun_commands(cluster, script, nproc_per_node=nproc_per_node)[node_rank]
+
+
+def test_an_answer_that_calls_the_library_s_commands_passes_no_case():
+    result = check("07.torchrun_command", calls_the_library)
+    assert result.points == 0 and "your code calls mgpu_lab.cluster.commands.torchrun_commands" in str(result), \
+        str(result)

@@ -1,0 +1,164 @@
+"""Lesson 12's verdicts, in words: replayed 1F1B orders, bubbles against the replayed schedules, pipeline training.
+
+The references a value is judged against come from :mod:`mgpu_lab.parallel.pp_orders`
+(every schedule's order replayed with the given times) and
+:func:`.ranks.reference_state` (training in one process); each judge names the known
+wrong answer a value matches when it recognises one.
+"""
+from __future__ import annotations
+
+import torch
+
+from mgpu_lab.parallel import pp_orders
+
+from ..sim.outcome import in_words
+from .ranks import order_problem
+
+
+# -- one_f_one_b ---------------------------------------------------------------------
+def replay_problem(per_rank: list, what: str) -> str:
+    """Why a replayed scenario did not run to the end ('' when it did); ``per_rank``: each rank's evidence."""
+    first = per_rank[0]
+    if first.get("problem"):
+        return first["problem"]
+    stuck = first.get("stuck_all")
+    if stuck:
+        where = "; ".join(f"rank {r} {s}" for r, s in enumerate(stuck) if s)
+        return f"{what}: deadlock, found in bounded time: {where}"
+    return ""
+
+
+def in_flight_problem(per_rank: list, n_stages: int, n_micro: int) -> str:
+    """The first rank with more micro-batches alive at once than 1F1B allows ('' if none)."""
+    for rank, ev in enumerate(per_rank):
+        bound = min(n_stages - rank, n_micro)
+        if ev.get("peak", 0) > bound:
+            return (f"rank {rank} had {ev['peak']} micro-batches alive at once (forwarded, not yet backwarded) "
+                    f"where 1F1B keeps at most {bound}")
+    return ""
+
+
+def bubble_problem_of_orders(orders: dict, n_stages: int, n_micro: int) -> str:
+    """'' when the orders, replayed with equal times, idle as GPipe does ((p-1)/(m+p-1)); else what idles."""
+    labelled = {r: [f"{a}/s{r}" for a in order] for r, order in orders.items()}
+    try:
+        idle = pp_orders.simulate(labelled, {"F": 1.0, "B": 1.0}).idle_fraction()
+    except RuntimeError as exc:
+        return f"{n_stages} stages, {n_micro} micro-batches: {exc}"
+    want = (n_stages - 1) / (n_micro + n_stages - 1)
+    if idle > want + 1e-9:
+        return (f"{n_stages} stages, {n_micro} micro-batches, replayed with equal times: the ranks are idle "
+                f"{idle:.1%} of the step, 1F1B's (and GPipe's) bubble is {want:.1%}")
+    return ""
+
+
+def orders_problem(orders: dict, n_stages: int, n_micro: int) -> str:
+    """For orders judged without ranks: well formed, neighbours agree on message order, no deadlock, in-flight bound."""
+    for rank, order in orders.items():
+        problem = order_problem(order, rank, n_micro)
+        if problem:
+            return problem
+    for rank in range(n_stages - 1):
+        for kind in "FB":
+            mine = [a for a in orders[rank] if a[0] == kind]
+            theirs = [a for a in orders[rank + 1] if a[0] == kind]
+            if mine != theirs:
+                return (f"{n_stages} stages, {n_micro} micro-batches: rank {rank} and rank {rank + 1} pass the "
+                        f"{'activations' if kind == 'F' else 'gradients'} in different orders ({mine} vs {theirs})")
+    labelled = {r: [f"{a}/s{r}" for a in order] for r, order in orders.items()}
+    try:
+        pp_orders.simulate(labelled, {"F": 1.0, "B": 1.0})
+    except RuntimeError as exc:
+        return f"{n_stages} stages, {n_micro} micro-batches: {exc}"
+    problem = bubble_problem_of_orders(orders, n_stages, n_micro)
+    if problem:
+        return problem
+    for rank, order in orders.items():
+        alive = peak = 0
+        for a in order:
+            alive += 1 if a[0] == "F" else -1
+            peak = max(peak, alive)
+        if peak > min(n_stages - rank, n_micro):
+            return (f"{n_stages} stages, {n_micro} micro-batches: rank {rank} has {peak} micro-batches alive at "
+                    f"once, more than {min(n_stages - rank, n_micro)}")
+    return ""
+
+
+ORDER_HINT = ("each rank forwards a few micro-batches to fill the pipeline, then takes turns: one forward, one "
+              "backward, and ends with the backwards left; the last rank runs each backward right after its "
+              "forward, and each rank further from the end fills one more")
+
+
+# -- bubble ----------------------------------------------------------------------------
+def bubble_reference(args: tuple) -> float:
+    schedule, n_stages, n_micro, t_f, t_b, t_w, virtual = args
+    return pp_orders.bubble(schedule, n_stages, n_micro, t_f, t_b, t_w, virtual)
+
+
+def _known_wrong(args: tuple) -> list[tuple[str, float]]:
+    """Known wrong answers for ``args``, the schedule's own first (with equal times several coincide)."""
+    schedule, p, m, t_f, t_b, t_w, v = args
+    out = []
+    if schedule == "interleaved":
+        out.append(("interleaved's closed formula (p-1)/(v*m+p-1), which holds only when the micro-batches fill "
+                    "whole rounds of p", (p - 1) / (v * m + p - 1)))
+    if schedule == "zbv":
+        out.append(("ZBV run as 1F1B: the weight gradients fill the bubble only where they run apart from the "
+                    "input gradients, in ZBV's own order", pp_orders.bubble("1f1b", p, m, t_f, t_b, t_w)))
+        out.append(("ZBV with the weight gradient inside the input gradient (backward not split)",
+                    pp_orders.bubble("zbv", p, m, t_f, t_b + t_w, 0.0, 2)))
+    return out + [("the closed formula (p-1)/(m+p-1), whatever the schedule", (p - 1) / (m + p - 1))]
+
+
+def bubble_problem(args: tuple, got: tuple) -> tuple[str, str] | None:
+    """``(hint, got)`` when the learner's value for ``args`` is wrong, else None."""
+    want = bubble_reference(args)
+    name = f"bubble{args[:3] + args[3:6] + (args[6],)}"
+    if got[0] == "raised":
+        return f"{name} raised: the schedule exists and must give its idle fraction", in_words(got, "")
+    value = got[1]
+    if not isinstance(value, float):
+        return f"{name} must return a float, the idle fraction", repr(value)
+    if abs(value - want) <= 1e-6 + 1e-6 * abs(want):
+        return None
+    if abs(value - 100 * want) <= 1e-4:
+        return f"{name}: a fraction between 0 and 1 is asked, not a percentage", f"{value}"
+    for words, wrong in _known_wrong(args):
+        if abs(value - wrong) <= 1e-6:
+            return (f"{name} is {want:.4f}; yours matches {words}: replay the schedule's actions in its order, each "
+                    f"rank waiting for the action it needs", f"{value:.4f}")
+    return (f"{name} is {want:.4f}: the idle time of every rank over (ranks x the step's length), with each rank "
+            f"running its actions in the schedule's order as soon as what they need has ended", f"{value:.4f}")
+
+
+# -- pipeline_train --------------------------------------------------------------------
+def returns_problem(per_rank: list) -> str:
+    """Rank 0 returns a state_dict of tensors, the others None ('' when so)."""
+    first, *rest = per_rank
+    if first[0] != "state":
+        return f"rank 0 returned {first[1] if first[0] == 'other' else 'None'}, not the model's state_dict"
+    for rank, got in enumerate(rest, 1):
+        if got[0] != "none":
+            return f"rank {rank} returned {got[1] if got[0] == 'other' else 'a state_dict'}, not None"
+    return ""
+
+
+def state_problem(state: dict, ref: dict, n_micro: int, lr: float) -> str:
+    """How the gathered weights differ from one process's ('' when equal)."""
+    missing = [k for k in ref if k not in state]
+    if missing:
+        return (f"rank 0's state_dict lacks {missing[:4]}{' ...' if len(missing) > 4 else ''} (it holds "
+                f"{sorted(state)[:6]}): gather every stage's weights on rank 0, named as in model_fn()'s state_dict")
+    extra = [k for k in state if k not in ref]
+    if extra:
+        return f"rank 0's state_dict has keys the model lacks: {extra[:4]}; name them as in model_fn()'s state_dict"
+    worst = max(ref, key=lambda k: float((state[k].float() - ref[k]).abs().max()) if state[k].shape == ref[k].shape
+                else float("inf"))
+    if state[worst].shape != ref[worst].shape:
+        return f"{worst} has shape {tuple(state[worst].shape)}, the model's {tuple(ref[worst].shape)}"
+    diff = float((state[worst].float() - ref[worst]).abs().max())
+    if diff <= 1e-5:
+        return ""
+    return (f"{worst} differs from one process's by {diff:.2e}: the step must use the mean loss over the whole "
+            f"batch (torch's schedules divide by n_micro={n_micro} when scale_grads=True), clear the gradients "
+            f"every step, and step with SGD(lr={lr}) once per batch")

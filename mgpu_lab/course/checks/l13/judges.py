@@ -1,0 +1,252 @@
+"""Lesson 13's verdicts: the evidence of :mod:`.ranks`, in the words of each case.
+
+:func:`exposed_comm` is the reference of ``13.exposed_comm``. A trace recorded from real
+ranks on a busy machine is never the same twice, so every answer is judged against the
+reference computed on the very trace the answer read; when an answer is wrong, the known
+wrong readings of that trace (:data:`WRONG`) are computed too, and a match names the bug.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+PREFIXES = ("c10d::", "gloo:", "nccl:")
+
+
+# -- exposed_comm: the reference and the known wrong readings -------------------------------------
+def _union(spans) -> list:
+    out: list = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def _minus(spans, holes) -> list:
+    """The parts of ``spans`` (united) outside ``holes``."""
+    out, holes = [], _union(holes)
+    for a, b in _union(spans):
+        cur = a
+        for h0, h1 in holes:
+            if h1 <= cur or h0 >= b:
+                continue
+            if h0 > cur:
+                out.append([cur, h0])
+            cur = max(cur, h1)
+        if cur < b:
+            out.append([cur, b])
+    return out
+
+
+def _length(spans) -> float:
+    return sum(b - a for a, b in _union(spans))
+
+
+def busiest(events) -> object:
+    time: dict = defaultdict(float)
+    for e in events:
+        if e.get("cat") == "cpu_op":
+            time[e["tid"]] += e["dur"]
+    return max(time, key=time.get) if time else None
+
+
+def exposed_comm(trace: dict, rank_thread=None, wrong: str | None = None) -> float:
+    """Milliseconds of communication in ``trace`` that the main thread's computing does not hide.
+
+    Communication: complete events named ``c10d::...``, ``gloo:...`` or ``nccl:...``, on any thread.
+    The main thread computes while it is inside an operator (category ``cpu_op``) and not inside a
+    communication call. ``wrong`` names one of :data:`WRONG`'s readings instead.
+    """
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    is_comm = lambda e: str(e.get("name", "")).startswith(PREFIXES)  # noqa: E731
+    if rank_thread is None or wrong == "ignores rank_thread":
+        rank_thread = busiest(events)
+    span = lambda e: (e["ts"], e["ts"] + e["dur"])  # noqa: E731
+    comm = [span(e) for e in events if is_comm(e) and (wrong != "c10d only" or e["name"].startswith("c10d::"))]
+    if wrong == "sum":
+        return sum(b - a for a, b in comm) / 1e3
+    compute_kinds = ("cpu_op", "user_annotation") if wrong == "annotations" else ("cpu_op",)
+    ops = [span(e) for e in events if (e["tid"] == rank_thread or wrong == "all threads") and not is_comm(e)
+           and e.get("cat") in compute_kinds]
+    calls = [span(e) for e in events if e["tid"] == rank_thread and is_comm(e)]
+    busy = ops if wrong == "calls as compute" else _minus(ops, calls)
+    if wrong == "per event":
+        return sum(_length(_minus([c], busy)) for c in comm) / 1e3
+    ms = _length(_minus(comm, busy)) / 1e3
+    return ms * 1e3 if wrong == "microseconds" else ms
+
+
+#: Known wrong readings of a trace, and what to tell an answer that gives one.
+WRONG = {
+    "sum": "you added up the durations of the communication events: time the main thread spent computing while "
+           "a collective ran is hidden, not exposed; take the union of the communication intervals and remove "
+           "the parts the main thread's operators cover",
+    "per event": "collectives in flight at the same time (on gloo's threads, or the c10d call and the backend's "
+                 "work) were counted once each: exposed time is wall time, so take the union of the communication "
+                 "intervals first",
+    "all threads": "operators of other threads (here a helper thread) hid communication: only the main thread's "
+                   "computing, the training loop's, hides it",
+    "annotations": "labels (record_function, ProfilerStep#, the backend's user_annotation events) counted as "
+                   "computing: they enclose the waits too; only operators (category cpu_op) compute",
+    "calls as compute": "the operators that enclose a collective call (autograd's evaluate_function running DDP's "
+                        "hook) counted as computing while the thread was inside the c10d:: call: the time inside a "
+                        "communication call is not computing",
+    "c10d only": "only the c10d:: calls counted as communication: the backend's own events (gloo:..., nccl:...) "
+                 "on its threads are where the data moves",
+    "microseconds": "the trace's ts and dur are microseconds: the answer is in milliseconds",
+    "ignores rank_thread": "rank_thread was ignored: the thread it names is the main thread; the busiest thread is "
+                           "only the default",
+}
+
+
+def diagnose(trace: dict, thread, got: float) -> str:
+    """Name the known wrong readings ``got`` matches on this trace (all of them, when several give the same
+    number), or say what a right reading is."""
+    right = exposed_comm(trace, thread)
+    matches = [words for name, words in WRONG.items()
+               if abs((value := exposed_comm(trace, thread, wrong=name)) - got) <= 1e-6 + 1e-7 * abs(value)
+               and abs(value - right) > 1e-6]
+    if matches:
+        return matches[0] if len(matches) == 1 else "your number fits several known mistakes: " + "; or ".join(matches)
+    return ("exposed time is the union of the communication intervals (every thread) minus the time the main "
+            "thread spends inside an operator that is not a communication call")
+
+
+def exposed_case(t, evidence, names, thread_kind=None) -> None:
+    """Fail unless every rank's answer on the traces ``names`` equals the reference on the same trace.
+
+    A reading of 0 ms is judged like any other (a busy helper thread can hide everything), but a case
+    whose every reading is 0 has no evidence and fails: an answer that returns 0 must not pass it.
+    """
+    if evidence is None:
+        t.fail("the ranks did not finish")
+    wants = []
+    for rank, run in enumerate(evidence):
+        threads = {None: None, "training": run["training"], "helper": run["helper"]}
+        for name, thread, got in run["answers"]:
+            if name not in names or thread != threads[thread_kind]:
+                continue
+            trace = run["traces"][name]
+            want = exposed_comm(trace, thread)
+            wants.append(want)
+            where = f"rank {rank}, the {name!r} trace" + (f", rank_thread={thread}" if thread else "")
+            if got[0] == "raised":
+                t.fail("", f"{want:.3f} ms", f"{where}: your code raised {got[1]}: {got[2]}")
+            if not isinstance(got[1], (int, float)) or isinstance(got[1], bool):
+                t.fail("return the milliseconds as a float", "a float", f"{where}: {got[1]!r}")
+            if abs(got[1] - want) > 1e-6 + 1e-7 * abs(want):
+                t.fail(diagnose(trace, thread, float(got[1])), f"{want:.4f} ms", f"{where}: {got[1]:.4f}")
+    if thread_kind == "helper" and any(run["helper"] is None for run in evidence):
+        t.fail("the helper thread recorded no operator in this run, so the case has no evidence: rerun the check")
+    if names != {"no collective"} and not any(w > 0 for w in wants):
+        t.fail("the recorded traces show no exposed communication here, so they cannot judge an answer: rerun the "
+               "check", "a trace with exposed communication", f"{len(wants)} readings of 0 ms")
+
+
+def threads_matter(t, evidence) -> None:
+    """Fail unless naming the training thread or the helper gives different readings on some rank: else the
+    case could not tell an answer that ignores ``rank_thread``."""
+    for run in evidence or []:
+        if run["helper"] is not None and abs(exposed_comm(run["traces"]["helper"], run["training"])
+                                             - exposed_comm(run["traces"]["helper"], run["helper"])) > 1e-6:
+            return
+    t.fail("in this run the training thread and the helper hid the same communication, so the case has no "
+           "evidence: rerun the check")
+
+
+# -- saved_bytes -----------------------------------------------------------------------------------
+SAVED_HINTS = {
+    "mlp": "each Linear saves its input and its weight (a parameter: it counts), ReLU its output; the next "
+           "Linear's input is that same output, a storage already counted for ReLU",
+    "views": "a saved view (a slice, a transpose) keeps its whole storage alive: count the storage's bytes "
+             "(untyped_storage().nbytes()), once, however many views of it are saved",
+    "tied": "the decoder's weight is the encoder's (tied): one storage, counted once, for the first module that "
+            "saves it",
+    "bf16": "bytes, not elements: a bfloat16 element is 2 bytes",
+    "blocks": "attribute every saved tensor to the top-level module running when autograd saves it (a forward "
+              "pre-hook on each child), count each storage once over the whole forward",
+}
+
+
+def saved_case(t, evidence, name: str) -> None:
+    run = evidence[name]
+    want, got = run["expected"], run["got"]
+    if got[0] == "raised":
+        t.fail(SAVED_HINTS[name], want, f"your code raised {got[1]}: {got[2]}")
+    if not isinstance(got[1], dict):
+        t.fail("return a dict: top-level module name -> bytes", want, got[1])
+    if got[1] != want:
+        hint = SAVED_HINTS[name]
+        if set(got[1]) != set(want):
+            hint = "one key per top-level module (model.named_children()), 0 for one that saves nothing; " + hint
+        elif sum(got[1].values()) > sum(want.values()):
+            hint = "some storage was counted more than once: " + hint
+        elif sum(got[1].values()) < sum(want.values()):
+            hint = "some saved bytes are missing: " + hint
+        else:
+            hint = "the total is right but assigned to the wrong modules: " + hint
+        t.fail(hint, want, got[1])
+
+
+# -- checkpoint_under ---------------------------------------------------------------------------------
+def ckpt_ran(t, evidence, name: str) -> dict:
+    run = evidence[name]
+    if run["outcome"][0] == "raised":
+        t.fail("this budget can be met: checkpoint blocks until the saved bytes fit, and raise only when even "
+               "every block checkpointed is too much", f"a model saving at most {run['budget']} bytes",
+               f"your code raised {run['outcome'][1]}: {run['outcome'][2]}")
+    if not run["same object"]:
+        t.fail("change the model in place and return it: the caller's model must be the one that saves less",
+               "the model passed in", f"a different object ({run['outcome'][1]})")
+    return run
+
+
+def checkpointed(run) -> list[int]:
+    """The blocks whose saved bytes went down: those the answer checkpointed."""
+    return [i for i, (a, b) in enumerate(zip(run["before"], run["after"] or [])) if b < a]
+
+
+def ckpt_fits(t, evidence, name: str) -> None:
+    run = ckpt_ran(t, evidence, name)
+    chosen, want = checkpointed(run), run["fewest"]
+    if run["total"] > run["budget"]:
+        t.fail("the saved bytes (13.saved_bytes' count, summed) must be at most the budget; 'fits' includes "
+               "equal", f"at most {run['budget']} bytes", f"{run['total']} bytes, blocks {chosen} checkpointed")
+    if len(chosen) > len(want):
+        t.fail("not the fewest blocks: each checkpointed block costs a recomputation; checkpoint the blocks that "
+               "save the most first (their saved bytes differ: " + ", ".join(f"block {i}: {b}" for i, b in
+                                                                          enumerate(run["before"])) + ")",
+               f"{len(want)} block(s), e.g. {want}", f"{len(chosen)}: blocks {chosen}")
+
+
+def ckpt_grads(t, evidence, names) -> None:
+    for name in names:
+        run = ckpt_ran(t, evidence, name)
+        if not checkpointed(run):
+            t.fail("no block was checkpointed for this budget, so equal gradients prove nothing here",
+                   "checkpointed blocks", f"budget {name!r}: none")
+        bad = [i for i, g in enumerate(run["grads"]) if g == "none" or g == "shape" or g > 1e-5]
+        if bad:
+            first = run["grads"][bad[0]]
+            hint = ("some parameters got no gradient: reentrant checkpoint (use_reentrant=True) of a block whose "
+                    "input does not require grad gives its parameters none; use use_reentrant=False"
+                    if first == "none" else "the gradients differ from the unmodified model's: checkpointing must "
+                    "recompute exactly what the forward did")
+            t.fail(hint, "every gradient equal to the unmodified model's",
+                   f"budget {name!r}: parameter {bad[0]}: {first}")
+        if not run["same output"]:
+            t.fail("the model's output changed: checkpointing must not change what the forward computes")
+
+
+def ckpt_unreachable(t, evidence) -> None:
+    run = evidence["unreachable"]
+    least = run["least"]
+    if run["outcome"][0] != "raised":
+        t.fail("when even every block checkpointed saves more than the budget, raise ValueError naming the "
+               "smallest reachable size instead of returning a model that does not fit",
+               f"ValueError naming {least} bytes", "returned a model")
+    kind, message = run["outcome"][1], run["outcome"][2]
+    if kind != "ValueError" or not any(s in message for s in (str(least), f"{least:,}", f"{least:_}")):
+        t.fail("the message must give the smallest reachable saved size in bytes (every block checkpointed), "
+               "so the caller knows what budget can work", f"ValueError naming {least}", f"{kind}: {message}")

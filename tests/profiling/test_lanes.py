@@ -1,0 +1,44 @@
+"""mgpu_lab.profiling.lanes: the training thread, its lanes, a drawing and a table of operators."""
+from __future__ import annotations
+
+import matplotlib
+
+from mgpu_lab.profiling import lanes
+
+matplotlib.use("Agg")
+
+
+def _x(name, tid, ts, dur, cat="cpu_op"):
+    return {"ph": "X", "name": name, "tid": tid, "ts": float(ts), "dur": float(dur), "cat": cat}
+
+
+TRACE = {"traceEvents": [
+    _x("aten::linear", 1, 0, 10), _x("aten::addmm", 1, 1, 8), _x("aten::relu", 1, 12, 3),
+    _x("c10d::allreduce_", 1, 16, 2), _x("gloo:all_reduce", 7, 16, 20, "user_annotation"),
+    _x("gloo:all_reduce", 8, 20, 5, "user_annotation"), _x("aten::mm", 9, 0, 4),
+    _x("ncclDevKernel_AllReduce_Sum_f32", 13, 30, 5, "kernel"), _x("ampere_sgemm", 12, 0, 9, "kernel"),
+]}
+
+
+def test_the_busiest_thread_is_the_one_with_the_most_operator_time():
+    assert lanes.busiest_thread(TRACE) == 1
+    assert lanes.busiest_thread({"traceEvents": []}) is None
+
+
+def test_lanes_hold_the_outermost_operators_every_collective_and_a_lane_per_gpu_stream():
+    got = dict(lanes.lanes(TRACE))
+    assert [label for label, _, _ in got["operators (thread 1)"]] == ["aten::linear", "aten::relu"]
+    assert sorted(label for label, _, _ in got["communication"]) == ["c10d::allreduce_", "gloo:all_reduce",
+                                                                    "gloo:all_reduce"]
+    assert [label for label, _, _ in got["GPU stream 13"]] == ["ncclDevKernel_AllReduce_Sum_f32"]
+    assert list(dict(lanes.lanes(TRACE, thread=9))) [0] == "operators (thread 9)"
+
+
+def test_plot_lanes_draws_one_row_per_lane_and_rank():
+    ax = lanes.plot_lanes([TRACE, TRACE], title="two ranks")
+    assert len(ax.get_yticks()) == 2 * len(lanes.lanes(TRACE))
+    assert ax.get_title() == "two ranks"
+
+
+def test_op_table_sums_each_operator_of_the_thread():
+    assert lanes.op_table(TRACE, top=2) == [("aten::linear", 1, 0.01), ("aten::addmm", 1, 0.008)]

@@ -1,0 +1,46 @@
+"""mgpu_lab.profiling.runs in one process: checkpointing modes, their memory and gradients; compile's cost."""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from mgpu_lab.course.checks.l13.ranks import saved_bytes
+from mgpu_lab.profiling import blocks, runs
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _grads(model, x):
+    model.zero_grad()
+    model(x).square().mean().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_full_checkpointing_saves_least_selective_between_and_the_gradients_stay():
+    model, x = blocks.BlockStack(ratios=(4, 4)), blocks.tokens(2, 16, 32)
+    want = _grads(model, x)
+    saved = {}
+    for mode in runs.MODES:
+        runs.checkpoint_modes(model, mode)
+        saved[mode] = sum(saved_bytes(model, x).values())
+        assert all(torch.allclose(g, w, atol=1e-6) for g, w in zip(_grads(model, x), want)), mode
+    if "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters:
+        assert saved["full"] < saved["selective"] < saved["none"]
+    else:  # an older torch hides what selective checkpointing keeps from saved_tensors_hooks
+        assert saved["full"] <= saved["selective"] < saved["none"]
+    runs.checkpoint_modes(model, "none")
+    assert sum(saved_bytes(model, x).values()) == saved["none"]  # a mode replaces the one before
+
+
+def test_an_unknown_mode_is_refused_naming_the_modes():
+    with pytest.raises(ValueError, match="'none', 'full', 'selective'"):
+        runs.checkpoint_modes(blocks.BlockStack(ratios=(1,)), "some")
+
+
+def test_compile_seconds_times_the_first_compiled_step_apart():
+    model, x = blocks.BlockStack(ratios=(1,)), blocks.tokens(1, 8, 32)
+    cost = runs.compile_seconds(model, x, backend="eager", repeats=1)
+    assert set(cost) == {"eager", "first", "compiled"} and cost["first"] > 0 and cost["compiled"] > 0
