@@ -43,6 +43,9 @@ def _replicate(t, replicate):
         runs = t.call(run_replicate, replicate, REPLICATE_SCENARIOS)
         three = replicas(t, runs, 0)
         t.equal(three["count"], 3)
+        if any("root module is the model's own" in line for line in three["shared"]):
+            t.fail("your list holds the model itself: a replica is a copy of it, one per device, that computes "
+                   "what it computes", "3 replicas of the model", "the model itself")
         if not all(three["close"]):
             bad = [i for i, ok in enumerate(three["close"]) if not ok]
             t.fail("", "every replica's output equal to the model's", f"replica(s) {bad} computed something else")
