@@ -91,7 +91,7 @@ def fitted_bubble(schedule: str, spans, n_ranks: int, n_micro: int, virtual: int
     transfer = _transfer(spans, host, pp_orders)
     durations = {key: work[key] + host[key] for key in work}
     replay = pp_orders.simulate(pp_orders.orders(schedule, n_ranks, n_micro, virtual), durations, transfer)
-    busy = [(lane, label, start, end - host[_key(label)]) for lane, label, start, end in replay.spans]
+    busy = [(lane, label, start, end - host.get(_key(label), 0.0)) for lane, label, start, end in replay.spans]
     return compute_bubble(busy)
 
 
