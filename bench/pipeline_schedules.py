@@ -8,7 +8,8 @@ The ranks record every action's timestamps (``pp_record``); the bench prints
 
     measured   the idle fraction between the first action's start and the last one's end
     model      the schedule's own order replayed with the measured mean time of each action
-               per stage, the host's overhead between actions and a transfer time per message
+               per stage, the mean host time after it (idle, as in the measurement) and the
+               mean transfer time of a message (``pp_measure.fitted_bubble``)
     formula    the closed form for equal times ((p-1)/(m+p-1), interleaved (p-1)/(v*m+p-1))
     in flight  the most micro-batches alive at once on rank 0
 

@@ -7,7 +7,9 @@ ranks (:mod:`.pp_record`); it returns per schedule the per-rank
 :class:`~mgpu_lab.parallel.timeline.Timeline`, the measured bubble (waits count as
 idle), the peak number of micro-batches alive per rank, and the *fitted model*:
 the schedule's own order replayed with the mean measured time of each action
-kind on each stage. :func:`ideal` draws a schedule replayed with set times.
+kind on each stage, the mean host time after it and the mean transfer time of a
+message, idle counted as the measurement counts it (:func:`fitted_bubble`).
+:func:`ideal` draws a schedule replayed with set times.
 
 Example:
     >>> runs = measure(["1f1b"], n_ranks=2, n_micro=4, t_f=0.004, t_b=0.004)
@@ -67,47 +69,96 @@ def measure(schedules, n_ranks: int = 2, n_micro: int = 4, t_f: float = 0.02, t_
 
 
 def fitted_bubble(schedule: str, spans, n_ranks: int, n_micro: int, virtual: int = 2) -> float:
-    """The model fitted to a measured step: the schedule's order replayed with the mean measured duration of
-    each action kind on each stage, plus the host's overhead between two actions of a rank (the median gap
-    between consecutive actions: most gaps are that overhead, the few long ones are the bubble) and a
-    transfer time per message (the median time from the end of an action on one rank to the start of the
-    action waiting for it on another, where that rank had nothing else to do)."""
+    """The model fitted to a measured step, idle counted as the measurement counts it.
+
+    The schedule's order is replayed (:func:`~mgpu_lab.parallel.pp_orders.simulate`) with, for each action
+    kind on each stage, the mean measured duration of the action and the mean *host time* after it (the time
+    to the rank's next action outside any wait for a message: sending, the loss on the last stage, a late
+    wake-up on a busy machine), and with the mean measured transfer time of a message. Host time is idle in
+    the replay as in the measurement (:func:`~mgpu_lab.parallel.pp_record.compute_bubble` counts only the
+    actions as busy). Means, not medians: the bubble is a sum, and a rank woken late now and then adds to it.
+
+    Example:
+        >>> from mgpu_lab.parallel import pp_orders
+        >>> step = pp_orders.simulate(pp_orders.orders("1f1b", 2, 4), {"F": 1.1, "B": 2.3}, transfer=0.2)
+        >>> measured = _measured(step.spans, {"F": 0.1, "B": 0.3})  # actions of 1 and 2 s, host 0.1 and 0.3 s
+        >>> round(fitted_bubble("1f1b", measured, 2, 4), 6) == round(compute_bubble(measured), 6)
+        True
+    """
     from mgpu_lab.parallel import pp_orders  # here: the notebook imports this module, its learners write bubble()
 
-    times: dict = {}
-    ends: dict = {}
+    work, host = _action_times(spans)
+    transfer = _transfer(spans, host, pp_orders)
+    durations = {key: work[key] + host[key] for key in work}
+    replay = pp_orders.simulate(pp_orders.orders(schedule, n_ranks, n_micro, virtual), durations, transfer)
+    busy = [(lane, label, start, end - host.get(_key(label), 0.0)) for lane, label, start, end in replay.spans]
+    return compute_bubble(busy)
+
+
+def _key(label: str) -> tuple[str, int]:
+    kind, _, stage = parse(label)
+    return kind, stage
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else 0.0
+
+
+def _by_lane(spans) -> dict:
+    lanes: dict = {}
     for lane, label, start, end in sorted(spans, key=lambda s: s[2]):
-        action = parse(label)
-        if action:
-            times.setdefault((action[0], action[2]), []).append(end - start)
-            ends.setdefault(lane, []).append((start, end))
-    gaps = sorted(b[0] - a[1] for acts in ends.values() for a, b in zip(acts, acts[1:]))
-    overhead = _median(gaps)
-    durations = {key: sum(v) / len(v) + overhead for key, v in times.items()}
-    order = pp_orders.orders(schedule, n_ranks, n_micro, virtual)
-    transfer = _transfer(spans, pp_orders)
-    return compute_bubble(pp_orders.simulate(order, durations, max(transfer - overhead, 0.0)).spans)
+        lanes.setdefault(lane, []).append((label, start, end))
+    return lanes
 
 
-def _median(values) -> float:
-    values = sorted(values)
-    return values[len(values) // 2] if values else 0.0
+def _action_times(spans) -> tuple[dict, dict]:
+    """Per ``(kind, stage)``: the mean duration of the action and the mean host time after it (to the rank's
+    next action, less the waits for messages in between; a rank's last action has none)."""
+    work: dict = {}
+    host: dict = {}
+    for lane_spans in _by_lane(spans).values():
+        acts = [s for s in lane_spans if parse(s[0])]
+        for (label, start, end), after in zip(acts, acts[1:] + [None]):
+            work.setdefault(_key(label), []).append(end - start)
+            if after is not None:
+                waits = sum(e - s for name, s, e in lane_spans if name == "wait" and s >= end and e <= after[1])
+                host.setdefault(_key(label), []).append(after[1] - end - waits)
+    every = _mean(h for hs in host.values() for h in hs)
+    return ({key: _mean(v) for key, v in work.items()},
+            {key: _mean(host[key]) if key in host else every for key in work})
 
 
-def _transfer(spans, pp_orders) -> float:
-    """The median wait of an action for a message from another rank, where its own rank was free before."""
+def _transfer(spans, host: dict, pp_orders) -> float:
+    """The mean time a message takes: from the end of an action plus its host time (when its rank sends) to the
+    start of the action on another rank that needs it, where that rank was ready before the message left."""
     acts = {parse(label): (lane, start, end) for lane, label, start, end in spans if parse(label)}
     last = max((a[2] for a in acts), default=0)
-    prev = {}
-    for lane, _, start, end in sorted((v[0], k, v[1], v[2]) for k, v in acts.items()):
-        prev.setdefault(lane, []).append((start, end))
-    waits = []
-    for (kind, mb, stage), (lane, start, _) in acts.items():
-        own = max((e for s, e in prev[lane] if e <= start), default=None)
-        for need in pp_orders.needs(kind, mb, stage, last, acts):
-            if need in acts and acts[need][0] != lane and (own is None or acts[need][2] > own):
-                waits.append(start - acts[need][2])
-    return _median(waits)
+    ready: dict = {}
+    first = min((a[1] for a in acts.values()), default=0.0)
+    for lane_spans in _by_lane([s for s in spans if parse(s[1])]).values():
+        for (label, start, _), (prev, _, prev_end) in zip(lane_spans, [(None, first, first)] + lane_spans):
+            ready[parse(label)] = prev_end + (host[_key(prev)] if prev else 0.0)
+    times = []
+    for action, (lane, start, _) in acts.items():
+        for need in pp_orders.needs(*action, last, acts):
+            if need in acts and acts[need][0] != lane:
+                sent = acts[need][2] + host[need[0], need[2]]
+                if ready[action] <= sent:
+                    times.append(start - sent)
+    return max(_mean(times), 0.0)
+
+
+def _measured(replay_spans, host: dict) -> list:
+    """Spans as the ranks record them from a replay whose actions include their host time ``{kind: s}``:
+    each action without it, and a ``wait`` from the end of the host time to the rank's next action."""
+    out = []
+    for lane, lane_spans in _by_lane(replay_spans).items():
+        for (label, start, end), after in zip(lane_spans, lane_spans[1:] + [None]):
+            out.append((lane, label, start, end - host[label[0]]))
+            if after is not None and after[1] > end:
+                out.append((lane, "wait", end, after[1]))
+    return out
 
 
 def ideal(schedule: str, n_ranks: int, n_micro: int, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 0.0,

@@ -87,3 +87,34 @@ def test_the_timeline_draws_weight_gradients_green_and_waits_grey():
     tl = Timeline()
     assert [tl._colour(label) for label in ("F0/s1", "B2/s0", "I1/s3", "W1/s3", "wait", "scatter")] == \
         ["tab:blue", "tab:orange", "tab:orange", "tab:green", "0.85", "tab:orange"]
+
+
+@pytest.mark.parametrize("schedule, n_ranks, n_micro", [("gpipe", 2, 4), ("1f1b", 3, 6), ("interleaved", 2, 4),
+                                                        ("zbv", 2, 4), ("zbv", 3, 3)])
+def test_the_fit_gives_the_bubble_of_a_step_with_known_work_host_time_and_transfer(schedule, n_ranks, n_micro):
+    from mgpu_lab.parallel import pp_orders
+
+    work = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 0.7}
+    host = {"F": 0.15, "B": 0.3, "I": 0.05, "W": 0.2}
+    step = pp_orders.simulate(pp_orders.orders(schedule, n_ranks, n_micro, 2),
+                              {k: work[k] + host[k] for k in work}, transfer=0.25)
+    measured = pp_measure._measured(step.spans, host)
+    assert {label for _, label, _, _ in measured} >= {"wait"}
+    fitted = pp_measure.fitted_bubble(schedule, measured, n_ranks, n_micro)
+    assert fitted == pytest.approx(compute_bubble(measured), abs=1e-9)
+    assert fitted > step.idle_fraction() + 0.01  # host time is idle in both, not busy as in the replay
+
+
+def test_host_time_is_the_gap_to_the_next_action_less_the_waits_and_transfer_is_the_mean_message():
+    from mgpu_lab.parallel import pp_orders
+
+    spans = [("rank 0", "F0/s0", 0.0, 1.0), ("rank 0", "F1/s0", 1.5, 2.5), ("rank 0", "wait", 3.0, 5.5),
+             ("rank 0", "B0/s0", 6.0, 8.0), ("rank 0", "B1/s0", 8.5, 10.5),
+             ("rank 1", "wait", 0.0, 1.4), ("rank 1", "F0/s1", 1.5, 2.5), ("rank 1", "B0/s1", 3.0, 5.0),
+             ("rank 1", "wait", 5.0, 5.1), ("rank 1", "F1/s1", 5.5, 6.5), ("rank 1", "B1/s1", 6.5, 8.0)]
+    work, host = pp_measure._action_times(spans)
+    assert work[("F", 0)] == pytest.approx(1.0) and work[("B", 1)] == pytest.approx(1.75)
+    assert host[("F", 0)] == pytest.approx((0.5 + 1.0) / 2) and host[("B", 0)] == pytest.approx(0.5)
+    assert host[("B", 1)] == pytest.approx(0.4)  # 0.5 to F1 less 0.1 of wait; the rank's last action has none
+    # B0/s0 waited for B0/s1 (ended 5.0, host 0.4 -> sent 5.4, started 6.0): 0.6; F0/s1 for F0/s0 (sent 1.75): -0.25
+    assert pp_measure._transfer(spans, host, pp_orders) == pytest.approx((0.6 - 0.25) / 2)
