@@ -233,10 +233,13 @@ def test_stale_namespaces_of_a_killed_process_are_removed():
         prefix = f"{netns.PREFIX}{proc.pid}c"
         theirs = [n for n in netns.names() if n.startswith(prefix)]
         assert len(theirs) == 3
+        # Both nodes' commands started: one process in each node's namespace (the two nodes start one after
+        # the other, so waiting for the first alone raced with the second on a loaded machine).
         deadline = time.monotonic() + 20
-        while not any(netns.processes(n) for n in theirs) and time.monotonic() < deadline:
+        sleepers = []
+        while len(sleepers) < 2 and time.monotonic() < deadline:
             time.sleep(0.2)
-        sleepers = [p for n in theirs for p in netns.processes(n)]
+            sleepers = [p for n in theirs for p in netns.processes(n)]
         assert len(sleepers) == 2
     finally:
         proc.send_signal(signal.SIGKILL)  # no finally, no atexit: the namespaces stay behind
