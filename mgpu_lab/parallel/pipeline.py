@@ -98,6 +98,17 @@ class TimedStage(nn.Module):
         return out
 
 
+def _step(schedule, rank: int, world: int, x, y, losses: list) -> None:
+    """One step of a schedule on this rank: the first stage feeds the input, the last the target (and collects
+    the micro-batches' losses), the others only pass activations on."""
+    if rank == 0:
+        schedule.step(x)
+    elif rank == world - 1:
+        schedule.step(target=y, losses=losses)
+    else:
+        schedule.step()
+
+
 def timed_gpipe_rank(stages, x, y, loss_fn, n_micros=(1, 2, 4, 8), steps: int = 3, warmup: int = 1,
                      pin: bool = True) -> dict:
     """Run in every rank of a launch with ``len(stages)`` ranks: ``ScheduleGPipe`` over rank r's ``stages[r]``, timed.
@@ -137,12 +148,7 @@ def timed_gpipe_rank(stages, x, y, loss_fn, n_micros=(1, 2, 4, 8), steps: int = 
             timed.restart(Timeline())
             losses = []
             tdist.barrier()
-            if rank == 0:
-                schedule.step(x.to(dev))
-            elif rank == world - 1:
-                schedule.step(target=y.to(dev), losses=losses)
-            else:
-                schedule.step()
+            _step(schedule, rank, world, x.to(dev), y.to(dev), losses)
             if step >= warmup:
                 spans.append(timed.timeline.resolve().spans)
                 cpu = [cpu[0] + timed.timeline.cpu_seconds, cpu[1] + timed.timeline.cpu_wall_seconds]
@@ -215,12 +221,7 @@ def torch_gpipe_rank(stages, x, y, loss_fn, n_micro: int = 4, steps: int = 3, pi
         losses = []
         tdist.barrier()
         start = time.perf_counter()
-        if rank == 0:
-            schedule.step(x.to(dev))
-        elif rank == world - 1:
-            schedule.step(target=y.to(dev), losses=losses)
-        else:
-            schedule.step()
+        _step(schedule, rank, world, x.to(dev), y.to(dev), losses)
         if step:
             times.append(time.perf_counter() - start)
     return {"rank": rank, "times": times, "losses": [float(v.detach()) for v in losses],
