@@ -1,6 +1,7 @@
 """The learner's path in a real JupyterLab, driven through a real headless Chromium."""
 from __future__ import annotations
 
+import platform
 import re
 import time
 
@@ -137,9 +138,17 @@ def test_lesson_04_launch_cells_show_every_rank_and_the_explorer_responds(lab, p
 
 def test_a_student_notebook_opens_unchanged(lab, page):
     """Opened, its kernel started, nothing run: not marked unsaved. JupyterLab writes the kernel's own
-    kernelspec into the notebook, so one stored with another display name ("Python 3") opened changed; every
-    notebook's kernelspec is compared with the installed kernel's in tests/course/test_assign.py."""
-    url, token, _ = lab
+    kernelspec and language_info into the notebook, and any difference marks it changed. The kernelspec is the
+    file's to get right (eight notebooks held the display name "Python 3" and opened changed; every notebook's
+    kernelspec is compared with the installed kernel's in tests/course/test_assign.py). language_info's Python
+    version is the machine's: no content of the file avoids that difference (tried: without language_info,
+    without its version, another version), so the copy here records this machine's version, as a notebook
+    refreshed on it does."""
+    url, token, work = lab
+    path = work / "notebooks" / "01_devices.ipynb"
+    nb = nbformat.read(path, 4)
+    nb.metadata.language_info["version"] = platform.python_version()  # the kernel runs this interpreter
+    nbformat.write(nb, path)
     book = Notebook(page, url, token, "notebooks/01_devices.ipynb")
     assert not book.dirty(), f"opened already marked unsaved; metadata now {book.metadata()}"
 
