@@ -187,3 +187,23 @@ def test_a_torn_file_and_a_deadlock_read_in_the_check_s_own_words(lab, page):
     assert "the file at path was half written when the writer was killed at byte 1 (it holds 1 byte)" in torn
     assert not any(words in torn for words in ("UnpicklingError", "weights_only", "1 bytes")), torn
     assert "deadlock with 2, 3 and 4 ranks" in ring and ring.count("every rank waits and none can proceed") == 1
+
+
+@pytest.mark.parametrize("lesson", ["08_sharding", "09_inside_ddp"])
+def test_a_lesson_s_plots_draw_without_an_error_and_are_kept_as_screenshots(lab, page, lesson):
+    """The learner's walk through the lessons whose charts were mended (08's legend, 09's overlap labels and
+    bucket sweep beside its cost model): every cell runs, no cell shows an error, and each figure is kept in
+    artifacts/browser for a person to look at."""
+    url, token, _ = lab
+    book = Notebook(page, url, token, f"solutions/{lesson}.ipynb")
+    book.run_all(timeout=420)
+    # A raised exception is an output of type "error" (the lessons' "what goes wrong" demos print to stderr,
+    # which is not one).
+    errors = book._js("return panel.content.widgets.filter(c => c.model.type === 'code')"
+                      ".flatMap(c => c.model.outputs.toJSON()).filter(o => o.output_type === 'error')"
+                      ".map(o => o.ename + ': ' + o.evalue);")
+    assert errors == [], errors
+    figures = [i for i, _ in enumerate(book.sources()) if book.cell(i).locator(".jp-OutputArea img").count()]
+    assert figures, "no figure drawn"
+    for i in figures:
+        book.output(i).screenshot(path=str(ARTIFACTS / f"{lesson}-cell{i}-figure.png"))
