@@ -9,6 +9,8 @@ really did. What runs in the ranks is :mod:`.ranks`; this module judges, in the 
 """
 from __future__ import annotations
 
+import functools
+
 from .._core import exercise
 from ..sim.scenarios import launch_scenarios
 from . import judges
@@ -24,13 +26,10 @@ PLANS = "mgpu_lab.tensor_parallel.plans:"
           references=(MANUAL + "tp_mlp", MANUAL + "CopyToTP.forward", MANUAL + "CopyToTP.backward",
                       MANUAL + "ReduceFromTP.forward", MANUAL + "ReduceFromTP.backward"))
 def _tp_mlp(t, tp_mlp, CopyToTP, ReduceFromTP):
-    runs = {}
-
+    @functools.cache  # one launch per world size, made when the first case needs it
     def get(world):
-        if world not in runs:
-            scenarios = ([("copy",), ("reduce",)] if world == 2 else []) + [("mlp", *s) for s in MLP_SHAPES[world]]
-            runs[world] = launch_scenarios(t, run_tp_mlp, world, (tp_mlp, CopyToTP, ReduceFromTP), scenarios, 90)
-        return runs[world]
+        scenarios = ([("copy",), ("reduce",)] if world == 2 else []) + [("mlp", *s) for s in MLP_SHAPES[world]]
+        return launch_scenarios(t, run_tp_mlp, world, (tp_mlp, CopyToTP, ReduceFromTP), scenarios, 90)
 
     with t.case("CopyToTP, 2 ranks: forward returns x unchanged with no collective; backward gives every rank the "
                 "sum of the ranks' gradients (one all-reduce)"):
@@ -58,13 +57,9 @@ def _tp_mlp(t, tp_mlp, CopyToTP, ReduceFromTP):
           "lesson 11's transformer block, with and without sequence parallelism",
           references=(PLANS + "block_plan", PLANS + "parallelize_2d"))
 def _tp_plan(t, tp_plan):
-    runs = None
-
+    @functools.cache  # one launch, made when the first case needs it
     def get():
-        nonlocal runs
-        if runs is None:
-            runs = launch_scenarios(t, run_plan, 2, tp_plan, [False, True], 90)
-        return runs
+        return launch_scenarios(t, run_plan, 2, tp_plan, [False, True], 90)
 
     with t.case("without SP, 2 ranks: each rank holds half of every linear layer (wq, wk, wv, wo, fc1, fc2) and "
                 "the block's output equals one process's"):
@@ -95,13 +90,9 @@ def _tp_plan(t, tp_plan):
           "block, then FSDP over mesh['dp']; 4 ranks train like one process",
           references=(PLANS + "parallelize_2d", PLANS + "block_plan"))
 def _parallelize_2d(t, parallelize_2d):
-    runs = None
-
+    @functools.cache
     def get():
-        nonlocal runs
-        if runs is None:
-            runs = launch_scenarios(t, run_2d, 4, parallelize_2d, ["2d"], 120)
-        return runs
+        return launch_scenarios(t, run_2d, 4, parallelize_2d, ["2d"], 120)
 
     with t.case("TP first, over mesh[\"tp\"], then FSDP over mesh[\"dp\"] (the order of the calls and their meshes)"):
         judges.twod_order(t, get())
