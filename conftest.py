@@ -24,11 +24,16 @@ import pytest
 ONE_AT_A_TIME = {
     "slurm": ["tests/cluster/test_slurm_local.py", "solutions/07_multi_node.ipynb", "mgpu_lab/cluster/slurm_local.py",
               "tests/course/test_slurm_grade.py"],
+    # test_slurm_grade.py is in both: its SLURM tasks grade in sandboxes of the same users (a root run once
+    # counted its ranks as processes test_grade_hostile.py's submissions had left behind)
     "sandbox-users": ["tests/course/test_grade.py", "tests/course/test_grade_hostile.py",
                       "tests/course/test_batch.py", "tests/course/test_sandbox.py", "mgpu_lab/course/grade.py",
-                      "mgpu_lab/course/session.py", "mgpu_lab/course/sandbox.py"],
+                      "mgpu_lab/course/session.py", "mgpu_lab/course/sandbox.py", "tests/course/test_slurm_grade.py"],
 }
-_GROUP = {path: name for name, paths in ONE_AT_A_TIME.items() for path in paths}
+_GROUPS: dict[str, list[str]] = {}
+for _name in sorted(ONE_AT_A_TIME):  # a file in several groups takes their locks in this one order: no deadlock
+    for _path in ONE_AT_A_TIME[_name]:
+        _GROUPS.setdefault(_path, []).append(_name)
 
 # What needs root (network namespaces, the local SLURM cluster, a sandbox user per submission): these files
 # whole, and the tests marked `root`. CI runs them as root (`make test PART=root`) and everything else as an
@@ -74,12 +79,15 @@ def pytest_collection_modifyitems(session, config, items):
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item, nextitem):
-    group = _GROUP.get(_file(item))
-    if group and group not in _held:
-        # One lock per user: root's and an ordinary user's runs share no SLURM cluster and no sandbox user.
-        lock = open(Path(tempfile.gettempdir()) / f"mgpu-lab-tests-{group}-{os.getuid()}.lock", "w")
-        fcntl.flock(lock, fcntl.LOCK_EX)  # waits while the other worker runs a file of the group
-        _held[group] = lock
+    groups = _GROUPS.get(_file(item), [])
+    for group in groups:
+        if group not in _held:
+            # One lock per user: root's and an ordinary user's runs share no SLURM cluster and no sandbox user.
+            lock = open(Path(tempfile.gettempdir()) / f"mgpu-lab-tests-{group}-{os.getuid()}.lock", "w")
+            fcntl.flock(lock, fcntl.LOCK_EX)  # waits while the other worker runs a file of the group
+            _held[group] = lock
     yield
-    if group and (nextitem is None or _GROUP.get(_file(nextitem)) != group):
-        _held.pop(group).close()
+    following = _GROUPS.get(_file(nextitem), []) if nextitem is not None else []
+    for group in groups:
+        if group not in following:
+            _held.pop(group).close()

@@ -141,8 +141,28 @@ def _outside_address() -> str | None:
 
 
 def _left_behind() -> list:
+    """The processes a submission of this test may have left: those naming MARK or run by the sandbox user,
+    less those another pytest-xdist worker started (a test beside this one grades as the same user at the
+    same moment: its live ranks are its own, not a leak of this test's)."""
+    others = _other_workers()
     return [p for p in psutil.process_iter(["cmdline", "uids"])
-            if MARK in " ".join(p.info["cmdline"] or []) or (p.info["uids"] and p.info["uids"].real == 65534)]
+            if (MARK in " ".join(p.info["cmdline"] or []) or (p.info["uids"] and p.info["uids"].real == 65534))
+            and not _started_by(p, others)]
+
+
+def _other_workers() -> set[int]:
+    """The pids of this test's sibling xdist workers (the controller's other children); none without xdist."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return set()
+    with contextlib.suppress(psutil.Error):
+        return {c.pid for c in psutil.Process(os.getppid()).children() if c.pid != os.getpid()}
+    return set()
+
+
+def _started_by(proc: psutil.Process, pids: set[int]) -> bool:
+    with contextlib.suppress(psutil.Error):
+        return any(a.pid in pids for a in proc.parents())
+    return False
 
 
 def _still_running(before: set, wait: float = 10.0) -> list:
@@ -160,6 +180,14 @@ def _still_running(before: set, wait: float = 10.0) -> list:
         if alive or not left or time.monotonic() > deadline:
             return alive
         time.sleep(0.2)
+
+
+def _describe(proc: psutil.Process) -> str:
+    """A leftover process as the failure shows it: pid, command line and the chain of its parents."""
+    with contextlib.suppress(psutil.Error):
+        chain = " <- ".join(f"{a.pid} {' '.join(a.cmdline())[:60]}" for a in proc.parents()[:6])
+        return f"{proc.pid} {' '.join(proc.cmdline())[:120]} (parents: {chain})"
+    return f"{proc.pid} (gone)"
 
 
 def _digest(path: Path) -> str:
@@ -228,7 +256,8 @@ def test_hostile_submissions_are_contained_and_the_honest_one_is_graded_right(tm
         listener.accept()
     assert {p: _digest(p) for p in digests} == digests
     assert list(drop.iterdir()) == [] and not any(Path(d, MARK).exists() for d in ("/var/tmp", "/dev/shm", "/run/lock"))
-    assert _still_running(before) == []
+    left = _still_running(before)
+    assert left == [], [_describe(p) for p in left]
     outputs = report_text + "".join(p.read_text() for p in out.rglob("*") if p.is_file())
     assert SECRET not in outputs
     leak = next(c for e in grades["01_escape"]["exercises"] if e["exercise"] == "01.visible_devices_env"
