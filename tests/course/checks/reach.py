@@ -1,6 +1,7 @@
 """Which reference implementations a notebook's imports make reachable by attribute (run in a fresh process).
 
-``python reach.py NOTEBOOK REF...`` executes every import statement of the
+``python reach.py NOTEBOOK REF...`` (or one request per line to ``python reach.py --serve``, which
+forks a fresh child for each) executes every import statement of the
 notebook's code cells, then walks attributes from the names they bound: into
 modules and classes of this package, never into torch or the standard library.
 It prints one JSON line: for each reference it reached, the path (``ddp.train``).
@@ -60,13 +61,48 @@ def reachable(roots: dict, refs) -> dict:
     return found
 
 
-def main(notebook: str, refs: list[str]) -> None:
+def found_for(notebook: str, refs: list[str]) -> dict:
+    """:func:`reachable` from the names the notebook's import statements bind (run here)."""
     namespace: dict = {}
     for line in import_lines(notebook):
         exec(line, namespace)  # noqa: S102 - the course's own notebooks
-    roots = {k: v for k, v in namespace.items() if k != "__builtins__"}
-    print(json.dumps(reachable(roots, refs)))
+    return reachable({k: v for k, v in namespace.items() if k != "__builtins__"}, refs)
+
+
+def main(notebook: str, refs: list[str]) -> None:
+    print(json.dumps(found_for(notebook, refs)))
+
+
+ANSWER = "reach: "  # the start of the line that answers a request of --serve
+
+
+def serve() -> None:
+    """``python reach.py --serve``: import torch once, then for every request line on stdin (a JSON list:
+    the notebook, then its references) fork a child that runs :func:`main` and prints its line. Each child
+    is as fresh as a new process as far as this package goes (the server never imports it), without paying
+    for torch's import again."""
+    import os
+
+    import torch  # noqa: F401 - what every notebook imports first; the walk never enters it
+    import torch.distributed  # noqa: F401
+
+    for request in sys.stdin:
+        notebook, *refs = json.loads(request)
+        sys.stdout.flush()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                answer = found_for(notebook, refs)
+            except BaseException as exc:  # noqa: BLE001 - said on the answer line: the test shows it
+                answer = {"error": f"{type(exc).__name__}: {exc}"}
+            print(ANSWER + json.dumps(answer), flush=True)  # after anything the imports printed
+            os._exit(0)
+        os.waitpid(pid, 0)
+        sys.stdout.flush()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2:])
+    if sys.argv[1:] == ["--serve"]:
+        serve()
+    else:
+        main(sys.argv[1], sys.argv[2:])
