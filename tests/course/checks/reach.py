@@ -78,7 +78,8 @@ ANSWER = "reach: "  # the start of the line that answers a request of --serve
 
 def serve() -> None:
     """``python reach.py --serve``: import torch once, then for every request line on stdin (a JSON list:
-    the notebook, then its references) fork a child that runs :func:`main` and prints its line. Each child
+    the notebook, then its references) fork a child that prints :func:`found_for`'s answer on a line
+    starting with :data:`ANSWER`. Each child
     is as fresh as a new process as far as this package goes (the server never imports it), without paying
     for torch's import again."""
     import os
@@ -98,7 +99,6 @@ def serve() -> None:
             print(ANSWER + json.dumps(answer), flush=True)  # after anything the imports printed
             os._exit(0)
         os.waitpid(pid, 0)
-        sys.stdout.flush()
 
 
 if __name__ == "__main__":

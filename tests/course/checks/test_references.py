@@ -158,10 +158,14 @@ def test_the_walk_finds_a_function_through_modules_and_classes_and_not_elsewhere
 
 
 @pytest.fixture(scope="module")
-def reach_server():
-    """One ``reach.py --serve`` process for the notebooks below: torch imported once, a fresh fork per notebook."""
-    proc = subprocess.Popen([sys.executable, str(Path(reach.__file__)), "--serve"], cwd=ROOT, text=True,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+def reach_server(tmp_path_factory):
+    """One ``reach.py --serve`` process for the notebooks below: torch imported once, a fresh fork per notebook.
+    Its errors go to a file (a pipe nobody reads while it runs could fill and stop it); ``.errors`` reads it."""
+    errors = tmp_path_factory.mktemp("reach") / "stderr.txt"
+    with errors.open("w") as err:
+        proc = subprocess.Popen([sys.executable, str(Path(reach.__file__)), "--serve"], cwd=ROOT, text=True,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err)
+    proc.errors = lambda: errors.read_text()[-2000:]
     yield proc
     proc.stdin.close()
     try:
@@ -181,7 +185,7 @@ def test_no_reference_of_a_lesson_is_reachable_from_its_notebook_s_imports(noteb
         if line.startswith(reach.ANSWER):
             break
     else:
-        raise AssertionError(f"reach.py --serve ended: {reach_server.stderr.read()[-2000:]}")
+        raise AssertionError(f"reach.py --serve ended: {reach_server.errors()}")
     found = _json.loads(line[len(reach.ANSWER):])
     assert "error" not in found, found.get("error")
     assert not found, f"lesson {lesson}'s imports reach the answers of its exercises: {found}"
