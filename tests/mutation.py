@@ -234,7 +234,7 @@ def judge_variant(spec: ExerciseMutants, variant: Variant, namespace: dict):
 
 
 def mutant_tests(specs: list[ExerciseMutants], lesson: str, namespace: dict | Callable[[], dict], *,
-                 before: Callable | None = None, after: Callable | None = None) -> tuple:
+                 before: Callable | None = None, after: Callable | None = None, at_once: int = 1) -> tuple:
     """The three tests of every ``tests/mutants/test_mutants_NN.py``, for the module to bind by name::
 
         test_mutant_fails_naming_its_bug, test_correct_variant_passes, test_every_exercise_has_five_mutants_and_two_variants = \\
@@ -243,23 +243,53 @@ def mutant_tests(specs: list[ExerciseMutants], lesson: str, namespace: dict | Ca
     ``namespace`` is what the solution cell sees (a dict, or a function that makes one, called
     per test). ``before(mutant)`` runs before a mutant is judged (it may ``pytest.skip``);
     ``after(mutant, result)`` adds assertions on the failed result.
+
+    ``at_once > 1``: a lesson whose checks mostly *wait* (a guard's deadline, a replayed deadlock's
+    receive timeout, a real torchrun restart) has every answer of the file judged by ``check()``
+    in that many threads at once, started by the file's first test; each test then takes its own
+    answer's verdict, or its error, as it would have had it alone. The checks are the same; only
+    their waits overlap.
     """
+    import functools
+    from concurrent.futures import ThreadPoolExecutor
+
     import pytest
 
     def names() -> dict:
         return namespace() if callable(namespace) else namespace
 
+    def mutant_verdict(spec, mutant):
+        if before is not None:
+            before(mutant)  # a pytest.skip here reaches the test through the future
+        return judge_mutant(spec, mutant, names())
+
+    @functools.cache
+    def running() -> dict:
+        pool = ThreadPoolExecutor(at_once, thread_name_prefix=f"judge-{lesson}")
+        futures = {}
+        for spec in specs:  # the file's order: its slowest answers are listed where they are
+            futures.update({("mutant", spec.exercise, m.name): pool.submit(mutant_verdict, spec, m)
+                            for m in spec.mutants})
+            futures.update({("variant", spec.exercise, v.name): pool.submit(judge_variant, spec, v, names())
+                            for v in spec.variants})
+        pool.shutdown(wait=False)
+        return futures
+
     @pytest.mark.parametrize("spec, mutant", params(specs, "mutants"))
     def test_mutant_fails_naming_its_bug(spec, mutant):
-        if before is not None:
-            before(mutant)
-        result = judge_mutant(spec, mutant, names())
+        if at_once > 1:
+            result = running()[("mutant", spec.exercise, mutant.name)].result()
+        else:
+            result = mutant_verdict(spec, mutant)
         if after is not None:
             after(mutant, result)
 
     @pytest.mark.parametrize("spec, variant", params(specs, "variants"))
     def test_correct_variant_passes(spec, variant):
-        judge_variant(spec, variant, names())
+        if at_once > 1:
+            running()[("variant", spec.exercise, variant.name)].result()
+        else:
+            judge_variant(spec, variant, names())
 
     def test_every_exercise_has_five_mutants_and_two_variants():
         from mgpu_lab.course.checks import exercises

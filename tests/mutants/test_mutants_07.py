@@ -189,4 +189,4 @@ def no_torchrun_started(mutant, result):
 
 
 test_mutant_fails_naming_its_bug, test_correct_variant_passes, test_every_exercise_has_five_mutants_and_two_variants = \
-    mutant_tests(SPECS, "07", NAMESPACE, after=no_torchrun_started)
+    mutant_tests(SPECS, "07", NAMESPACE, after=no_torchrun_started, at_once=4)

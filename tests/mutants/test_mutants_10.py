@@ -281,4 +281,4 @@ def needs_a_second_file_system(mutant):
 
 
 test_mutant_fails_naming_its_bug, test_correct_variant_passes, test_every_exercise_has_five_mutants_and_two_variants = \
-    mutant_tests(SPECS, "10", namespace, before=needs_a_second_file_system)
+    mutant_tests(SPECS, "10", namespace, before=needs_a_second_file_system, at_once=4)

@@ -273,4 +273,4 @@ SPECS = [ORDER, BUBBLE, TRAIN]
 
 
 test_mutant_fails_naming_its_bug, test_correct_variant_passes, test_every_exercise_has_five_mutants_and_two_variants = \
-    mutant_tests(SPECS, "12", NAMESPACE)
+    mutant_tests(SPECS, "12", NAMESPACE, at_once=4)
