@@ -15,6 +15,7 @@ process; :func:`probe_train` runs ``pipeline_train`` for each schedule in one la
 from __future__ import annotations
 
 import datetime
+import threading
 
 import torch
 import torch.distributed as tdist
@@ -24,9 +25,13 @@ RECV_TIMEOUT = 3.0  # seconds a replayed receive waits before the rank reports t
 WIDTH, ROWS = 4, 2  # the replay's stage width and rows per micro-batch
 
 
+_SEEDED = threading.Lock()  # seed and build as one step: a checker process may judge several answers in threads
+
+
 def _model(n_stages: int) -> list[nn.Module]:
-    torch.manual_seed(12)
-    return [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(n_stages)]
+    with _SEEDED:
+        torch.manual_seed(12)
+        return [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(n_stages)]
 
 
 def _data(n_micro: int):
@@ -183,11 +188,12 @@ def evaluate(fn, calls) -> list:
 # -- pipeline_train ------------------------------------------------------------------
 def train_model(kind: str) -> nn.Sequential:
     """The models pipeline_train is judged on: 4 or 8 layers (runs of equal layers for 2 or 4 stages)."""
-    torch.manual_seed(7)
-    if kind == "small":
-        return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
-                             nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4), nn.Identity())
-    return nn.Sequential(*[nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(8)])
+    with _SEEDED:
+        torch.manual_seed(7)
+        if kind == "small":
+            return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
+                                 nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4), nn.Identity())
+        return nn.Sequential(*[nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(8)])
 
 
 def train_batches(kind: str, steps: int = 3, batch: int = 8) -> list:
