@@ -5,7 +5,7 @@ For each world size and message size (4 KiB to --max-mib MiB, float32), in one r
     all_reduce   dist.all_reduce: time per call (median of --reps after a barrier), algorithm
                  bandwidth algbw = size / time and bus bandwidth busbw = algbw * 2(W-1)/W,
                  as nccl-tests reports them
-    ring         mgpu_lab.comm.ring.ring_allreduce (lesson 09: isend/irecv around a ring)
+    ring         mgpu_lab.comm.ring.all_reduce (lesson 09: isend/irecv around a ring)
                  on the same tensors: time, busbw, and its time over all_reduce's
 
 then the alpha-beta fit (t = alpha + n / bandwidth) of both. With one GPU per rank the
@@ -20,8 +20,7 @@ import os
 import sys
 
 from mgpu_lab import launch
-from mgpu_lab.comm import cost_model
-from mgpu_lab.comm.ring import ring_allreduce
+from mgpu_lab.comm import cost_model, ring
 
 
 def sizes_up_to(max_mib: int) -> list[int]:
@@ -58,7 +57,7 @@ def main(argv=None) -> int:
           f"{cost_model.human_size(sizes[0])} to {cost_model.human_size(sizes[-1])}, median of {args.reps} calls",
           flush=True)
     for world in args.world:
-        result = launch(cost_model.time_ops, world, sizes, args.reps, ("all_reduce", "ring"), ring_allreduce)[0]
+        result = launch(cost_model.time_ops, world, sizes, args.reps, ("all_reduce", "ring"), ring.all_reduce)[0]
         print(f"\n{world} ranks, {result['backend']} on {result['device']}")
         print(table(sizes, result))
         for op in ("all_reduce", "ring"):

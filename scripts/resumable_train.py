@@ -28,7 +28,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from mgpu_lab.data import datasets
 from mgpu_lab import dist as mdist
-from mgpu_lab.failures.resume import atomic_save, resumable_train
+from mgpu_lab.failures import resume
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -92,10 +92,10 @@ def main(argv=None) -> None:
     mdist.print0(f"attempt {attempt}: world size {mdist.world_size()}, "
                  + (f"resuming from {args.snapshot} (step {torch.load(args.snapshot, weights_only=True)['step']})"
                     if found else "no snapshot: starting fresh"))
-    state = resumable_train(fault_injector(args), make_data(args.samples), args.epochs, args.batch_size, args.lr,
-                            args.snapshot, args.snapshot_every)
+    state = resume.train(fault_injector(args), make_data(args.samples), args.epochs, args.batch_size, args.lr,
+                         args.snapshot, args.snapshot_every)
     if args.out and mdist.is_main_process():
-        atomic_save(state, args.out)
+        resume.save_atomically(state, args.out)
     mdist.print0(f"attempt {attempt}: finished; weight sum {sum(v.sum().item() for v in state.values()):.6f}")
     mdist.teardown()
 

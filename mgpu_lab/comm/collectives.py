@@ -109,8 +109,8 @@ def plot_collectives(results: list[dict], ops=OPS):
     return fig
 
 
-def ring_trace(ring_allreduce, elements_per_chunk: int = 1) -> dict:
-    """In a rank: every message ``ring_allreduce`` sends, decoded into the chunk and the ranks it carries.
+def ring_trace(ring, elements_per_chunk: int = 1) -> dict:
+    """In a rank: every message the ring all-reduce ``ring`` sends, decoded into the chunk and the ranks it carries.
 
     Rank ``r`` starts with ``(c + 1) * 10**r`` in every element of chunk ``c`` (``world_size``
     chunks of ``elements_per_chunk``), so a message holding chunk ``c`` summed over ranks
@@ -118,7 +118,7 @@ def ring_trace(ring_allreduce, elements_per_chunk: int = 1) -> dict:
     their value the chunk (for up to 9 ranks). :func:`plot_ring` draws the messages.
 
     Args:
-        ring_allreduce: a ring all-reduce ``fn(tensor) -> tensor`` (lesson 09's exercise).
+        ring: a ring all-reduce ``fn(tensor) -> tensor`` (lesson 09's exercise: the learner's in the notebook).
         elements_per_chunk: elements of each chunk.
 
     Returns:
@@ -135,8 +135,8 @@ def ring_trace(ring_allreduce, elements_per_chunk: int = 1) -> dict:
     x = (chunk + 1).to(torch.float64) * 10 ** rank
     expected = x.clone()
     tdist.all_reduce(expected)
-    with record(ring_allreduce, keep_inputs=True) as log:
-        got = ring_allreduce(x.clone())
+    with record(ring, keep_inputs=True) as log:
+        got = ring(x.clone())
     sends = [e for e in log.events if e["op"] == "send"]
     return {"messages": [_decode(e.get("input"), world) for e in sends], "sent": sum(e["bytes"] for e in sends),
             "bytes": x.numel() * x.element_size(),

@@ -7,7 +7,7 @@ library's tests check it. The notebook's demos run the learner's own ring.
 
 Example:
     >>> from mgpu_lab import launch
-    >>> launch(lambda: ring_allreduce(torch.arange(3.0) * (tdist.get_rank() + 1)).tolist(), 2)[0]
+    >>> launch(lambda: all_reduce(torch.arange(3.0) * (tdist.get_rank() + 1)).tolist(), 2)[0]
     launch: 2 ranks · ...
     [0.0, 3.0, 6.0]
 """
@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as tdist
 
-__all__ = ["ring_allreduce"]
+__all__ = ["all_reduce"]
 
 
-def ring_allreduce(tensor: torch.Tensor) -> torch.Tensor:
+def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     """The sum of ``tensor`` over all ranks, by isend/irecv around a ring.
 
     The flat tensor is cut into ``world_size`` chunks (``tensor_split``: any size

@@ -1,17 +1,17 @@
 """Training that survives a crash: atomic snapshot files and exact resume of DDP training.
 
-The library's versions of lesson 10's exercises ``10.atomic_save`` and
-``10.resumable_train``, for ``scripts/resumable_train.py`` and the checks; the
+What ``scripts/resumable_train.py`` trains with, and the run lesson 10's checks
+compare a learner's with; lesson 10's exercises build the same two things, so the
 lesson's notebook does not import this module (its learners write their own).
 
 A process can die at any instruction (SIGKILL, the out-of-memory killer, a
 node that loses power), so a snapshot written in place can be left half
 written, and the job that restarts from it fails on ``torch.load``.
-:func:`atomic_save` writes to a temporary file in the same directory and
+:func:`save_atomically` writes to a temporary file in the same directory and
 renames it over the old one: ``os.replace`` is atomic within one file system,
 so the path always holds the old snapshot or the new one.
 
-:func:`resumable_train` is DDP training (lesson 04's) that snapshots every
+:func:`train` is DDP training (lesson 04's) that snapshots every
 ``snapshot_every`` steps (model, optimizer, step, every rank's RNG state) and,
 started again, resumes from the last snapshot so exactly that the final
 weights equal those of a run that was never interrupted. Run it under
@@ -21,7 +21,7 @@ rank costs at most ``snapshot_every`` steps of work.
 Example:
     >>> import tempfile
     >>> path = f"{tempfile.mkdtemp()}/snap.pt"
-    >>> atomic_save({"step": 3}, path)
+    >>> save_atomically({"step": 3}, path)
     >>> load_snapshot(path)["step"]
     3
 """
@@ -40,10 +40,10 @@ from torch.utils.data import DataLoader, DistributedSampler
 from mgpu_lab import dist as mdist
 from .snapshot import MOMENTUM, load_snapshot, rng_state, set_rng_state
 
-__all__ = ["atomic_save", "resumable_train"]
+__all__ = ["save_atomically", "train"]
 
 
-def atomic_save(obj, path: str | os.PathLike) -> None:
+def save_atomically(obj, path: str | os.PathLike) -> None:
     """``torch.save(obj, path)`` such that a crash at any moment leaves the old file or the new one.
 
     The object goes to a temporary file in ``path``'s directory (same file
@@ -63,7 +63,7 @@ def atomic_save(obj, path: str | os.PathLike) -> None:
     Example:
         >>> import tempfile
         >>> path = f"{tempfile.mkdtemp()}/last.pt"
-        >>> atomic_save({"weight": torch.ones(2), "step": 100}, path)
+        >>> save_atomically({"weight": torch.ones(2), "step": 100}, path)
         >>> sorted(torch.load(path, weights_only=True)), sorted(os.listdir(os.path.dirname(path)))
         (['step', 'weight'], ['last.pt'])
     """
@@ -95,8 +95,8 @@ def _gather_rng() -> list:
     return states
 
 
-def resumable_train(model_fn, dataset, epochs: int, batch_size: int, lr: float, snapshot_path: str,
-                    snapshot_every: int) -> dict[str, torch.Tensor]:
+def train(model_fn, dataset, epochs: int, batch_size: int, lr: float, snapshot_path: str,
+          snapshot_every: int) -> dict[str, torch.Tensor]:
     """DDP training that snapshots every ``snapshot_every`` steps and resumes from the snapshot exactly.
 
     Runs in every rank (process group initialised). The training is lesson
@@ -130,7 +130,7 @@ def resumable_train(model_fn, dataset, epochs: int, batch_size: int, lr: float, 
         ...     torch.manual_seed(0)                 # the same initial weights on every rank
         ...     return torch.nn.Linear(8, 3)
         >>> path = os.path.join(tempfile.mkdtemp(), "snap.pt")
-        >>> states = launch(resumable_train, 2, model_fn, datasets.synthetic_classification(32), 2, 4, 0.1, path, 4)
+        >>> states = launch(train, 2, model_fn, datasets.synthetic_classification(32), 2, 4, 0.1, path, 4)
         launch: 2 ranks · ...
         >>> os.path.exists(path), torch.equal(states[0]["weight"], states[1]["weight"])
         (True, True)
@@ -170,6 +170,6 @@ def resumable_train(model_fn, dataset, epochs: int, batch_size: int, lr: float, 
             if step % snapshot_every == 0:
                 rngs = _gather_rng()  # a collective: every rank takes part
                 if mdist.is_main_process():
-                    atomic_save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                                 "step": step, "per_epoch": per_epoch, "rng": rngs}, snapshot_path)
+                    save_atomically({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                                     "step": step, "per_epoch": per_epoch, "rng": rngs}, snapshot_path)
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}

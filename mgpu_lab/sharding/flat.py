@@ -1,8 +1,7 @@
-"""ZeRO by hand on a flat parameter: a sharded SGD step, and stages 0-2 with any optimizer.
+"""ZeRO by hand on a flat parameter: stages 0-2 with any optimizer.
 
-Lesson 08's reference implementations, which its notebook does not import (its
+Lesson 08's reference implementation, which its notebook does not import (its
 exercises 08.sharded_sgd_step and 08.ShardedAdam build their own):
-:func:`sharded_sgd_step` (reduce-scatter, update the own shard, all-gather) and
 :class:`FlatZero`, ZeRO stages 0, 1 and 2 with any optimizer on one flat parameter,
 which :mod:`mgpu_lab.sharding.side_by_side` measures beside DDP and FSDP2.
 """
@@ -10,7 +9,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as tdist
-import torch.nn.functional as F
 from torch import nn
 
 from mgpu_lab.core import compat
@@ -18,43 +16,7 @@ from mgpu_lab.sharding.zero import shard_size
 
 compat.install()  # reduce_scatter_single and all_gather_single on torch < 2.13
 
-__all__ = ["sharded_sgd_step", "FlatZero"]
-
-
-def sharded_sgd_step(param: torch.Tensor, grad: torch.Tensor, lr: float) -> torch.Tensor:
-    """One SGD step of a flat parameter, ZeRO style; call it in every rank.
-
-    Reduce-scatter the gradient (padded to a multiple of the world size), update
-    this rank's shard with the averaged gradient, all-gather the shards.
-
-    Args:
-        param: the flat full parameter, the same on every rank.
-        grad: this rank's local gradient of it.
-        lr: the learning rate.
-
-    Returns:
-        The new full parameter, ``param - lr * mean over ranks of grad``.
-
-    Example:
-        >>> from mgpu_lab import launch
-        >>> def step():           # in every rank: rank r's gradient is all r + 1, the mean 1.5
-        ...     rank = torch.distributed.get_rank()
-        ...     return sharded_sgd_step(torch.zeros(5), torch.full((5,), rank + 1.0), 0.1).tolist()
-        >>> launch(step, 2)
-        launch: 2 ranks · ...
-        [[-0.15..., -0.15..., -0.15..., -0.15..., -0.15...], [-0.15..., -0.15..., -0.15..., -0.15..., -0.15...]]
-    """
-    world, rank = tdist.get_world_size(), tdist.get_rank()
-    n = param.numel()
-    shard = shard_size(n, world)
-    padded = F.pad(grad.flatten(), (0, shard * world - n))
-    grad_shard = torch.empty(shard, dtype=grad.dtype, device=grad.device)
-    tdist.reduce_scatter_single(grad_shard, padded)           # sum of the ranks' gradients, my block
-    mine = F.pad(param.flatten(), (0, shard * world - n))[rank * shard:(rank + 1) * shard]
-    updated = mine - lr * grad_shard / world
-    full = torch.empty(shard * world, dtype=param.dtype, device=param.device)
-    tdist.all_gather_single(full, updated)
-    return full[:n].view_as(param)
+__all__ = ["FlatZero"]
 
 
 class FlatZero:

@@ -8,15 +8,14 @@ import torch
 import torch.distributed as dist
 
 from mgpu_lab import launch
-from mgpu_lab.comm import collectives
-from mgpu_lab.comm.ring import ring_allreduce
+from mgpu_lab.comm import collectives, ring
 
 matplotlib.use("Agg")
 pytestmark = pytest.mark.timeout(120)
 
 
 def _everything():
-    return {"shown": collectives.show_all(), "trace": collectives.ring_trace(ring_allreduce)}
+    return {"shown": collectives.show_all(), "trace": collectives.ring_trace(ring.all_reduce)}
 
 
 def _everyone_to_everyone(tensor):
@@ -69,8 +68,8 @@ def test_a_trace_of_a_sum_that_is_no_ring_shows_whole_tensors():
 def test_plots_draw_one_panel_per_collective_and_per_ring_step(four):
     fig = collectives.plot_collectives([res["shown"] for res in four])
     assert [ax.get_title() for ax in fig.axes if ax.get_title()] == list(collectives.OPS)
-    ring = collectives.plot_ring([res["trace"] for res in four])
-    labels = [t.get_text() for t in ring.axes[0].get_xticklabels()]
+    drawn = collectives.plot_ring([res["trace"] for res in four])
+    labels = [t.get_text() for t in drawn.axes[0].get_xticklabels()]
     assert labels == ["RS 1", "RS 2", "RS 3", "AG 1", "AG 2", "AG 3"]
     assert collectives._ranks_in(1011, 4) == "013" and collectives._ranks_in(1111, 4) == "all"
     assert collectives._decode(torch.tensor([3303.0]), 4) == (2, "023")

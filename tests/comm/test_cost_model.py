@@ -7,8 +7,7 @@ import matplotlib
 import pytest
 
 from mgpu_lab import launch
-from mgpu_lab.comm import cost_model
-from mgpu_lab.comm.ring import ring_allreduce
+from mgpu_lab.comm import cost_model, ring
 
 matplotlib.use("Agg")
 pytestmark = pytest.mark.timeout(120)
@@ -45,7 +44,7 @@ def test_time_ops_refuses_an_unknown_op_before_touching_the_process_group():
 
 def test_timing_in_two_ranks_gives_a_table_and_a_plot():
     sizes = [4096, 1 << 20]
-    result = launch(cost_model.time_ops, 2, sizes, 2, ("all_reduce", "ring"), ring_allreduce)[0]
+    result = launch(cost_model.time_ops, 2, sizes, 2, ("all_reduce", "ring"), ring.all_reduce)[0]
     assert result["world_size"] == 2 and result["backend"] == "gloo" and result["device"] == "cpu"
     assert all(t > 0 for t in result["all_reduce"] + result["ring"]) and len(result["ring"]) == 2
     table = cost_model.table(sizes, result).splitlines()

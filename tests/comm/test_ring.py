@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from mgpu_lab import launch
 from mgpu_lab.comm.record import record
-from mgpu_lab.comm.ring import ring_allreduce
+from mgpu_lab.comm import ring
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -21,7 +21,7 @@ def _sums():
         expected = x.clone()
         dist.all_reduce(expected)
         with record() as log:
-            got = ring_allreduce(x)
+            got = ring.all_reduce(x)
         peers = {e["peer"] for e in log.events if e["op"] in ("send", "recv")}
         out.append(bool(torch.equal(got, expected)) and got.shape == x.shape and got.dtype == x.dtype
                    and peers <= {(rank + 1) % world, (rank - 1) % world})
@@ -33,7 +33,7 @@ def test_the_ring_sums_any_shape_dtype_and_size_like_all_reduce_talking_to_its_n
 
 
 def _single():
-    return ring_allreduce(torch.arange(3.0)).tolist()
+    return ring.all_reduce(torch.arange(3.0)).tolist()
 
 
 def test_one_rank_returns_its_own_tensor():

@@ -23,19 +23,19 @@ def _script():
     return module
 
 
-def test_atomic_save_replaces_the_file_and_leaves_no_temporary_file(tmp_path):
+def test_save_atomically_replaces_the_file_and_leaves_no_temporary_file(tmp_path):
     path = tmp_path / "s.pt"
-    resume.atomic_save({"v": torch.ones(3)}, path)
-    resume.atomic_save({"v": torch.zeros(3)}, str(path))
+    resume.save_atomically({"v": torch.ones(3)}, path)
+    resume.save_atomically({"v": torch.zeros(3)}, str(path))
     assert torch.equal(torch.load(path, weights_only=True)["v"], torch.zeros(3))
     assert os.listdir(tmp_path) == ["s.pt"]
 
 
-def test_a_failed_atomic_save_raises_keeps_the_old_file_and_cleans_up(tmp_path):
+def test_a_failed_save_atomically_raises_keeps_the_old_file_and_cleans_up(tmp_path):
     path = tmp_path / "s.pt"
-    resume.atomic_save({"v": 1}, path)
+    resume.save_atomically({"v": 1}, path)
     with pytest.raises(Exception):
-        resume.atomic_save({"v": 2, "f": lambda: 0}, path)  # a lambda cannot be pickled
+        resume.save_atomically({"v": 2, "f": lambda: 0}, path)  # a lambda cannot be pickled
     assert torch.load(path, weights_only=True) == {"v": 1}
     assert os.listdir(tmp_path) == ["s.pt"]
 
@@ -51,7 +51,7 @@ def test_rng_state_round_trip_on_the_cpu():
 def test_load_snapshot_is_none_without_a_file_and_snapshot_every_must_be_positive(tmp_path):
     assert snapshot.load_snapshot(tmp_path / "none.pt") is None
     with pytest.raises(ValueError, match="snapshot_every=0"):
-        launch_free = resume.resumable_train
+        launch_free = resume.train
         launch_free(None, None, 1, 1, 0.1, str(tmp_path / "s.pt"), 0)
 
 
@@ -65,7 +65,7 @@ def test_a_rank_killed_under_torchrun_resumes_to_the_uninterrupted_weights(tmp_p
     assert result.lines(r"rank 1: SIGKILL at step 10 \(attempt 0\)"), result.output[-3000:]
     assert result.lines(r"attempt 1: world size 2, resuming from .* \(step 8\)"), result.output[-3000:]
     resumed = torch.load(out, weights_only=True)
-    straight = launch(resume.resumable_train, 2, script.make_model, script.make_data(48), 3, 4, 0.1,
+    straight = launch(resume.train, 2, script.make_model, script.make_data(48), 3, 4, 0.1,
                       str(tmp_path / "straight.pt"), 4)[0]
     assert set(resumed) == set(straight)
     assert all(torch.equal(resumed[k], straight[k]) for k in straight)
@@ -74,9 +74,9 @@ def test_a_rank_killed_under_torchrun_resumes_to_the_uninterrupted_weights(tmp_p
 def test_another_world_size_resumes_the_snapshot_epoch_from_its_start(tmp_path):
     script = _script()
     path = str(tmp_path / "snap.pt")
-    launch(resume.resumable_train, 2, script.make_model, script.make_data(48), 1, 4, 0.1, path, 4)
+    launch(resume.train, 2, script.make_model, script.make_data(48), 1, 4, 0.1, path, 4)
     assert torch.load(path, weights_only=True)["step"] == 4
-    state = launch(resume.resumable_train, 1, script.make_model, script.make_data(48), 2, 4, 0.1, path, 4)[0]
+    state = launch(resume.train, 1, script.make_model, script.make_data(48), 2, 4, 0.1, path, 4)[0]
     after = torch.load(path, weights_only=True)
     assert after["step"] == 24 and len(after["rng"]) == 1  # epoch 0 redone with 12 steps per epoch, then epoch 1
     assert all(torch.isfinite(v).all() for v in state.values())

@@ -17,8 +17,7 @@ from .judges import (judge_adam, judge_adam_state, judge_adam_traffic, judge_col
                      judge_replicas, judge_result, judge_sharding, need, SGD_CASES, SGD_LR)
 from .ranks import BUILD_STEPS, run_build_sharded, run_load_full, run_sgd_cases, run_sharded_adam
 
-FLAT = ("mgpu_lab.sharding.flat:sharded_sgd_step", "mgpu_lab.sharding.flat:FlatZero",
-        "mgpu_lab.sharding.flat:FlatZero.step")
+FLAT = ("mgpu_lab.sharding.flat:FlatZero", "mgpu_lab.sharding.flat:FlatZero.step")
 
 
 # -- sharded_sgd_step ----------------------------------------------------------------------

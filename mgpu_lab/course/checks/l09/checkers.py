@@ -35,7 +35,7 @@ SPLIT_HINT = ("cut the flat tensor with tensor_split(world_size): it always give
 
 @exercise("09.ring_allreduce", points=8, description="ring_allreduce(tensor): the sum over ranks with send/recv "
           "only, around a ring, each rank sending 2(W-1)/W of the tensor",
-          references=("mgpu_lab.comm.ring:ring_allreduce",))
+          references=("mgpu_lab.comm.ring:all_reduce",))
 def _ring_allreduce(t, ring_allreduce):
     runs = {}
     hint = ("every rank must end with the element-wise sum over all ranks: a reduce-scatter phase (W-1 steps: "

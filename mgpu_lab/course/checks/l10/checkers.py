@@ -32,7 +32,7 @@ ATOMIC_HINT = ("a right save leaves path untouched until the new content is comp
 
 @exercise("10.atomic_save", points=7, description="atomic_save(obj, path): torch.save such that a process killed "
           "at any moment leaves the old file or the new one at path, never a torn one, and a power loss after it "
-          "returned leaves the new one", references=("mgpu_lab.failures.resume:atomic_save",))
+          "returned leaves the new one", references=("mgpu_lab.failures.resume:save_atomically",))
 def _atomic_save(t, atomic_save):
     root = t.scratch("mgpu-lab-10-atomic-")  # where the learner's code runs (a grader's sandbox)
     other = t.remove_after(t.local(other_filesystem, root))
@@ -208,7 +208,7 @@ def _run_case(t, resumable_train, schedule: list):
 @exercise("10.resumable_train", points=7, description="resumable_train(model_fn, dataset, epochs, batch_size, lr, "
           "snapshot_path, snapshot_every): DDP training that snapshots every snapshot_every steps and, started "
           "again after a SIGKILL, resumes exactly (the weights of an uninterrupted run)",
-          references=("mgpu_lab.failures.resume:resumable_train", "mgpu_lab.failures.resume:atomic_save"))
+          references=("mgpu_lab.failures.resume:train", "mgpu_lab.failures.resume:save_atomically"))
 def _resumable_train(t, resumable_train):
     every, passed = CFG["every"], []
     fresh_logs = killed_logs = None

@@ -138,7 +138,7 @@ def judge_durable(t, trial: dict) -> None:
 
 
 def reference() -> dict:
-    """The uninterrupted run of the library's resumable_train (:mod:`mgpu_lab.failures.resume`).
+    """The uninterrupted run of the library's resumable training (:func:`mgpu_lab.failures.resume.train`).
 
     Its final weights and each rank's per-step log.
     """
@@ -147,7 +147,7 @@ def reference() -> dict:
 
         work = tempfile.mkdtemp(prefix="mgpu-lab-10-ref-")
         try:
-            res = run(run_resumable, WORLD, (resume.resumable_train, CFG, os.path.join(work, "s.pt"), work, 0,
+            res = run(run_resumable, WORLD, (resume.train, CFG, os.path.join(work, "s.pt"), work, 0,
                                              None), quiet=True, echo=False, timeout=RUN_TIMEOUT)
             _reference.update(state=res[0]["state"], trace=[_steps(read_log(work, 0, r)) for r in range(WORLD)])
         finally:
