@@ -37,11 +37,11 @@ import torch
 from torch import nn
 
 from mgpu_lab.parallel.dp_tools import (_devices, _lane, _span, cpu_threads, default_devices, parallel_apply,
-                                        time_steps, train_step)
+                                        time_steps, traced_step)
 from mgpu_lab.parallel.timeline import Timeline
 
 __all__ = ["default_devices", "cpu_threads", "scatter", "replicate", "parallel_apply", "gather",
-           "StepByStepDataParallel", "train_step", "time_steps"]
+           "StepByStepDataParallel", "traced_step", "time_steps"]
 
 
 def _all_cuda(devices) -> bool:

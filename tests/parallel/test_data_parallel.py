@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from mgpu_lab.parallel.data_parallel import (StepByStepDataParallel, cpu_threads, default_devices, gather,
-                                             parallel_apply, replicate, scatter, time_steps, train_step)
+                                             parallel_apply, replicate, scatter, time_steps, traced_step)
 from mgpu_lab.parallel.timeline import Timeline
 
 CPU2 = ["cpu", "cpu"]
@@ -74,8 +74,8 @@ def test_step_by_step_equals_plain_model_and_records_a_timeline():
     x, y = torch.randn(10, 6), torch.randint(0, 4, (10,))
     torch.testing.assert_close(dp(x), ref(x))
     opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
-    loss = train_step(dp, x, y, nn.CrossEntropyLoss(), opt, timeline=tl)
-    ref_loss = train_step(ref, x, y, nn.CrossEntropyLoss(), ref_opt)
+    loss = traced_step(dp, x, y, nn.CrossEntropyLoss(), opt, timeline=tl)
+    ref_loss = traced_step(ref, x, y, nn.CrossEntropyLoss(), ref_opt)
     assert loss == pytest.approx(ref_loss, rel=1e-5)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q)

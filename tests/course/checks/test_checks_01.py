@@ -92,11 +92,11 @@ def library_visible_devices_env(ids):
     return visible_devices_env(ids)
 
 
-def library_train_step(model, batch, optimizer, loss_fn, device):
-    from mgpu_lab.parallel.dp_tools import train_step
+def library_traced_step(model, batch, optimizer, loss_fn, device):
+    from mgpu_lab.parallel.dp_tools import traced_step
 
     inputs, labels = batch
-    return train_step(model, inputs.to(device), labels.to(device), loss_fn, optimizer)
+    return traced_step(model, inputs.to(device), labels.to(device), loss_fn, optimizer)
 
 
 @pytest.mark.parametrize("exercise_id", IDS)
@@ -145,7 +145,7 @@ def test_a_step_that_does_nothing_passes_only_the_type_of_its_result():
 
 
 @pytest.mark.parametrize("exercise_id, answer", [("01.visible_devices_env", library_visible_devices_env),
-                                                 ("01.train_step", library_train_step)])
+                                                 ("01.train_step", library_traced_step)])
 def test_an_answer_that_calls_the_library_s_version_fails_naming_it(exercise_id, answer):
     result = check(exercise_id, answer)
     assert result.points == 0 and "your code calls mgpu_lab." in result.cases[0].got, str(result)

@@ -93,7 +93,7 @@ MOVE_HINT = ("the {tag} arrive on the CPU and the model is on the device you are
              "'Expected all tensors to be on the same device'")
 
 
-@exercise("01.train_step", points=6, references=("mgpu_lab.parallel.dp_tools:train_step",),
+@exercise("01.train_step", points=6, references=("mgpu_lab.parallel.dp_tools:traced_step",),
           description="train_step(model, batch, optimizer, loss_fn, device): one optimisation step computed on "
                       "device (a CPU batch), the loss as a float")
 def _train_step(t, train_step):
