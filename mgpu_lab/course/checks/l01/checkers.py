@@ -207,7 +207,7 @@ def _judge_child(t, report, ids, parent, want):
 
 
 @exercise("01.visible_devices_env", points=6,
-          references=("mgpu_lab.devices.visible:visible_devices_env", "mgpu_lab.devices.visible:child_env"),
+          references=("mgpu_lab.devices.visible:subset_vars", "mgpu_lab.devices.visible:child_env"),
           description="visible_devices_env(ids): the variables that make a child process see exactly the GPUs "
                       "this process calls cuda:ids[0], cuda:ids[1], ..., in that order")
 def _visible(t, visible_devices_env):
