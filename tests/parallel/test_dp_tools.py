@@ -7,17 +7,15 @@ import pytest
 import torch
 from torch import nn
 
-from mgpu_lab.parallel.data_parallel import gather, replicate, scatter
-from mgpu_lab.parallel.dp_tools import TracedDataParallel, parallel_apply, traced_step
+from mgpu_lab.parallel.data_parallel import StepByStepDataParallel
+from mgpu_lab.parallel.dp_tools import TracedDataParallel, traced_step
 from mgpu_lab.parallel.timeline import Timeline
 
 CPU2 = [torch.device("cpu")] * 2
 
 
-def forward(model, batch, devices):
-    chunks = scatter(batch, devices)
-    used = devices[: len(chunks)]
-    return gather(parallel_apply(replicate(model, used), chunks, used), devices[0])
+def forward(model, batch, devices):  # the library's DataParallel forward
+    return StepByStepDataParallel(model, devices)(batch)
 
 
 def deep_forward(model, batch, devices):  # replicas that deep-copy the module (and its hooks)
