@@ -2,13 +2,13 @@
 
 ``CUDA_VISIBLE_DEVICES`` picks and renumbers the GPUs of a process, and CUDA
 reads it once, when the process initialises CUDA; so it belongs in the
-environment a child process *starts* with. :func:`visible_devices_env` gives
+environment a child process *starts* with. :func:`subset_vars` gives
 the two variables for a list of GPU ids (mapped through this process's own
 ``CUDA_VISIBLE_DEVICES``, if it has one), and :func:`child_env` a whole
 environment for ``subprocess``.
 
 Example:
-    >>> visible_devices_env([2, 3], environ={})
+    >>> subset_vars([2, 3], environ={})
     {'CUDA_VISIBLE_DEVICES': '2,3', 'CUDA_DEVICE_ORDER': 'PCI_BUS_ID'}
     >>> import subprocess, sys
     >>> code = "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])"
@@ -26,7 +26,7 @@ from collections.abc import Mapping
 # parser and one explanation serve both modules.
 from mgpu_lab.devices import _parse_visible, _why_no_gpu, gpu_count
 
-__all__ = ["child_env", "visible_devices_env"]
+__all__ = ["child_env", "subset_vars"]
 
 # CUDA's own default order when CUDA_DEVICE_ORDER is unset.
 _CUDA_DEFAULT_ORDER = "FASTEST_FIRST"
@@ -66,7 +66,7 @@ def _check_ids(ids: object) -> list[int]:
     return checked
 
 
-def visible_devices_env(
+def subset_vars(
     ids: list[int] | tuple[int, ...],
     check_exists: bool = False,
     *,
@@ -104,9 +104,9 @@ def visible_devices_env(
             ``check_exists=True``, if an id is not below :func:`gpu_count`.
 
     Example:
-        >>> visible_devices_env([2, 3], environ={})
+        >>> subset_vars([2, 3], environ={})
         {'CUDA_VISIBLE_DEVICES': '2,3', 'CUDA_DEVICE_ORDER': 'PCI_BUS_ID'}
-        >>> visible_devices_env([1], environ={"CUDA_VISIBLE_DEVICES": "4,5,6"})
+        >>> subset_vars([1], environ={"CUDA_VISIBLE_DEVICES": "4,5,6"})
         {'CUDA_VISIBLE_DEVICES': '5', 'CUDA_DEVICE_ORDER': 'FASTEST_FIRST'}
     """
     checked = _check_ids(ids)
@@ -152,7 +152,7 @@ def child_env(
     """A full environment for a subprocess that should see only these GPUs.
 
     Args:
-        ids: GPUs as this process numbers them; see :func:`visible_devices_env`
+        ids: GPUs as this process numbers them; see :func:`subset_vars`
             (ids are mapped through this process's ``CUDA_VISIBLE_DEVICES``).
         base: Environment to start from; defaults to a copy of ``os.environ``.
             It is copied, never modified.
@@ -162,7 +162,7 @@ def child_env(
         ``CUDA_DEVICE_ORDER`` replaced.
 
     Raises:
-        ValueError: If ``ids`` is invalid; see :func:`visible_devices_env`.
+        ValueError: If ``ids`` is invalid; see :func:`subset_vars`.
 
     Example:
         >>> import subprocess, sys
@@ -171,5 +171,5 @@ def child_env(
         ('2,3', True)
     """
     env = dict(os.environ if base is None else base)
-    env.update(visible_devices_env(ids))
+    env.update(subset_vars(ids))
     return env

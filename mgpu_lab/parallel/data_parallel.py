@@ -17,8 +17,9 @@ the checks, the tests, the benchmarks and later lessons may.
 PyTorch's own pieces are built for GPUs: ``torch.nn.parallel.scatter`` and
 ``replicate`` send chunks and copies to GPUs only, and ``gather`` takes outputs
 on GPUs (it can concatenate them on a GPU or on the CPU, ``target_device="cpu"``);
-``nn.DataParallel`` with fewer than two GPUs just calls the model. The functions
-here do the same steps on any devices: with CUDA devices they call PyTorch's
+``nn.DataParallel`` with fewer than two GPUs just calls the model. The steps
+here (:func:`scatter`, :meth:`StepByStepDataParallel.replicas`, :func:`parallel_apply`,
+:func:`gather`) do the same on any devices: with CUDA devices they call PyTorch's
 pieces; on a CPU they make the same autograd-linked replicas on "devices" that
 are all the CPU, run in threads.
 Given a :class:`mgpu_lab.parallel.timeline.Timeline`, they record which step ran on
@@ -37,11 +38,11 @@ import torch
 from torch import nn
 
 from mgpu_lab.parallel.dp_tools import (_devices, _lane, _span, cpu_threads, default_devices, parallel_apply,
-                                        time_steps, train_step)
+                                        time_steps, traced_step)
 from mgpu_lab.parallel.timeline import Timeline
 
-__all__ = ["default_devices", "cpu_threads", "scatter", "replicate", "parallel_apply", "gather",
-           "StepByStepDataParallel", "train_step", "time_steps"]
+__all__ = ["default_devices", "cpu_threads", "scatter", "parallel_apply", "gather",
+           "StepByStepDataParallel", "traced_step", "time_steps"]
 
 
 def _all_cuda(devices) -> bool:
@@ -63,38 +64,6 @@ def scatter(batch: torch.Tensor, devices) -> list[torch.Tensor]:
         raise ValueError("scatter needs a batch with a batch dimension (dim 0); got a 0-d tensor")
     chunks = batch.chunk(len(devices), dim=0)
     return [c.to(d, non_blocking=True) for c, d in zip(chunks, devices)]
-
-
-def replicate(model: nn.Module, devices) -> list[nn.Module]:
-    """One replica of ``model`` per device; gradients of the replicas flow back into ``model``.
-
-    With CUDA devices this is ``torch.nn.parallel.replicate`` (a broadcast of the
-    parameters; its backward sums the replicas' gradients onto the first device).
-    Otherwise each replica is a shallow copy of every module whose parameters
-    are ``param.to(device)``: a differentiable copy, or, on the same device, the
-    parameter itself, so every replica's gradient adds into ``param.grad``.
-    Replicas are for one forward pass: make new ones every step.
-    """
-    devices = _devices(devices)
-    detach = not torch.is_grad_enabled()
-    if _all_cuda(devices):
-        return torch.nn.parallel.replicate(model, devices, detach=detach)
-    modules = list(model.modules())
-    index = {m: i for i, m in enumerate(modules)}
-    replicas = []
-    for device in devices:
-        copies = [m._replicate_for_data_parallel() for m in modules]
-        for m, c in zip(modules, copies):
-            for key, child in m._modules.items():
-                c._modules[key] = None if child is None else copies[index[child]]
-            for key, param in m._parameters.items():
-                # A copy is not a leaf: set it as a plain attribute, as torch's replicate does.
-                copy = None if param is None else (param.detach() if detach else param).to(device)
-                object.__setattr__(c, key, copy)
-            for key, buf in m._buffers.items():
-                c._buffers[key] = None if buf is None else buf.to(device)
-        replicas.append(copies[0])
-    return replicas
 
 
 def gather(outputs, device) -> torch.Tensor:
@@ -127,13 +96,49 @@ class StepByStepDataParallel(nn.Module):
         d = self.devices[lane_index] if lane_index is not None else self.devices[0]
         return _span(self.timeline, None if lane_index is None else _lane(lane_index, d), phase, d)
 
+    def replicas(self, devices=None) -> list[nn.Module]:
+        """This step's copies of ``module``, one per device (default: every device), linked to it by autograd.
+
+        With CUDA devices this is ``torch.nn.parallel.replicate`` (a broadcast of the
+        parameters; its backward sums the replicas' gradients onto the first device).
+        Otherwise each replica is a shallow copy of every module whose parameters
+        are ``param.to(device)``: a differentiable copy, or, on the same device, the
+        parameter itself, so every replica's gradient adds into ``param.grad``.
+        Replicas are for one forward pass: :meth:`forward` makes new ones every step.
+
+        Example:
+            >>> dp = StepByStepDataParallel(torch.nn.Linear(4, 2), devices=["cpu", "cpu"])
+            >>> [r is dp.module for r in dp.replicas()]
+            [False, False]
+        """
+        devices = self.devices if devices is None else _devices(devices)
+        detach = not torch.is_grad_enabled()
+        if _all_cuda(devices):
+            return torch.nn.parallel.replicate(self.module, devices, detach=detach)
+        modules = list(self.module.modules())
+        index = {m: i for i, m in enumerate(modules)}
+        replicas = []
+        for device in devices:
+            copies = [m._replicate_for_data_parallel() for m in modules]
+            for m, c in zip(modules, copies):
+                for key, child in m._modules.items():
+                    c._modules[key] = None if child is None else copies[index[child]]
+                for key, param in m._parameters.items():
+                    # A copy is not a leaf: set it as a plain attribute, as torch's replicate does.
+                    copy = None if param is None else (param.detach() if detach else param).to(device)
+                    object.__setattr__(c, key, copy)
+                for key, buf in m._buffers.items():
+                    c._buffers[key] = None if buf is None else buf.to(device)
+            replicas.append(copies[0])
+        return replicas
+
     def forward(self, batch: torch.Tensor) -> torch.Tensor:
         if len(self.devices) == 1:  # as nn.DataParallel: one device, no copies
             return self.module(batch.to(self.devices[0]))
         with self._span(0, "scatter"):
             chunks = scatter(batch, self.devices)
         with self._span(0, "replicate"):
-            replicas = replicate(self.module, self.devices[: len(chunks)])
+            replicas = self.replicas(self.devices[: len(chunks)])
         outputs = parallel_apply(replicas, chunks, self.devices[: len(chunks)], self.timeline)
         with self._span(0, "gather"):
             return gather(outputs, self.devices[0])

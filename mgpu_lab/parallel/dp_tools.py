@@ -28,7 +28,7 @@ from torch import nn
 
 from mgpu_lab.parallel.timeline import Timeline
 
-__all__ = ["default_devices", "cpu_threads", "parallel_apply", "TracedDataParallel", "train_step", "time_steps"]
+__all__ = ["default_devices", "cpu_threads", "parallel_apply", "TracedDataParallel", "traced_step", "time_steps"]
 
 
 def default_devices(n_cpu: int = 2) -> list[torch.device]:
@@ -185,9 +185,9 @@ class TracedDataParallel(nn.Module):
         return out
 
 
-def train_step(model, batch, target, loss_fn, optimizer, timeline: Timeline | None = None) -> float:
-    """One optimisation step; with a timeline, loss+backward and the optimizer step are recorded
-    across every lane (backward runs through all replicas)."""
+def traced_step(model, batch, target, loss_fn, optimizer, timeline: Timeline | None = None) -> float:
+    """One optimisation step, drawn on ``timeline`` when one is given: loss+backward and the optimizer
+    step are spans across every lane (backward runs through all replicas); the loss as a float."""
     optimizer.zero_grad(set_to_none=True)
     out = model(batch)
     device = out.device
@@ -206,10 +206,10 @@ def time_steps(model, batch, target, steps: int = 10, warmup: int = 2, lr: float
     optimizer = torch.optim.SGD(params, lr=lr)
     loss_fn = nn.CrossEntropyLoss()
     for _ in range(warmup):
-        train_step(model, batch, target, loss_fn, optimizer)
+        traced_step(model, batch, target, loss_fn, optimizer)
     _sync(device)
     start = time.perf_counter()
     for _ in range(steps):
-        train_step(model, batch, target, loss_fn, optimizer)
+        traced_step(model, batch, target, loss_fn, optimizer)
     _sync(device)
     return (time.perf_counter() - start) / steps

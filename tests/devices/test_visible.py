@@ -34,7 +34,7 @@ def no_visible_env(monkeypatch):
     monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
 
 
-# --- visible_devices_env: validation ----------------------------------------
+# --- subset_vars: validation ----------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -56,63 +56,63 @@ def no_visible_env(monkeypatch):
         (None, r"ids=None \(NoneType\) is not a list"),
     ],
 )
-def test_visible_devices_env_rejects_bad_ids(ids, match, no_visible_env):
+def test_subset_vars_rejects_bad_ids(ids, match, no_visible_env):
     with pytest.raises(ValueError, match=match):
-        visible.visible_devices_env(ids)
+        visible.subset_vars(ids)
 
 
-def test_visible_devices_env_basic(no_visible_env):
-    assert visible.visible_devices_env([2, 3]) == {
+def test_subset_vars_basic(no_visible_env):
+    assert visible.subset_vars([2, 3]) == {
         "CUDA_VISIBLE_DEVICES": "2,3",
         "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
     }
     # The child's cuda:0 is the first id given, so order is kept as given.
-    assert visible.visible_devices_env((3, 0))["CUDA_VISIBLE_DEVICES"] == "3,0"
-    assert visible.visible_devices_env(range(2))["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert visible.subset_vars((3, 0))["CUDA_VISIBLE_DEVICES"] == "3,0"
+    assert visible.subset_vars(range(2))["CUDA_VISIBLE_DEVICES"] == "0,1"
 
 
-def test_visible_devices_env_accepts_integral_types(no_visible_env):
+def test_subset_vars_accepts_integral_types(no_visible_env):
     numpy = pytest.importorskip("numpy")
-    env = visible.visible_devices_env([numpy.int64(1)])
+    env = visible.subset_vars([numpy.int64(1)])
     assert env["CUDA_VISIBLE_DEVICES"] == "1"
 
 
 def test_check_exists_with_simulated_gpus(monkeypatch, no_visible_env):
     simulate_gpu_count(monkeypatch, 2)
-    assert visible.visible_devices_env([1, 0], check_exists=True) == {
+    assert visible.subset_vars([1, 0], check_exists=True) == {
         "CUDA_VISIBLE_DEVICES": "1,0",
         "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
     }
     with pytest.raises(ValueError, match=r"asks for GPU 2 but this process sees 2 GPU.*ids below 2"):
-        visible.visible_devices_env([0, 2], check_exists=True)
+        visible.subset_vars([0, 2], check_exists=True)
     # Without check_exists the id is passed through: the child may see more.
-    assert visible.visible_devices_env([5])["CUDA_VISIBLE_DEVICES"] == "5"
+    assert visible.subset_vars([5])["CUDA_VISIBLE_DEVICES"] == "5"
 
 
 def test_check_exists_without_any_gpu(monkeypatch, no_visible_env):
     simulate_gpu_count(monkeypatch, 0)
     with pytest.raises(ValueError, match=r"no CUDA GPU is visible here.*check_exists=False"):
-        visible.visible_devices_env([0], check_exists=True)
+        visible.subset_vars([0], check_exists=True)
 
 
-# --- visible_devices_env: mapping through the parent's CUDA_VISIBLE_DEVICES --
+# --- subset_vars: mapping through the parent's CUDA_VISIBLE_DEVICES --
 
 
 def test_maps_through_parent_visible_devices(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
     monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
-    assert visible.visible_devices_env([1]) == {
+    assert visible.subset_vars([1]) == {
         "CUDA_VISIBLE_DEVICES": "5",
         # The parent's indices mean GPUs in CUDA's default order; keep it.
         "CUDA_DEVICE_ORDER": "FASTEST_FIRST",
     }
-    assert visible.visible_devices_env([2, 0])["CUDA_VISIBLE_DEVICES"] == "6,4"
+    assert visible.subset_vars([2, 0])["CUDA_VISIBLE_DEVICES"] == "6,4"
 
 
 def test_mapping_keeps_parent_device_order(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4, 5")
     monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-    assert visible.visible_devices_env([1]) == {
+    assert visible.subset_vars([1]) == {
         "CUDA_VISIBLE_DEVICES": "5",
         "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
     }
@@ -120,27 +120,27 @@ def test_mapping_keeps_parent_device_order(monkeypatch):
 
 def test_mapping_with_uuids():
     environ = {"CUDA_VISIBLE_DEVICES": "GPU-aaaa,MIG-bbbb"}
-    env = visible.visible_devices_env([1, 0], environ=environ)
+    env = visible.subset_vars([1, 0], environ=environ)
     assert env["CUDA_VISIBLE_DEVICES"] == "MIG-bbbb,GPU-aaaa"
 
 
 def test_mapping_past_the_end_of_parent_list():
     match = r"position 3 of this process's CUDA_VISIBLE_DEVICES='4,5,6'.*holds 3 usable.*ids below 3"
     with pytest.raises(ValueError, match=match):
-        visible.visible_devices_env([0, 3], environ={"CUDA_VISIBLE_DEVICES": "4,5,6"})
+        visible.subset_vars([0, 3], environ={"CUDA_VISIBLE_DEVICES": "4,5,6"})
 
 
 def test_mapping_stops_at_first_invalid_entry_like_cuda():
     # CUDA ignores everything from the first invalid entry on: only 0 and 1 exist.
     environ = {"CUDA_VISIBLE_DEVICES": "0,1,-1,2"}
-    assert visible.visible_devices_env([1], environ=environ)["CUDA_VISIBLE_DEVICES"] == "1"
+    assert visible.subset_vars([1], environ=environ)["CUDA_VISIBLE_DEVICES"] == "1"
     with pytest.raises(ValueError, match="holds 2 usable"):
-        visible.visible_devices_env([2], environ=environ)
+        visible.subset_vars([2], environ=environ)
 
 
 def test_mapping_when_parent_hides_every_gpu():
     with pytest.raises(ValueError, match=r"CUDA_VISIBLE_DEVICES='', which holds 0 usable"):
-        visible.visible_devices_env([0], environ={"CUDA_VISIBLE_DEVICES": ""})
+        visible.subset_vars([0], environ={"CUDA_VISIBLE_DEVICES": ""})
 
 
 # --- child_env ---------------------------------------------------------------

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from mgpu_lab.parallel.data_parallel import (StepByStepDataParallel, cpu_threads, default_devices, gather,
-                                             parallel_apply, replicate, scatter, time_steps, train_step)
+                                             parallel_apply, scatter, time_steps, traced_step)
 from mgpu_lab.parallel.timeline import Timeline
 
 CPU2 = ["cpu", "cpu"]
@@ -27,7 +27,7 @@ def test_scatter_matches_chunk_and_moves():
     assert len(scatter(torch.zeros(2, 3), ["cpu"] * 4)) == 2  # fewer chunks than devices
 
 
-def test_scatter_and_replicate_errors():
+def test_scatter_and_parallel_apply_errors():
     with pytest.raises(ValueError, match="devices is empty"):
         scatter(torch.zeros(3), [])
     with pytest.raises(ValueError, match="0-d tensor"):
@@ -39,7 +39,7 @@ def test_scatter_and_replicate_errors():
 def test_replicas_compute_like_the_model_and_send_gradients_back():
     model, x = _model(), torch.randn(8, 6)
     ref = copy.deepcopy(model)
-    replicas = replicate(model, ["cpu"] * 3)
+    replicas = StepByStepDataParallel(model, ["cpu"] * 3).replicas()
     assert len(replicas) == 3 and all(r is not model for r in replicas)
     outs = [r(c) for r, c in zip(replicas, x.chunk(3))]
     torch.testing.assert_close(torch.cat(outs), ref(x))
@@ -49,9 +49,9 @@ def test_replicas_compute_like_the_model_and_send_gradients_back():
         torch.testing.assert_close(p.grad, q.grad)
 
 
-def test_replicate_without_grad_detaches():
+def test_replicas_without_grad_detach():
     with torch.no_grad():
-        out = replicate(_model(), CPU2)[1](torch.randn(2, 6))
+        out = StepByStepDataParallel(_model(), CPU2).replicas()[1](torch.randn(2, 6))
     assert not out.requires_grad
 
 
@@ -74,8 +74,8 @@ def test_step_by_step_equals_plain_model_and_records_a_timeline():
     x, y = torch.randn(10, 6), torch.randint(0, 4, (10,))
     torch.testing.assert_close(dp(x), ref(x))
     opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
-    loss = train_step(dp, x, y, nn.CrossEntropyLoss(), opt, timeline=tl)
-    ref_loss = train_step(ref, x, y, nn.CrossEntropyLoss(), ref_opt)
+    loss = traced_step(dp, x, y, nn.CrossEntropyLoss(), opt, timeline=tl)
+    ref_loss = traced_step(ref, x, y, nn.CrossEntropyLoss(), ref_opt)
     assert loss == pytest.approx(ref_loss, rel=1e-5)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q)
@@ -109,7 +109,7 @@ def test_on_two_gpus_matches_nn_data_parallel():
     ours = StepByStepDataParallel(model, devices)(x)
     torch.testing.assert_close(ours, nn.DataParallel(model, device_ids=[0, 1])(x))
     assert ours.device == torch.device("cuda", 0)
-    outs = parallel_apply(replicate(model, devices), scatter(x, devices), devices)
+    outs = parallel_apply(StepByStepDataParallel(model, devices).replicas(), scatter(x, devices), devices)
     assert [o.device.index for o in outs] == [0, 1]
 
 

@@ -7,17 +7,15 @@ import pytest
 import torch
 from torch import nn
 
-from mgpu_lab.parallel.data_parallel import gather, replicate, scatter
-from mgpu_lab.parallel.dp_tools import TracedDataParallel, parallel_apply, train_step
+from mgpu_lab.parallel.data_parallel import StepByStepDataParallel
+from mgpu_lab.parallel.dp_tools import TracedDataParallel, traced_step
 from mgpu_lab.parallel.timeline import Timeline
 
 CPU2 = [torch.device("cpu")] * 2
 
 
-def forward(model, batch, devices):
-    chunks = scatter(batch, devices)
-    used = devices[: len(chunks)]
-    return gather(parallel_apply(replicate(model, used), chunks, used), devices[0])
+def forward(model, batch, devices):  # the library's DataParallel forward
+    return StepByStepDataParallel(model, devices)(batch)
 
 
 def deep_forward(model, batch, devices):  # replicas that deep-copy the module (and its hooks)
@@ -38,8 +36,8 @@ def test_traced_forward_equals_the_model_and_draws_every_phase():
     x, y = torch.randn(10, 6), torch.randint(0, 4, (10,))
     torch.testing.assert_close(dp(x), ref(x))
     opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
-    assert train_step(dp, x, y, nn.CrossEntropyLoss(), opt, timeline=tl) == pytest.approx(
-        train_step(ref, x, y, nn.CrossEntropyLoss(), ref_opt), rel=1e-5)
+    assert traced_step(dp, x, y, nn.CrossEntropyLoss(), opt, timeline=tl) == pytest.approx(
+        traced_step(ref, x, y, nn.CrossEntropyLoss(), ref_opt), rel=1e-5)
     assert tl.lanes == ["cpu (replica 0)", "cpu (replica 1)"]
     assert {s[1] for s in tl.spans} == {"scatter+replicate", "forward", "gather", "loss+backward", "optimizer"}
     assert sum(s[1] == "forward" for s in tl.spans) == 4  # 2 forwards x 2 replicas

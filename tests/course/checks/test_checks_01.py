@@ -86,17 +86,17 @@ def does_nothing_but_returns_a_float(model, batch, optimizer, loss_fn, device):
     return 0.0
 
 
-def library_visible_devices_env(ids):
-    from mgpu_lab.devices.visible import visible_devices_env
+def library_subset_vars(ids):
+    from mgpu_lab.devices.visible import subset_vars
 
-    return visible_devices_env(ids)
+    return subset_vars(ids)
 
 
-def library_train_step(model, batch, optimizer, loss_fn, device):
-    from mgpu_lab.parallel.dp_tools import train_step
+def library_traced_step(model, batch, optimizer, loss_fn, device):
+    from mgpu_lab.parallel.dp_tools import traced_step
 
     inputs, labels = batch
-    return train_step(model, inputs.to(device), labels.to(device), loss_fn, optimizer)
+    return traced_step(model, inputs.to(device), labels.to(device), loss_fn, optimizer)
 
 
 @pytest.mark.parametrize("exercise_id", IDS)
@@ -144,8 +144,8 @@ def test_a_step_that_does_nothing_passes_only_the_type_of_its_result():
     assert result.points == 0, str(result)
 
 
-@pytest.mark.parametrize("exercise_id, answer", [("01.visible_devices_env", library_visible_devices_env),
-                                                 ("01.train_step", library_train_step)])
+@pytest.mark.parametrize("exercise_id, answer", [("01.visible_devices_env", library_subset_vars),
+                                                 ("01.train_step", library_traced_step)])
 def test_an_answer_that_calls_the_library_s_version_fails_naming_it(exercise_id, answer):
     result = check(exercise_id, answer)
     assert result.points == 0 and "your code calls mgpu_lab." in result.cases[0].got, str(result)

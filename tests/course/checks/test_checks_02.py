@@ -1,8 +1,8 @@
-"""Checkers of lesson 02 against the solution, a call of the library's reference, a stub, nothing, a crash.
+"""Checkers of lesson 02 against the solution, a call of the library's sweep, a stub, nothing, a crash.
 
 The right answers are the ones in solutions/02_data_loading.ipynb, read from
-the notebook itself; mgpu_lab.data.loaders holds the references an answer must
-not call. Every answer runs through ``check()`` for real: fresh
+the notebook itself; mgpu_lab.data.throughput's sweep is the reference an answer to
+best_num_workers must not call. Every answer runs through ``check()`` for real: fresh
 processes, real DataLoaders, real workers. The wrong answers each check exists
 for are the named mutants of tests/mutants/test_mutants_02.py.
 """
@@ -21,7 +21,6 @@ import torch
 from torch.utils.data import DataLoader, get_worker_info
 
 from checking import solutions_from
-from mgpu_lab.data import loaders
 from mgpu_lab.course.checks import check, exercises
 
 pytestmark = pytest.mark.timeout(300)
@@ -47,13 +46,6 @@ def test_registered():
 def test_the_solution_gets_full_marks(exercise_id):
     result = check(exercise_id, SOLUTION[NAMES[exercise_id]])
     assert result.points == result.max_points, str(result)
-
-
-def test_an_answer_that_calls_the_library_s_reference_fails_naming_it():
-    """mgpu_lab.data.loaders holds the references: calling one is no answer (it is right, so only that fails)."""
-    result = check("02.seed_worker", lambda worker_id: loaders.seed_worker(worker_id))
-    assert result.points == 0, str(result)
-    assert "your code calls mgpu_lab.data.loaders.seed_worker" in result.cases[0].got, str(result)
 
 
 @pytest.mark.parametrize("exercise_id", list(POINTS))

@@ -46,10 +46,10 @@ def torch_replicate(module, devices):
     return torch.nn.parallel.replicate(module, devices)
 
 
-def library_replicate(module, devices):
-    from mgpu_lab.parallel.data_parallel import replicate
+def library_replicas(module, devices):
+    from mgpu_lab.parallel.data_parallel import StepByStepDataParallel
 
-    return replicate(module, devices)
+    return StepByStepDataParallel(module, devices).replicas()
 
 
 def dp_with_torch_pieces(model, batch, devices):
@@ -88,7 +88,7 @@ def test_the_model_itself_as_every_replica_passes_only_what_it_does_not_lack():
     assert not any(c.passed for c in result.cases if "devices[i]" in c.name or "of its own" in c.name), passed
 
 
-@pytest.mark.parametrize("answer", [torch_replicate, library_replicate])
+@pytest.mark.parametrize("answer", [torch_replicate, library_replicas])
 def test_calling_a_reference_replicate_fails_naming_it(answer):
     result = check("03.replicate", answer)
     assert result.points == 0 and "your code calls" in result.cases[0].got, str(result)

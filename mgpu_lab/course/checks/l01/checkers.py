@@ -93,7 +93,7 @@ MOVE_HINT = ("the {tag} arrive on the CPU and the model is on the device you are
              "'Expected all tensors to be on the same device'")
 
 
-@exercise("01.train_step", points=6, references=("mgpu_lab.parallel.dp_tools:train_step",),
+@exercise("01.train_step", points=6, references=("mgpu_lab.parallel.dp_tools:traced_step",),
           description="train_step(model, batch, optimizer, loss_fn, device): one optimisation step computed on "
                       "device (a CPU batch), the loss as a float")
 def _train_step(t, train_step):
@@ -207,7 +207,7 @@ def _judge_child(t, report, ids, parent, want):
 
 
 @exercise("01.visible_devices_env", points=6,
-          references=("mgpu_lab.devices.visible:visible_devices_env", "mgpu_lab.devices.visible:child_env"),
+          references=("mgpu_lab.devices.visible:subset_vars", "mgpu_lab.devices.visible:child_env"),
           description="visible_devices_env(ids): the variables that make a child process see exactly the GPUs "
                       "this process calls cuda:ids[0], cuda:ids[1], ..., in that order")
 def _visible(t, visible_devices_env):

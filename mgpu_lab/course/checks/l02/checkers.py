@@ -1,8 +1,8 @@
 """Checks of lesson 02 (data loading): make_loader, seed_worker, best_num_workers.
 
 Every answer runs in a fresh process or in real ranks (:mod:`.ranks`), with real
-DataLoaders and real workers, and an answer that calls the library's version
-(:mod:`mgpu_lab.data.loaders`, which lesson 02's notebook does not import) fails:
+DataLoaders and real workers (an answer to ``best_num_workers`` that calls the
+library's own sweep of worker counts, in :mod:`mgpu_lab.data.throughput`, fails):
 
 - ``make_loader`` is judged from the loaders it builds (sampler, drop_last,
   pin_memory, persistent_workers, the batches), so "pin_memory exactly when the
@@ -69,7 +69,7 @@ UNPAIRED = {  # (hint, expected, got) of the "off" case when the "on" case did n
 
 @exercise("02.make_loader", points=7, description="make_loader(dataset, batch_size, device, num_workers=0, "
           "train=True): shuffle and drop_last when training only, pin_memory exactly for CUDA, "
-          "persistent_workers exactly when num_workers > 0", references=("mgpu_lab.data.loaders:make_loader",))
+          "persistent_workers exactly when num_workers > 0")
 def _make_loader(t, make_loader):
     """Catches: shuffling or dropping the last batch in evaluation, keeping it in training, pin_memory
     from ``torch.cuda.is_available()``, only for the string ``"cuda"``, or always; num_workers not
@@ -139,7 +139,7 @@ NAMES = {"torch": "torch", "random": "Python's random", "numpy": "NumPy"}
 
 @exercise("02.seed_worker", points=7, description="seed_worker(worker_id): reseed torch, Python's random and "
           "NumPy in each DataLoader worker so that every (rank, worker) draws its own numbers, anew each epoch, "
-          "the same in every run", references=("mgpu_lab.data.loaders:seed_worker",))
+          "the same in every run")
 def _seed_worker(t, seed_worker):
     """Judges torch, NumPy and Python's random each on its own, over 2 real ranks x 2 workers whose loaders
     share one generator seed, and in one process without a launcher. Catches: nothing seeded, one generator
@@ -218,8 +218,7 @@ BATCH, N_BATCHES, SAMPLES = 2, 4, 32  # a whole epoch (16 batches) is more than 
 
 @exercise("02.best_num_workers", points=5, description="best_num_workers(dataset, candidates, batch_size, "
           "n_batches): the num_workers with the most samples per second, measured after a warm-up",
-          references=("mgpu_lab.data.loaders:best_num_workers", "mgpu_lab.data.throughput:sweep_workers",
-                      "mgpu_lab.data.throughput:measure"))
+          references=("mgpu_lab.data.throughput:sweep_workers", "mgpu_lab.data.throughput:measure"))
 def _best(t, best_num_workers):
     """Catches: the index returned instead of the candidate, the largest or the slowest candidate, a best
     rate never updated, no warm-up, num_workers not passed to the DataLoader, n_batches ignored, whole

@@ -17,8 +17,8 @@ from .ranks import run_dps, run_replicate
 TORCH_REPLICATE = ("torch.nn.parallel:replicate", "torch.nn.parallel.replicate:replicate",
                    "torch.nn.parallel.replicate:_broadcast_coalesced_reshape",
                    "torch.nn.parallel._functions:Broadcast.forward")
-REPLICATE_REFS = ("mgpu_lab.parallel.data_parallel:replicate", *TORCH_REPLICATE)
-DP_REFS = ("mgpu_lab.parallel.data_parallel:replicate", "mgpu_lab.parallel.data_parallel:scatter",
+REPLICATE_REFS = ("mgpu_lab.parallel.data_parallel:StepByStepDataParallel.replicas", *TORCH_REPLICATE)
+DP_REFS = ("mgpu_lab.parallel.data_parallel:StepByStepDataParallel.replicas", "mgpu_lab.parallel.data_parallel:scatter",
            "mgpu_lab.parallel.data_parallel:gather", "mgpu_lab.parallel.data_parallel:StepByStepDataParallel.forward",
            *TORCH_REPLICATE, "torch.nn.parallel:scatter", "torch.nn.parallel:gather",
            "torch.nn.parallel:data_parallel", "torch.nn.parallel:DataParallel.forward")
