@@ -57,7 +57,7 @@ def bench_planning(repeats: int) -> list:
     rows = []
     for world in (2, 8, 64):
         plan = timed(lambda: balanced.plan_balanced(costs, world, epoch=1), repeats)
-        one_rank = timed(lambda: list(balanced.BalancedDistributedSampler(costs, world, 0)), repeats)
+        one_rank = timed(lambda: list(balanced.CostBalancedSampler(costs, world, 0)), repeats)
         ds = timed(lambda: list(DistributedSampler(range(N_PLAN), world, 0)), repeats)
         rows.append((world, plan, one_rank, ds))
     as_list = costs.double().tolist()
@@ -96,7 +96,7 @@ def bench_ranks(repeats: int) -> list:
     for world in (2, 4):
         walls = {"DistributedSampler": [], "balanced": []}
         makers = {"DistributedSampler": lambda r, w: DistributedSampler(range(n), w, r, seed=0),
-                  "balanced": lambda r, w: balanced.BalancedDistributedSampler(costs, w, r, seed=0)}
+                  "balanced": lambda r, w: balanced.CostBalancedSampler(costs, w, r, seed=0)}
         for _ in range(repeats):
             for name, make in makers.items():
                 with contextlib.redirect_stdout(io.StringIO()):

@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.data import Subset
 
 from mgpu_lab.data import datasets, download
-from mgpu_lab.data.per_node import download_once
+from mgpu_lab.data import per_node
 from mgpu_lab.parallel import ddp
 from mgpu_lab import dist as mdist
 
@@ -76,7 +76,7 @@ def make_model(features: int, hidden: int, classes: int, seed: int):
 
 def load_data(args):
     if args.data_url:
-        get = download_once(download.fetch_archive)  # local rank 0 of each node downloads
+        get = per_node.run_once(download.fetch_archive)  # local rank 0 of each node downloads
         full = datasets.load_archive_dir(get(args.data_url, args.data_root, args.data_md5))
         say(f"data: {len(full)} samples from {args.data_url} (downloaded once per node)")
     else:
@@ -106,7 +106,7 @@ def main(argv=None) -> int:
         return make_model(len(train_set[0][0]), args.hidden, args.classes, args.seed)
 
     model = ddp.wrap(model_fn(), device)
-    loader, _ = ddp.make_loader(train_set, args.batch_size, shuffle=True, seed=args.seed)
+    loader, _ = ddp.distributed_loader(train_set, args.batch_size, shuffle=True, seed=args.seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     ckpt = os.path.join(args.checkpoint_dir, "last.pt") if args.checkpoint_dir else None
     start_epoch = 0
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     stats = ddp.fit(model, loader, optimizer, args.epochs, accumulate=args.accumulate, amp=args.amp,
                     start_epoch=start_epoch, log_every=0, on_epoch_end=end_of_epoch)
-    mean_loss = ddp.global_mean(sum(stats["losses"]), len(stats["losses"])) if stats["losses"] else float("nan")
+    mean_loss = ddp.mean_over_ranks(sum(stats["losses"]), len(stats["losses"])) if stats["losses"] else float("nan")
     say(f"rank {me.rank}: {stats['steps']} optimizer steps, {stats['allreduces'] or 0} gradient all-reduces, "
         f"mean loss {mean_loss:.4f}", every_rank=True)
     say(f"done in {time.perf_counter() - start:.2f} s")

@@ -81,14 +81,14 @@ def run_epoch(model, optimizer, loader, device) -> float:
         loss.backward()
         optimizer.step()
         total, count = total + loss.item(), count + 1
-    return ddp.global_mean(total, count)
+    return ddp.mean_over_ranks(total, count)
 
 
 def reference(args, train_set, world: int) -> dict:
     """One process, the global batch, the same order of samples: the weights FSDP must end with."""
     model = fsdp.BlockNet(args.features, args.width, args.depth, args.classes, seed=args.seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    loader, sampler = ddp.make_loader(train_set, args.batch_size * world, seed=args.seed, num_replicas=1, rank=0)
+    loader, sampler = ddp.distributed_loader(train_set, args.batch_size * world, seed=args.seed, num_replicas=1, rank=0)
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         for x, y in loader:
@@ -112,7 +112,7 @@ def main(argv=None) -> int:
         f"{tdist.get_backend()}, device {device}, pid {os.getpid()}", every_rank=True)
 
     train_set = datasets.synthetic_classification(args.samples, args.features, args.classes, seed=args.seed)
-    loader, sampler = ddp.make_loader(train_set, args.batch_size, seed=args.seed)
+    loader, sampler = ddp.distributed_loader(train_set, args.batch_size, seed=args.seed)
     model = fsdp.BlockNet(args.features, args.width, args.depth, args.classes, seed=args.seed).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     wrap.shard_model(model, fsdp.make_mesh(device))              # every block, then the root

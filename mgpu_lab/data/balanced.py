@@ -5,11 +5,12 @@ samples. When samples cost different amounts (sequence lengths, image sizes),
 the ranks get different *work*, and every step waits for the slowest rank.
 :func:`plan_balanced` partitions one epoch's indices into equal-length per-rank
 lists of (nearly) equal total cost, the same plan on every rank from
-``(costs, seed + epoch)``; :class:`BalancedDistributedSampler` serves one rank's
-list. These are the reference implementations of lesson 05's
-``BalancedDistributedSampler`` exercise: the lesson's notebook does not import
-this module (its check and ``bench/samplers.py`` do). Making costs and measuring a
-partition's imbalance is :mod:`mgpu_lab.data.workload`.
+``(costs, seed + epoch)``; :class:`CostBalancedSampler` serves one rank's
+list, in place of a ``DistributedSampler``. Lesson 05's learner writes this sampler
+themselves (exercise 05.BalancedDistributedSampler): the lesson's notebook does not
+import this module (its check does, naming both as references an answer may not
+call, and so does ``bench/samplers.py``). Making costs and measuring a partition's
+imbalance is :mod:`mgpu_lab.data.workload`.
 
 Example:
     >>> from mgpu_lab.data.workload import heavy_tailed_lengths, imbalance
@@ -29,7 +30,7 @@ from torch.utils.data import Sampler
 # The same validation (and error messages) as the measurements of a partition use.
 from mgpu_lab.data.workload import _as_costs, _check_replicas
 
-__all__ = ["plan_balanced", "BalancedDistributedSampler"]
+__all__ = ["plan_balanced", "CostBalancedSampler"]
 
 
 # Samples planned exactly (largest first, each to the lightest rank with room); the
@@ -115,7 +116,7 @@ def _deal_rest(owner: torch.Tensor, start: int, world: int, per_rank: int, loads
     owner[start + rounds * world:] = torch.repeat_interleave(torch.arange(world), room - rounds)
 
 
-class BalancedDistributedSampler(Sampler[int]):
+class CostBalancedSampler(Sampler[int]):
     """A DistributedSampler that balances the ranks' total cost, not just their counts.
 
     Every rank builds the same plan (:func:`plan_balanced`) from ``costs``,
@@ -129,7 +130,7 @@ class BalancedDistributedSampler(Sampler[int]):
         drop_last: drop the tail instead of padding by repeating samples.
 
     Example:
-        >>> s = BalancedDistributedSampler([9, 1, 1, 1, 5, 5], num_replicas=2, rank=0)
+        >>> s = CostBalancedSampler([9, 1, 1, 1, 5, 5], num_replicas=2, rank=0)
         >>> s.set_epoch(3)
         >>> len(s), sorted(s)
         (3, [0, 2, 3])

@@ -4,9 +4,9 @@ The real download code path runs without internet: :func:`serve` starts a
 local HTTP server and :func:`fetch_archive` downloads through torchvision's
 utilities with an MD5 check, to a temporary name that is renamed only once the
 file is complete. :func:`simulate_nodes` lets the ranks of one machine play
-several nodes; :func:`mgpu_lab.data.per_node.download_once` (lesson 04's
-exercise, kept apart from this module) makes one rank per node download. The archives are those of
-:func:`mgpu_lab.data.datasets.write_archive`.
+several nodes; :func:`mgpu_lab.data.per_node.run_once` (what lesson 04's
+exercise 04.download_once builds, kept apart from this module) makes one rank per
+node download. The archives are those of :func:`mgpu_lab.data.datasets.write_archive`.
 
 Example:
     >>> import tempfile
@@ -110,7 +110,7 @@ def fetch_archive(url: str, root: str | os.PathLike, md5: str, progress: bool = 
     a random name, created exclusively, so nothing planted there is followed),
     torchvision checks its MD5, and only then is it renamed: another process never
     sees half a file under the final name. Not meant to run on several ranks of one node at once: one rank
-    per node downloads (:func:`mgpu_lab.data.per_node.download_once`), the others wait.
+    per node downloads (:func:`mgpu_lab.data.per_node.run_once`), the others wait.
 
     Args:
         url: where the archive is served.

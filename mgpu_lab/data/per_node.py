@@ -1,8 +1,11 @@
 """Once per node: one rank of each node runs a download, the others wait and get its result.
 
-:func:`download_once` is the reference of lesson 04's exercise 04.download_once:
-its notebook does not import this module (nor does anything it imports);
+:func:`run_once` makes a function (a download: ``per_node.run_once(fetch_archive)``)
+run on local rank 0 of every node while the node's other ranks wait for its result;
 ``scripts/ddp_train.py`` uses it with :func:`mgpu_lab.data.download.fetch_archive`.
+Lesson 04's learner writes this themselves (exercise 04.download_once): its notebook
+does not import this module (nor does anything it imports), and its check fails an
+answer that calls :func:`run_once`.
 """
 from __future__ import annotations
 
@@ -10,10 +13,10 @@ import functools
 
 from mgpu_lab import dist as mdist
 
-__all__ = ["download_once"]
+__all__ = ["run_once"]
 
 
-def download_once(fn):
+def run_once(fn):
     """Decorate ``fn(root, ...) -> path`` so that one rank per node runs it.
 
     Local rank 0 of every node calls ``fn``; the other ranks of the node wait
@@ -34,9 +37,9 @@ def download_once(fn):
     Example:
         >>> import tempfile
         >>> from mgpu_lab import launch
-        >>> from mgpu_lab.data.per_node import download_once
+        >>> from mgpu_lab.data.per_node import run_once
         >>> def each_rank(marks):
-        ...     @download_once
+        ...     @run_once
         ...     def get(root):                   # stands in for fetch_archive(url, root, md5)
         ...         with open(f"{root}/downloads", "a") as f:
         ...             f.write("x")
@@ -65,10 +68,10 @@ def download_once(fn):
         dist.all_gather_object(everyone, (me.node_rank, me.local_rank, answer))
         for node, local, result in everyone:
             if local == 0 and result[0] == "error":
-                raise RuntimeError(f"download_once: {fn.__name__} failed on node {node}: {result[1]}")
+                raise RuntimeError(f"per_node.run_once: {fn.__name__} failed on node {node}: {result[1]}")
         leader = [result for node, local, result in everyone if node == me.node_rank and local == 0]
         if not leader:
-            raise RuntimeError(f"download_once: node {me.node_rank} has no local rank 0; check "
+            raise RuntimeError(f"per_node.run_once: node {me.node_rank} has no local rank 0; check "
                                "LOCAL_RANK and GROUP_RANK (torchrun sets them)")
         return leader[0][1]
 

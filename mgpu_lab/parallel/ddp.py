@@ -3,7 +3,7 @@
 The pieces work in a rank started by :func:`mgpu_lab.launch` and under
 ``torchrun`` alike (and in a single process without a process group):
 
-- :func:`wrap` and :func:`make_loader`: DDP with ``device_ids`` on GPUs, a
+- :func:`wrap` and :func:`distributed_loader`: DDP with ``device_ids`` on GPUs, a
   ``DistributedSampler`` with a per-rank batch size;
 - :func:`fit` and :func:`train`: the training loop with ``set_epoch``,
   gradient accumulation under ``no_sync`` and mixed precision (autocast in
@@ -11,7 +11,7 @@ The pieces work in a rank started by :func:`mgpu_lab.launch` and under
 - :func:`reference_train`, :func:`max_diff`, :func:`cpu_state` (from
   :mod:`mgpu_lab.parallel.baseline`): the same training in one process with the
   global batch, the result DDP must reproduce;
-- :func:`evaluate` and :func:`global_mean`: exact distributed evaluation;
+- :func:`evaluate` and :func:`mean_over_ranks`: exact distributed evaluation;
 - :func:`save_checkpoint` and :func:`load_checkpoint` (from
   :mod:`mgpu_lab.parallel.checkpoint`): rank 0 writes, every rank resumes with
   ``map_location`` and ``weights_only=True``.
@@ -48,8 +48,8 @@ from mgpu_lab import dist as mdist
 from mgpu_lab.parallel.baseline import cpu_state, max_diff, reference_train, shard_sums
 from mgpu_lab.parallel.checkpoint import load_checkpoint, save_checkpoint
 
-__all__ = ["wrap", "make_loader", "fit", "train", "reference_train", "max_diff", "evaluate",
-           "global_mean", "save_checkpoint", "load_checkpoint", "cpu_state", "autocast_dtype"]
+__all__ = ["wrap", "distributed_loader", "fit", "train", "reference_train", "max_diff", "evaluate",
+           "mean_over_ranks", "save_checkpoint", "load_checkpoint", "cpu_state", "autocast_dtype"]
 
 
 def _initialised() -> bool:
@@ -74,7 +74,7 @@ def wrap(model: nn.Module, device: torch.device | None = None) -> nn.Module:
     return DDP(model)  # CPU modules: device_ids must be None
 
 
-def make_loader(dataset, batch_size: int, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
+def distributed_loader(dataset, batch_size: int, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
                 num_replicas: int | None = None, rank: int | None = None, **loader_kwargs):
     """A DataLoader over this rank's shard: ``(loader, sampler)``.
 
@@ -85,13 +85,13 @@ def make_loader(dataset, batch_size: int, shuffle: bool = True, seed: int = 0, d
 
     Example:
         >>> from mgpu_lab.data import datasets
-        >>> loader, sampler = make_loader(datasets.synthetic_classification(64), batch_size=8)
+        >>> loader, sampler = distributed_loader(datasets.synthetic_classification(64), batch_size=8)
         >>> len(loader), len(sampler)     # one process: the whole set, 8 batches of 8
         (8, 64)
     """
     if "sampler" in loader_kwargs or loader_kwargs.get("shuffle"):
-        raise ValueError("make_loader builds the DistributedSampler itself: pass shuffle=, seed=, "
-                         "drop_last= to make_loader, not sampler= or a DataLoader shuffle=True")
+        raise ValueError("distributed_loader builds the DistributedSampler itself: pass shuffle=, seed=, "
+                         "drop_last= to distributed_loader, not sampler= or a DataLoader shuffle=True")
     sampler = DistributedSampler(dataset, num_replicas=mdist.world_size() if num_replicas is None else num_replicas,
                                  rank=mdist.rank() if rank is None else rank, shuffle=shuffle, seed=seed,
                                  drop_last=drop_last)
@@ -216,7 +216,7 @@ def train(model_fn, dataset, epochs: int, batch_size: int, lr: float, *, seed: i
         (['bias', 'weight'], True)
     """
     model = wrap(model_fn())
-    loader, _ = make_loader(dataset, batch_size, shuffle=True, seed=seed)
+    loader, _ = distributed_loader(dataset, batch_size, shuffle=True, seed=seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     fit(model, loader, optimizer, epochs, **fit_kwargs)
     return cpu_state(model)
@@ -227,13 +227,13 @@ def _comm_device() -> torch.device:
     return mdist.device() if nccl else torch.device("cpu")
 
 
-def global_mean(local_sum: float, local_count: int) -> float:
+def mean_over_ranks(local_sum: float, local_count: int) -> float:
     """The mean over every rank's samples: all_reduce the sums and the counts, then divide.
 
     Example:
         >>> from mgpu_lab import launch
         >>> def mean_of_two_ranks():   # rank 0 has 3 samples summing to 6, rank 1 one sample of 10
-        ...     return global_mean(*[(6.0, 3), (10.0, 1)][torch.distributed.get_rank()])
+        ...     return mean_over_ranks(*[(6.0, 3), (10.0, 1)][torch.distributed.get_rank()])
         >>> launch(mean_of_two_ranks, 2)     # (6 + 10) / 4 on every rank
         launch: 2 ranks · ...
         [4.0, 4.0]
@@ -277,8 +277,8 @@ def evaluate(model: nn.Module, dataset, batch_size: int = 256, how: str = "exact
     sums = shard_sums(model, dataset, how=how, batch_size=batch_size)
     n, world = sums["count"], mdist.world_size()
     if how == "exact":  # totals over every rank, then one division
-        result = {"accuracy": global_mean(sums["correct"], n), "loss": global_mean(sums["loss"], n)}
+        result = {"accuracy": mean_over_ranks(sums["correct"], n), "loss": mean_over_ranks(sums["loss"], n)}
     else:  # the mistake: average the ranks' averages
-        result = {"accuracy": global_mean(sums["correct"] / max(n, 1), 1),
-                  "loss": global_mean(sums["loss"] / max(n, 1), 1)}
-    return {**result, "counted": round(global_mean(n, 1) * world), "local": n}
+        result = {"accuracy": mean_over_ranks(sums["correct"] / max(n, 1), 1),
+                  "loss": mean_over_ranks(sums["loss"] / max(n, 1), 1)}
+    return {**result, "counted": round(mean_over_ranks(n, 1) * world), "local": n}

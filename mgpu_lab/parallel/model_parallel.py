@@ -5,9 +5,9 @@ moves the activations between them. With two GPUs the stages sit on cuda:0
 and cuda:1; on a machine without GPUs the same code runs with both devices
 being the CPU (see :func:`stage_devices`). :class:`TwoStageNet`
 holds two stages on two devices (lesson 06's DDP over multi-device replicas uses it),
-and :func:`ideal_timeline` draws the schedule GPipe's formula assumes. The reference
-answers of the lesson's exercises are in :mod:`mgpu_lab.parallel.gpipe`, which the
-lesson's notebook does not import.
+and :func:`ideal_timeline` draws the schedule GPipe's formula assumes. The library's
+versions of what the lesson's exercises build (:mod:`mgpu_lab.parallel.gpipe`,
+:mod:`mgpu_lab.parallel.schedule`) are modules the lesson's notebook does not import.
 
 Example:
     >>> import torch
@@ -61,11 +61,6 @@ class TwoStageNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.stage1(x.to(self.dev1))
         return self.stage2(h.to(self.dev2))
-
-
-def _device_of(module: nn.Module) -> torch.device:
-    first = next(module.parameters(), None)
-    return first.device if first is not None else torch.device("cpu")
 
 
 def mlp(features: int = 64, width: int = 512, depth: int = 8, classes: int = 10, seed: int = 0) -> nn.Sequential:

@@ -1,4 +1,4 @@
-"""mgpu_lab.data.download: archives over a local HTTP server; mgpu_lab.data.per_node.download_once in real ranks."""
+"""mgpu_lab.data.download: archives over a local HTTP server; mgpu_lab.data.per_node.run_once in real ranks."""
 from __future__ import annotations
 
 import importlib
@@ -83,9 +83,9 @@ def test_serve_shuts_down_and_counts_queries_apart(tmp_path):
         urllib.request.urlopen(url + "f.txt", timeout=2)
 
 
-def test_download_once_without_a_process_group_just_calls(tmp_path):
+def test_run_once_without_a_process_group_just_calls(tmp_path):
     calls = []
-    wrapped = per_node.download_once(lambda root: calls.append(root) or f"{root}/x")
+    wrapped = per_node.run_once(lambda root: calls.append(root) or f"{root}/x")
     assert wrapped("r") == "r/x" and calls == ["r"]
     assert wrapped.__wrapped__ is not None
 
@@ -96,12 +96,12 @@ def _fetch_on_nodes(url, md5, roots, once):
 
     node = download.simulate_nodes(2)
     dist.barrier()  # every rank starts fetching at the same moment
-    get = per_node.download_once(download.fetch_archive) if once else download.fetch_archive
+    get = per_node.run_once(download.fetch_archive) if once else download.fetch_archive
     path = get(f"{url}?node={node}", roots[node], md5)
     return node, path, len(datasets.load_archive_dir(path))
 
 
-def test_download_once_fetches_once_per_simulated_node(tmp_path):
+def test_run_once_fetches_once_per_simulated_node(tmp_path):
     md5 = datasets.write_archive(datasets.synthetic_classification(64), tmp_path / "served" / "blobs.tar.gz")
     roots = [os.fspath(tmp_path / f"node{i}") for i in range(2)]
     with download.serve(tmp_path / "served", delay=0.3) as server:
@@ -112,7 +112,7 @@ def test_download_once_fetches_once_per_simulated_node(tmp_path):
     assert dict(server.downloads) == {"blobs.tar.gz?node=0": 1, "blobs.tar.gz?node=1": 1}
 
 
-def test_without_download_once_every_rank_downloads_but_files_stay_whole(tmp_path):
+def test_without_run_once_every_rank_downloads_but_files_stay_whole(tmp_path):
     md5 = datasets.write_archive(datasets.synthetic_classification(64), tmp_path / "served" / "blobs.tar.gz")
     roots = [os.fspath(tmp_path / f"node{i}") for i in range(2)]
     with download.serve(tmp_path / "served", delay=1.0) as server:
@@ -124,14 +124,14 @@ def test_without_download_once_every_rank_downloads_but_files_stay_whole(tmp_pat
 def _leader_fails():
     download.simulate_nodes(1)
 
-    @per_node.download_once
+    @per_node.run_once
     def fetch(root):
         raise OSError(f"disk full under {root}")
 
     return fetch("/data")
 
 
-def test_download_once_raises_the_leaders_error_on_every_rank():
+def test_run_once_raises_the_leaders_error_on_every_rank():
     with pytest.raises(LaunchError) as info:
         launch(_leader_fails, 2, timeout=60)
     assert "fetch failed on node 0: OSError: disk full under /data" in str(info.value)

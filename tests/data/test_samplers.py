@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from mgpu_lab import launch
 from mgpu_lab.data import balanced, join, uneven
-from mgpu_lab.data.balanced import BalancedDistributedSampler, plan_balanced
+from mgpu_lab.data.balanced import CostBalancedSampler, plan_balanced
 from mgpu_lab.data.samplers import DistributedWeightedSampler, class_balanced_weights
 from mgpu_lab.data.workload import distributed_sampler_lists, heavy_tailed_lengths, imbalance, step_imbalance
 
@@ -110,11 +110,11 @@ def test_bad_arguments_say_the_values_and_the_fix():
     with pytest.raises(ValueError, match=r"costs\[2\] = -1.0: every cost must be a finite number >= 0"):
         plan_balanced([1, 2, -1], 2)
     with pytest.raises(ValueError, match=r"costs\[0\] = nan"):
-        BalancedDistributedSampler([float("nan")], 1, 0)
+        CostBalancedSampler([float("nan")], 1, 0)
     with pytest.raises(ValueError, match=r"num_replicas=0: pass the number of ranks"):
         plan_balanced([1, 2], 0)
     with pytest.raises(ValueError, match=r"rank=2 with num_replicas=2: the rank must lie in 0..1"):
-        BalancedDistributedSampler([1, 2], 2, 2)
+        CostBalancedSampler([1, 2], 2, 2)
     with pytest.raises(ValueError, match=r"replacement=False needs num_replicas \* len\(self\) = 4 <= 3"):
         DistributedWeightedSampler([1, 1, 1, 0], num_samples=4, num_replicas=2, rank=0, replacement=False)
     with pytest.raises(ValueError, match=r"sum\(weights\)=0"):
@@ -123,11 +123,11 @@ def test_bad_arguments_say_the_values_and_the_fix():
 
 def test_sampler_yields_its_row_and_follows_set_epoch():
     costs = heavy_tailed_lengths(103, seed=5)
-    s = BalancedDistributedSampler(costs.tolist(), 4, 2, seed=1)
+    s = CostBalancedSampler(costs.tolist(), 4, 2, seed=1)
     assert len(s) == 26
     s.set_epoch(3)
     assert list(s) == plan_balanced(costs, 4, seed=1, epoch=3)[2].tolist()
-    assert len(BalancedDistributedSampler(costs, 4, 0, drop_last=True)) == 25
+    assert len(CostBalancedSampler(costs, 4, 0, drop_last=True)) == 25
 
 
 def test_weighted_sampler_shares_one_draw_disjointly_and_reproducibly():
@@ -155,7 +155,7 @@ def test_class_balanced_weights():
 # -- on real ranks ----------------------------------------------------------------------
 def _epoch_through_a_loader(costs, seed):
     rank, world = dist.get_rank(), dist.get_world_size()
-    sampler = BalancedDistributedSampler(costs, world, rank, seed=seed)
+    sampler = CostBalancedSampler(costs, world, rank, seed=seed)
     sampler.set_epoch(1)
     return [int(i) for batch in DataLoader(range(len(costs)), batch_size=4, sampler=sampler) for i in batch]
 

@@ -41,7 +41,7 @@ def test_forgetting_set_epoch_changes_the_result():
 
 def _accumulate(accumulate, no_sync):
     model = ddp.wrap(model_fn())
-    loader, _ = ddp.make_loader(DATA, 12 // accumulate)
+    loader, _ = ddp.distributed_loader(DATA, 12 // accumulate)
     stats = ddp.fit(model, loader, torch.optim.SGD(model.parameters(), lr=0.2), 1, accumulate=accumulate,
                     no_sync=no_sync)
     return ddp.cpu_state(model), stats["steps"], stats["allreduces"]
@@ -57,7 +57,7 @@ def test_no_sync_accumulation_all_reduces_once_per_step_with_the_same_weights():
 
 def test_fit_validates_and_runs_autocast_on_the_cpu():
     model = model_fn()
-    loader, _ = ddp.make_loader(DATA, 32, num_replicas=1, rank=0)
+    loader, _ = ddp.distributed_loader(DATA, 32, num_replicas=1, rank=0)
     with pytest.raises(ValueError, match="accumulate=0 must be >= 1"):
         ddp.fit(model, loader, torch.optim.SGD(model.parameters(), lr=0.1), 1, accumulate=0)
     stats = ddp.fit(model, loader, torch.optim.SGD(model.parameters(), lr=0.1), 1, amp=True)
@@ -73,10 +73,10 @@ def test_autocast_dtype_is_bfloat16_where_the_hardware_has_it_else_float16(monke
         assert ddp.autocast_dtype(torch.device("cuda", 0)) == dtype, capability
 
 
-def test_make_loader_refuses_a_second_sampler_or_shuffle():
+def test_distributed_loader_refuses_a_second_sampler_or_shuffle():
     with pytest.raises(ValueError, match="not sampler= or a DataLoader shuffle=True"):
-        ddp.make_loader(DATA, 8, shuffle=True, num_replicas=1, rank=0, sampler=None)
-    loader, sampler = ddp.make_loader(DATA, 8, num_replicas=4, rank=1)
+        ddp.distributed_loader(DATA, 8, shuffle=True, num_replicas=1, rank=0, sampler=None)
+    loader, sampler = ddp.distributed_loader(DATA, 8, num_replicas=4, rank=1)
     assert len(sampler) == 24 and len(loader) == 3 and loader.batch_size == 8
 
 
@@ -110,19 +110,19 @@ def test_exact_evaluation_matches_one_process_and_the_shortcuts_do_not():
         ddp.evaluate(model, val, how="sum")
 
 
-def _global_mean(sums, counts):
+def _mean_over_ranks(sums, counts):
     r = mdist.rank()
-    return ddp.global_mean(sums[r], counts[r])
+    return ddp.mean_over_ranks(sums[r], counts[r])
 
 
-def test_global_mean_weighs_every_sample_the_same():
-    assert launch(_global_mean, 3, [9.0, 3.0, 4.0], [1, 3, 8]) == [pytest.approx(16 / 12)] * 3
-    assert ddp.global_mean(6.0, 3) == 2.0  # no process group: this process's mean
+def test_mean_over_ranks_weighs_every_sample_the_same():
+    assert launch(_mean_over_ranks, 3, [9.0, 3.0, 4.0], [1, 3, 8]) == [pytest.approx(16 / 12)] * 3
+    assert ddp.mean_over_ranks(6.0, 3) == 2.0  # no process group: this process's mean
 
 
 def _checkpoint(path, epochs, resume):
     model = ddp.wrap(model_fn())
-    loader, _ = ddp.make_loader(DATA, 6)
+    loader, _ = ddp.distributed_loader(DATA, 6)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
     start = ddp.load_checkpoint(path, model, optimizer)["epoch"] + 1 if resume else 0
     ddp.fit(model, loader, optimizer, epochs, start_epoch=start,
@@ -144,7 +144,7 @@ def test_checkpoints_resume_exactly_where_an_uninterrupted_run_ends(tmp_path):
 
 def _wrapped_on_gpu():
     model = ddp.wrap(model_fn())
-    stats = ddp.fit(model, ddp.make_loader(DATA, 6)[0], torch.optim.SGD(model.parameters(), lr=0.1), 1, amp=True)
+    stats = ddp.fit(model, ddp.distributed_loader(DATA, 6)[0], torch.optim.SGD(model.parameters(), lr=0.1), 1, amp=True)
     return (model.device_ids, str(next(model.parameters()).device), stats["steps"],
             ddp.autocast_dtype(torch.device("cuda", 0)), all(torch.isfinite(torch.tensor(stats["losses"]))))
 

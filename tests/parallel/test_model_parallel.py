@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from mgpu_lab import LaunchError, launch
-from mgpu_lab.parallel.gpipe import bubble_fraction, fit_bubble, pipelined_step, timed_step
+from mgpu_lab.parallel.gpipe import fit_bubble, timed_step
 from mgpu_lab.parallel.schedule import gpipe_schedule
 from mgpu_lab.parallel.model_parallel import TwoStageNet, ideal_timeline, mlp, replica_devices, split, stage_devices
 from mgpu_lab.parallel.pipeline import TimedStage, ddp_replica_rank, run_gpipe, torch_gpipe_rank
@@ -34,28 +34,7 @@ def _close(a, b):
     return len(a) == len(b) and all(torch.allclose(g, r, atol=1e-6, rtol=1e-4) for g, r in zip(a, b))
 
 
-# -- bubble_fraction ------------------------------------------------------------------
-@pytest.mark.parametrize("p, m", [(1, 5), (2, 1), (2, 4), (4, 8)])
-def test_bubble_fraction_with_equal_stages_and_free_transfers_is_gpipes_formula(p, m):
-    got = bubble_fraction([1.5] * p, [3.0] * p, m)
-    assert isinstance(got, float) and got == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
-
-
-@pytest.mark.parametrize("forward, backward, m, transfer", [
-    ([1, 3], [2, 6], 4, 0.0), ([1, 1], [2, 2], 4, 0.5), ([1, 2, 1], [2, 3, 2], 6, 0.25),
-    ([2.0, 1.0, 0.5, 3.0], [1.0, 4.0, 1.0, 2.0], 9, 0.7), ([1], [2], 3, 5.0), ([3, 1], [1, 3], 1, 0.1)])
-def test_bubble_fraction_is_the_idle_fraction_of_gpipes_schedule(forward, backward, m, transfer):
-    assert bubble_fraction(forward, backward, m, transfer) == pytest.approx(
-        gpipe_schedule(forward, backward, m, transfer).idle_fraction(), abs=1e-12)
-
-
-@pytest.mark.parametrize("args, match", [(([1, 1], [2], 4), "one time per stage"), (([], [], 4), "got 0 and 0"),
-                                         (([1], [2], 0), "n_micro=0 must be >= 1"), (([1], [2], True), "n_micro=True")])
-def test_bubble_fraction_rejects_mismatched_stages_and_bad_micro_batch_counts(args, match):
-    with pytest.raises(ValueError, match=match):
-        bubble_fraction(*args)
-
-
+# -- GPipe's ideal schedule -----------------------------------------------------------
 @pytest.mark.parametrize("p, m", [(1, 1), (2, 1), (2, 3), (3, 8), (4, 4)])
 def test_the_ideal_gpipe_schedule_idles_exactly_the_formula(p, m):
     tl = ideal_timeline(p, m)
@@ -83,17 +62,6 @@ def test_two_stage_net_on_two_gpus_places_stages_and_returns_on_dev2():
     net = TwoStageNet(nn.Linear(8, 16), nn.Linear(16, 3), "cuda:0", "cuda:1")
     assert net.stage1.weight.device == torch.device("cuda", 0) and net.stage2.weight.device == torch.device("cuda", 1)
     assert net(torch.randn(4, 8)).device == torch.device("cuda", 1)
-
-
-@pytest.mark.parametrize("batch, n_micro", [(12, 1), (12, 4), (10, 4), (6, 4), (3, 5)])
-def test_pipelined_step_gives_the_full_batch_gradient_and_mean_loss(batch, n_micro):
-    model = mlp(features=8, width=16, depth=4, classes=3)
-    x, y = _data(batch)
-    ref_loss, ref = _full_batch_grads(model, x, y)
-    s1, s2 = split(copy.deepcopy(model), 2)
-    loss = pipelined_step(s1, s2, x, y, nn.CrossEntropyLoss(), n_micro)
-    assert isinstance(loss, float) and loss == pytest.approx(ref_loss, rel=1e-5)
-    assert _close([p.grad for p in list(s1.parameters()) + list(s2.parameters())], ref)
 
 
 def test_split_balances_parameters_shares_layers_and_rejects_too_many_stages():

@@ -58,13 +58,13 @@ def _library_train(model_fn, dataset, epochs, batch_size, lr, accumulate=1):
 def _library_download_once(fn):
     from mgpu_lab.data import per_node
 
-    return per_node.download_once(fn)
+    return per_node.run_once(fn)
 
 
 LIBRARY = {"shard_indices": (_library_shards, "torch.utils.data.distributed.DistributedSampler"),
            "ddp_train": (_library_train, "mgpu_lab.parallel.ddp.train"),
-           "global_mean": (ddp.global_mean, "mgpu_lab.parallel.ddp.global_mean"),
-           "download_once": (_library_download_once, "mgpu_lab.data.per_node.download_once")}
+           "global_mean": (ddp.mean_over_ranks, "mgpu_lab.parallel.ddp.mean_over_ranks"),
+           "download_once": (_library_download_once, "mgpu_lab.data.per_node.run_once")}
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -20,7 +20,7 @@ from torch.utils.data import DistributedSampler, Sampler
 from mgpu_lab import check
 from mgpu_lab.course.checks import _core, exercises
 from mgpu_lab.course.checks.l05 import checkers, judges
-from mgpu_lab.data.balanced import BalancedDistributedSampler, plan_balanced
+from mgpu_lab.data.balanced import CostBalancedSampler, plan_balanced
 from mgpu_lab.data.workload import distributed_sampler_lists, step_imbalance
 
 pytestmark = pytest.mark.timeout(300)
@@ -54,12 +54,12 @@ class IgnoresCosts(DistributedSampler):
 
 
 def test_the_library_sampler_is_a_reference_and_fails_every_case_saying_so():
-    class Mine(BalancedDistributedSampler):  # a local class travels by value, as a notebook's does
+    class Mine(CostBalancedSampler):  # a local class travels by value, as a notebook's does
         pass
 
     r = check("05.BalancedDistributedSampler", Mine)
     assert r.points == 0, str(r)
-    assert "mgpu_lab.data.balanced.BalancedDistributedSampler" in r.cases[0].got + r.cases[0].hint, str(r)
+    assert "mgpu_lab.data.balanced.CostBalancedSampler" in r.cases[0].got + r.cases[0].hint, str(r)
 
 
 def test_sampler_stub_is_not_attempted():

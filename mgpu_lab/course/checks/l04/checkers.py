@@ -9,7 +9,7 @@ were moved; how many gradient all-reduces and backward passes each rank ran;
 which rank called the download, and what it found on return; every rank's mean)
 is what the cases judge. Every exercise names its references (torch's
 ``DistributedSampler``, the library's ``mgpu_lab.parallel.ddp`` training and
-evaluation, ``mgpu_lab.data.per_node.download_once``): an answer that calls one
+evaluation, ``mgpu_lab.data.per_node.run_once``): an answer that calls one
 fails. What runs in
 the ranks is :mod:`.ranks`; this module judges, in the kernel.
 """
@@ -84,7 +84,7 @@ ACCUMULATE = dict(DDP_SETUP, n=48, batch=3, accumulate=2)  # 12 samples per rank
           "DDP on the rank's own GPU, a shard per rank and epoch, accumulate micro-batches per step with one "
           "all-reduce per step; ends with the weights of single-process training",
           references=("mgpu_lab.parallel.ddp:train", "mgpu_lab.parallel.ddp:fit", "mgpu_lab.parallel.ddp:wrap",
-                      "mgpu_lab.parallel.ddp:make_loader"))
+                      "mgpu_lab.parallel.ddp:distributed_loader"))
 def _ddp_train(t, ddp_train):
     """One launch of 4 ranks as 2 simulated nodes x 2 virtual GPUs (``sim.cuda``, ``sim.parallel.virtual_ddp``),
     training twice: as given (accumulate left at its default) and with accumulate=2.
@@ -132,7 +132,7 @@ def _ddp_train(t, ddp_train):
 
 @exercise("04.download_once", points=4, description="download_once(fn): one rank per node calls fn(root), every "
           "rank returns the path once the file is complete, a second call downloads nothing",
-          references=("mgpu_lab.data.per_node:download_once",))
+          references=("mgpu_lab.data.per_node:run_once",))
 def _download_once(t, download_once):
     """One launch of 6 ranks as 2 simulated nodes x 3, each node with its own directory, two calls.
 
@@ -185,7 +185,7 @@ GLOBAL_MEAN_SCENARIOS = [  # 3 ranks: sums, counts
 
 @exercise("04.global_mean", points=4, description="global_mean(local_sum, local_count): the mean over every "
           "rank's samples, counts differing per rank, on every rank",
-          references=("mgpu_lab.parallel.ddp:global_mean", "mgpu_lab.parallel.ddp:evaluate"))
+          references=("mgpu_lab.parallel.ddp:mean_over_ranks", "mgpu_lab.parallel.ddp:evaluate"))
 def _global_mean(t, global_mean):
     """One launch of 3 ranks running every scenario; every rank's value is judged.
 

@@ -32,7 +32,7 @@ from .ranks import probe_sampler, probe_sampler_ranks, probe_uneven, uneven_mode
 UNEVEN_TIMEOUT = 20.0  # seconds: a right answer takes about one
 
 
-SAMPLER_REFERENCES = ("mgpu_lab.data.balanced:plan_balanced", "mgpu_lab.data.balanced:BalancedDistributedSampler")
+SAMPLER_REFERENCES = ("mgpu_lab.data.balanced:plan_balanced", "mgpu_lab.data.balanced:CostBalancedSampler")
 
 
 @exercise("05.BalancedDistributedSampler", points=12, description="BalancedDistributedSampler(costs, "

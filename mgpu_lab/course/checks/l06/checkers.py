@@ -20,7 +20,7 @@ from .judges import (judge_bubble, judge_grads, judge_loss, judge_raises, requir
 from .ranks import evaluate, probe_stage, run_pipelined, STAGE_SCENARIOS
 
 
-STAGE_REFERENCES = ("mgpu_lab.parallel.gpipe:stage_step", "torch.distributed.pipelining.stage:PipelineStage")
+STAGE_REFERENCES = ("torch.distributed.pipelining.stage:PipelineStage",)
 
 
 STAGE_TIMEOUT = 20.0  # seconds: a right answer takes about one
@@ -41,7 +41,7 @@ def _stage_step(t, stage_step):
     Catches: a hang or error from unmatched sends and receives (reported after STAGE_TIMEOUT), received
     activations that do not require grad, rank 0 not finishing backward with the received gradient (or
     with another one), a rank that never steps, no zero_grad (gradients accumulated over steps), a tensor
-    or nothing returned, the library's or torch's pipelining.
+    or nothing returned, torch's own pipelining (PipelineStage).
     """
     evidence = launch_scenarios(t, probe_stage, 2, stage_step, STAGE_SCENARIOS, timeout=STAGE_TIMEOUT)
     res = None
@@ -85,7 +85,7 @@ PLACES = ("each micro-batch moved to stage1's device, the activations to stage2'
 @exercise("06.pipelined_step", points=8, description="pipelined_step(stage1, stage2, x, y, loss_fn, n_micro): "
           "forward and backward over n_micro micro-batches placed on the stages' devices; the gradients of the "
           "full batch added to .grad; returns the mean loss",
-          references=("mgpu_lab.parallel.gpipe:pipelined_step", "mgpu_lab.parallel.gpipe:timed_step"))
+          references=("mgpu_lab.parallel.gpipe:timed_step",))
 def _pipelined(t, pipelined_step):
     """Judges five batches in one process, stages on cuda:2 and cuda:3 (virtual), batches on the CPU.
 
@@ -173,8 +173,7 @@ _BAD = [([1, 1], [2], 4), ([], [], 4), ([1], [2], 0), ([1], [2], -2), ([1], [2],
 @exercise("06.bubble_fraction", points=6, description="bubble_fraction(forward, backward, n_micro, transfer=0.0): "
           "the idle fraction of a GPipe step with per-stage forward and backward times and a transfer time "
           "between stages; ValueError for stages that do not match or a bad n_micro",
-          references=("mgpu_lab.parallel.gpipe:bubble_fraction", "mgpu_lab.parallel.gpipe:fit_bubble",
-                      "mgpu_lab.parallel.schedule:gpipe_schedule"))
+          references=("mgpu_lab.parallel.gpipe:fit_bubble", "mgpu_lab.parallel.schedule:gpipe_schedule"))
 def _bubble(t, bubble_fraction):
     """Judges every call in one process against the simulated schedule (:func:`.judges.schedule_bubble`).
 
