@@ -15,12 +15,12 @@ from mgpu_lab.tensor_parallel.plans import block_plan, parallelize_2d, tp_bytes
 pytestmark = pytest.mark.timeout(240)
 
 
-def test_saved_bytes_counts_activations_per_module_and_never_the_weights():
-    got = measure.saved_bytes(Block(16, 4, 64), torch.randn(2, 8, 16))
+def test_activation_bytes_counts_activations_per_module_and_never_the_weights():
+    got = measure.activation_bytes(Block(16, 4, 64), torch.randn(2, 8, 16))
     assert got["norm1"] == got["norm2"] == (2 * 8 * 16 + 2 * 8 * 2) * 4   # input, mean and rstd
     assert got["mlp.fc1"] == 2 * 8 * 16 * 4                                 # its input, not its 16 x 64 weight
     with torch.no_grad():
-        assert measure.saved_bytes(Block(), torch.randn(1, 4, 16)) == {}
+        assert measure.activation_bytes(Block(), torch.randn(1, 4, 16)) == {}
 
 
 def _norms_saved(sp: bool):
@@ -31,7 +31,7 @@ def _norms_saved(sp: bool):
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     block = parallelize_module(copy.deepcopy(Block(16, 4, 64)), mesh, block_plan(Block(), sp))
     x = torch.randn(2, 8, 16)
-    return measure.saved_bytes(block, x.chunk(world, dim=1)[rank] if sp else x)
+    return measure.activation_bytes(block, x.chunk(world, dim=1)[rank] if sp else x)
 
 
 def test_sequence_parallelism_divides_the_norms_saved_activations_by_the_tp_degree():
