@@ -188,14 +188,14 @@ def pp_dp(schedule: str = "1f1b", pp: int = 2, dp: int = 2, n_micro: int = 2, st
     from functools import partial
 
     from mgpu_lab import launch
-    from mgpu_lab.parallel.pp_train import one_process, pipeline_train  # here: the notebook must not reach them
+    from mgpu_lab.parallel import pp_train  # here: the notebook must not reach it
 
     n_layers = pp * stages_per_rank(schedule)
     model_fn = partial(mlp, n_layers, width)
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randn(4 * dp * n_micro, width, generator=g), torch.randn(4 * dp * n_micro, width, generator=g))
                for _ in range(steps)]
-    state = launch(pipeline_train, pp * dp, model_fn, pp, schedule, n_micro, batches, lr, dp=dp, timeout=timeout)[0]
-    ref = one_process(model_fn, batches, lr)
+    state = launch(pp_train.train, pp * dp, model_fn, pp, schedule, n_micro, batches, lr, dp=dp, timeout=timeout)[0]
+    ref = pp_train.one_process(model_fn, batches, lr)
     return {"diff": max(float((state[k] - ref[k]).abs().max()) for k in ref), "ranks": pp * dp,
             "n_params": sum(v.numel() for v in ref.values())}

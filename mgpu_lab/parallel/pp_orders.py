@@ -1,8 +1,8 @@
 """Each pipeline schedule's order of actions per rank, and the schedule replayed from action times (lesson 12).
 
 Lesson 12's notebook does not import this module: its exercises ask for the
-1F1B order (:func:`one_f_one_b`) and for a schedule's idle fraction
-(:func:`bubble`). :func:`orders` gives every rank's actions under GPipe, 1F1B,
+1F1B order and for a schedule's idle fraction, which :func:`orders` and
+:func:`simulate` give. :func:`orders` gives every rank's actions under GPipe, 1F1B,
 interleaved 1F1B and ZBV as labels ``F3/s1`` (forward of micro-batch 3 on
 stage 1), ``B`` (whole backward), ``I`` (input gradient), ``W`` (weight
 gradient); interleaved and ZBV orders are torch's own (the schedules compute
@@ -12,10 +12,10 @@ them from these same functions, so the drawing is what ``step()`` runs).
 actions that wait for each other when an order cannot finish.
 
 Example:
-    >>> one_f_one_b(0, 3, 4)
-    ['F0', 'F1', 'F2', 'B0', 'F3', 'B1', 'B2', 'B3']
-    >>> round(bubble("gpipe", 4, 8, 1.0, 2.0), 4), round(bubble("interleaved", 4, 8, 1.0, 2.0, virtual=2), 4)
-    (0.2727, 0.1579)
+    >>> orders("1f1b", 3, 4)[0]
+    ['F0/s0', 'F1/s0', 'F2/s0', 'B0/s0', 'F3/s0', 'B1/s0', 'B2/s0', 'B3/s0']
+    >>> round(simulate(orders("gpipe", 4, 8), {"F": 1.0, "B": 2.0}).idle_fraction(), 4)
+    0.2727
 """
 from __future__ import annotations
 
@@ -24,17 +24,7 @@ import types
 from mgpu_lab.parallel.pp_record import parse
 from mgpu_lab.parallel.timeline import Timeline
 
-__all__ = ["one_f_one_b", "orders", "needs", "simulate", "bubble", "formula", "stage_of_rank"]
-
-
-def one_f_one_b(rank: int, n_stages: int, n_micro: int) -> list[str]:
-    """Rank ``rank``'s actions under 1F1B: ``n_stages - rank - 1`` forwards to warm up (fewer when there
-    are fewer micro-batches), then one forward and one backward in turn, then the remaining backwards."""
-    warm = min(n_stages - rank - 1, n_micro)
-    out = [f"F{i}" for i in range(warm)]
-    for i in range(n_micro - warm):
-        out += [f"F{warm + i}", f"B{i}"]
-    return out + [f"B{i}" for i in range(n_micro - warm, n_micro)]
+__all__ = ["orders", "needs", "simulate", "formula", "stage_of_rank"]
 
 
 def stage_of_rank(schedule: str, n_ranks: int, virtual: int = 1) -> dict[int, int]:
@@ -66,6 +56,9 @@ def _torch_order(schedule: str, rank: int, n_ranks: int, n_micro: int, virtual: 
 def orders(schedule: str, n_ranks: int, n_micro: int, virtual: int = 1) -> dict[int, list[str]]:
     """Every rank's compute actions, in the order it runs them.
 
+    Under 1F1B rank ``r`` warms up with ``n_ranks - r - 1`` forwards (fewer when there are fewer
+    micro-batches), then runs one forward and one backward in turn, then the backwards left.
+
     Example:
         >>> orders("1f1b", 2, 3)[0]
         ['F0/s0', 'F1/s0', 'B0/s0', 'F2/s0', 'B1/s0', 'B2/s0']
@@ -78,7 +71,14 @@ def orders(schedule: str, n_ranks: int, n_micro: int, virtual: int = 1) -> dict[
         return {r: [f"F{i}/s{r}" for i in range(n_micro)] + [f"B{i}/s{r}" for i in range(n_micro)]
                 for r in range(n_ranks)}
     if schedule == "1f1b":
-        return {r: [f"{a}/s{r}" for a in one_f_one_b(r, n_ranks, n_micro)] for r in range(n_ranks)}
+        out = {}
+        for r in range(n_ranks):
+            warm = min(n_ranks - r - 1, n_micro)
+            acts = [f"F{i}" for i in range(warm)]
+            for i in range(n_micro - warm):
+                acts += [f"F{warm + i}", f"B{i}"]
+            out[r] = [f"{a}/s{r}" for a in acts + [f"B{i}" for i in range(n_micro - warm, n_micro)]]
+        return out
     raise ValueError(f"schedule={schedule!r}: pick one of 'gpipe', '1f1b', 'interleaved', 'zbv'")
 
 
@@ -135,18 +135,6 @@ def simulate(per_rank: dict, durations: dict, transfer: float = 0.0) -> Timeline
             raise RuntimeError(f"the orders deadlock: each rank's next action waits for one that never comes: "
                                f"{stuck}")
     return tl
-
-
-def bubble(schedule: str, n_stages: int, n_micro: int, t_f: float, t_b: float, t_w: float = 0.0,
-           virtual: int = 1) -> float:
-    """The idle fraction of ``schedule`` on ``n_stages`` ranks with these per-stage, per-micro-batch times.
-
-    Schedules that do not split backward (all but ZBV) run ``t_b + t_w`` as one backward.
-    """
-    split = schedule == "zbv"
-    times = {"F": t_f, "B": t_b + t_w, "I": t_b if split else t_b + t_w, "W": t_w}
-    tl = simulate(orders(schedule, n_stages, n_micro, virtual), times)
-    return tl.idle_fraction()
 
 
 def formula(schedule: str, n_stages: int, n_micro: int, virtual: int = 1) -> float:

@@ -1,6 +1,6 @@
 """Training with ``torch.distributed.pipelining``'s schedules: lesson 12's reference, which its notebook does not import.
 
-:func:`pipeline_train` trains an ``nn.Sequential`` cut into equal runs of layers
+:func:`train` trains an ``nn.Sequential`` cut into equal runs of layers
 (:func:`split_layers`), one stage per rank for GPipe and 1F1B, several per rank
 for interleaved 1F1B (stages ``rank, rank + p, ...``) and two in a V for ZBV
 (stages ``rank`` and ``2p - 1 - rank``, :func:`stage_ids`), with MSE loss and SGD,
@@ -9,14 +9,14 @@ form a ``(dp, pp)`` mesh: each pipeline trains on its share of every batch and
 the gradients are averaged across the replicas before the step (PP x DP).
 :func:`schedule_rank` runs a schedule on fixed-work layers with every action
 timed (:mod:`.pp_record`), for the lesson's drawings and :mod:`bench`.
-Lesson 12's exercise ``12.pipeline_train`` asks for :func:`pipeline_train`; scripts
-(``scripts/pp_train.py``) and later lessons may import it.
+Lesson 12's exercise ``12.pipeline_train`` asks for what :func:`train` does; scripts
+(``scripts/pp_train.py``, as ``pp_train.train``) and later lessons may import it.
 
 Example:
     >>> from mgpu_lab import launch
     >>> from mgpu_lab.parallel.pp_work import work_model
     >>> batches = [(torch.randn(8, 4), torch.randn(8, 4)) for _ in range(2)]
-    >>> out = launch(pipeline_train, 2, lambda: work_model(4, 4), 2, "zbv", 4, batches, 0.1)
+    >>> out = launch(train, 2, lambda: work_model(4, 4), 2, "zbv", 4, batches, 0.1)
     launch: 2 ranks · ...
     >>> sorted(out[0])[:2], out[1]
     (['0.linear.bias', '0.linear.weight'], None)
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
-__all__ = ["SCHEDULES", "stage_ids", "split_layers", "make_schedule", "pipeline_train", "one_process",
+__all__ = ["SCHEDULES", "stage_ids", "split_layers", "make_schedule", "train", "one_process",
            "schedule_rank"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv")
@@ -113,8 +113,8 @@ def _gather_state(modules: dict, n_stages: int, n_layers: int) -> dict | None:
     return dict(sorted(state.items(), key=lambda kv: (int(kv[0].split(".")[0]), kv[0])))
 
 
-def pipeline_train(model_fn, n_stages: int, schedule: str, n_micro: int, batches, lr: float,
-                   dp: int = 1, virtual: int = 2) -> dict | None:
+def train(model_fn, n_stages: int, schedule: str, n_micro: int, batches, lr: float,
+          dp: int = 1, virtual: int = 2) -> dict | None:
     """Train ``model_fn()`` with ``schedule`` over this process group; the whole ``state_dict`` on rank 0.
 
     Args:

@@ -1,6 +1,6 @@
 """What tensor parallelism costs: bytes handed to collectives per step and per mesh dimension, saved activations.
 
-- :func:`saved_bytes`: the bytes of the activations autograd saves for backward during a
+- :func:`activation_bytes`: the bytes of the activations autograd saves for backward during a
   forward, per submodule (this rank's share: a DTensor counts its local tensor).
 - :func:`bytes_by_dim`: a recording's collective bytes split by the mesh dimension each ran over
   (the recorder's ``ranks`` field against the mesh's groups).
@@ -11,7 +11,7 @@
 
 Example:
     >>> from mgpu_lab.tensor_parallel.block import Block
-    >>> per_module = saved_bytes(Block(16, 4, 64), torch.randn(2, 8, 16))
+    >>> per_module = activation_bytes(Block(16, 4, 64), torch.randn(2, 8, 16))
     >>> per_module["norm1"]       # LayerNorm keeps its input, 2 x 8 x 16 floats, and its 16 means and rstds
     1152
 """
@@ -25,7 +25,7 @@ from torch import nn
 
 from mgpu_lab.comm.record import record
 
-__all__ = ["saved_bytes", "bytes_by_dim", "scheme_step", "SCHEMES", "formula_bytes", "bytes_table"]
+__all__ = ["activation_bytes", "bytes_by_dim", "scheme_step", "SCHEMES", "formula_bytes", "bytes_table"]
 
 SCHEMES = ("DP", "FSDP", "TP", "TP+SP", "2D")
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
@@ -35,7 +35,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
-def saved_bytes(model: nn.Module, *inputs) -> dict:
+def activation_bytes(model: nn.Module, *inputs) -> dict:
     """Bytes of the tensors autograd saves for backward while ``model(*inputs)`` runs, per innermost submodule.
 
     Parameters are not activations: a saved parameter (a linear layer keeps its weight) is

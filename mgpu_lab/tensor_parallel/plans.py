@@ -1,8 +1,8 @@
-"""Tensor-parallel plans for lesson 11's :class:`~mgpu_lab.tensor_parallel.block.Block`, the 2D wrap, the bytes.
+"""Tensor-parallel plans for lesson 11's :class:`~mgpu_lab.tensor_parallel.block.Block` and the 2D wrap.
 
-These are the references of lesson 11's exercises (``11.tp_plan``, ``11.parallelize_2d``,
-``11.tp_bytes``): the lesson's notebook does not import this module, its checks name
-these functions as answers an exercise must not call, and ``scripts/tp_train.py`` uses them.
+These are the references of lesson 11's exercises ``11.tp_plan`` and ``11.parallelize_2d``:
+the lesson's notebook does not import this module, its checks name these functions as
+answers an exercise must not call, and ``scripts/tp_train.py`` uses them.
 
 - :func:`block_plan`: ``wq``, ``wk``, ``wv`` and ``fc1`` split by columns, ``wo`` and
   ``fc2`` by rows; ``PrepareModuleInput`` on ``attn`` and ``mlp`` makes each take one
@@ -13,7 +13,6 @@ these functions as answers an exercise must not call, and ``scripts/tp_train.py`
 - :func:`parallelize_2d`: TP over ``mesh["tp"]`` inside every block, then ``fully_shard``
   over ``mesh["dp"]`` block by block and the root (FSDP shards what TP left: the other
   order fails, a DTensor of the "dp" mesh cannot be redistributed onto "tp").
-- :func:`tp_bytes`: the bytes a rank hands to collectives per block, forward plus backward.
 """
 from __future__ import annotations
 
@@ -22,7 +21,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
-__all__ = ["block_plan", "parallelize_2d", "tp_bytes"]
+__all__ = ["block_plan", "parallelize_2d"]
 
 
 def block_plan(block: nn.Module, sequence_parallel: bool) -> dict:
@@ -86,21 +85,3 @@ def parallelize_2d(model: nn.Module, mesh) -> nn.Module:
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
     return model
-
-
-def tp_bytes(batch: int, seq: int, hidden: int, tp: int, sequence_parallel: bool) -> int:
-    """Bytes of fp32 tensors one rank hands to collectives per block, one forward plus backward.
-
-    Counted as :mod:`mgpu_lab.comm.record` counts: an all-reduce's tensor, an all-gather's
-    output, a reduce-scatter's input, each ``batch * seq * hidden`` elements. Without SP
-    a block all-reduces twice forward (after ``wo`` and ``fc2``) and twice backward (the
-    gradients of the inputs of ``attn`` and ``mlp``); with SP each all-reduce becomes a
-    reduce-scatter plus an all-gather of the same tensor.
-
-    Example:
-        >>> tp_bytes(2, 8, 16, 2, False), tp_bytes(2, 8, 16, 2, True), tp_bytes(2, 8, 16, 1, True)
-        (4096, 8192, 0)
-    """
-    if tp == 1:
-        return 0
-    return (8 if sequence_parallel else 4) * batch * seq * hidden * 4

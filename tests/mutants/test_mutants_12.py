@@ -191,10 +191,10 @@ TRAIN = ExerciseMutants("12.pipeline_train", NOTEBOOK, ("pipeline_train",), muta
     Mutant("gradients never cleared", replace("        optimizer.zero_grad()\n", ""), "clear the gradients"),
     Mutant("the micro-batch losses summed (scale_grads=False)",
            replace("loss_fn=loss_fn)", "loss_fn=loss_fn, scale_grads=False)", count=0), "divide by n_micro"),
-    Mutant("the library's pipeline_train", replace("    ### BEGIN SOLUTION\n", "    ### BEGIN SOLUTION\n"
-                                                   "    from mgpu_lab.parallel.pp_train import pipeline_train as lib\n"
+    Mutant("the library's pp_train.train", replace("    ### BEGIN SOLUTION\n", "    ### BEGIN SOLUTION\n"
+                                                   "    from mgpu_lab.parallel.pp_train import train as lib\n"
                                                    "    return lib(model_fn, n_stages, schedule, n_micro, batches, "
-                                                   "lr)\n"), "pp_train.pipeline_train"),
+                                                   "lr)\n"), "pp_train.train"),
 ], variants=[
     Variant("the schedule class by name, stages from a list of layers, all_gather_object", '''
 def pipeline_train(model_fn, n_stages, schedule, n_micro, batches, lr):

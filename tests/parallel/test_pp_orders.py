@@ -1,16 +1,19 @@
-"""Each schedule's order of actions and its replay (mgpu_lab.parallel.pp_orders), in one process."""
+"""Each schedule's order of actions and its replay (mgpu_lab.parallel.pp_orders), in one process; the idle
+fraction through lesson 12's check's own replay (mgpu_lab.course.checks.l12.judges.reference_bubble)."""
 from __future__ import annotations
 
 import pytest
 
+from mgpu_lab.course.checks.l12.judges import reference_bubble  # the check's own replay (tests may use it)
 from mgpu_lab.parallel import pp_orders
-from mgpu_lab.parallel.pp_orders import bubble, formula, one_f_one_b, orders, simulate
+from mgpu_lab.parallel.pp_orders import formula, orders, simulate
 
 
 @pytest.mark.parametrize("p, m", [(2, 1), (2, 4), (4, 2), (4, 8), (3, 7)])
 def test_1f1b_warms_up_with_p_minus_rank_minus_one_forwards_and_keeps_the_memory_bound(p, m):
-    for rank in range(p):
-        order = one_f_one_b(rank, p, m)
+    for rank, labels in orders("1f1b", p, m).items():
+        assert {a.split("/s")[1] for a in labels} == {str(rank)}
+        order = [a.split("/s")[0] for a in labels]
         assert sorted(order) == sorted([f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)])
         assert order[:min(p - rank - 1, m)] == [f"F{i}" for i in range(min(p - rank - 1, m))]
         alive = peak = 0
@@ -23,12 +26,13 @@ def test_1f1b_warms_up_with_p_minus_rank_minus_one_forwards_and_keeps_the_memory
 @pytest.mark.parametrize("schedule, v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3)])
 @pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (3, 6)])
 def test_with_equal_times_the_replay_gives_the_closed_formulas(schedule, v, p, m):
-    assert bubble(schedule, p, m, 1.0, 2.0, virtual=v) == pytest.approx(formula(schedule, p, m, v), abs=1e-12)
+    want = formula(schedule, p, m, v)
+    assert reference_bubble(schedule, p, m, 1.0, 2.0, virtual=v) == pytest.approx(want, abs=1e-12)
 
 
 def test_zbv_fills_the_bubble_with_weight_gradients_and_gains_nothing_without_them():
-    assert bubble("zbv", 4, 8, 1.0, 1.0, 1.0) < bubble("1f1b", 4, 8, 1.0, 1.0, 1.0) / 4
-    assert bubble("zbv", 2, 64, 1.0, 1.0, 1.0) < 0.01
+    assert reference_bubble("zbv", 4, 8, 1.0, 1.0, 1.0) < reference_bubble("1f1b", 4, 8, 1.0, 1.0, 1.0) / 4
+    assert reference_bubble("zbv", 2, 64, 1.0, 1.0, 1.0) < 0.01
     zbv_orders = orders("zbv", 2, 4)
     assert {a.split("/s")[1] for a in zbv_orders[0]} == {"0", "3"}  # rank 0 holds the first and last stage: a V
     assert {a.split("/s")[1] for a in zbv_orders[1]} == {"1", "2"}
@@ -36,7 +40,7 @@ def test_zbv_fills_the_bubble_with_weight_gradients_and_gains_nothing_without_th
 
 def test_interleaved_places_stages_in_a_loop_and_the_formula_fails_with_fewer_micro_batches_than_ranks():
     assert {a.split("/s")[1] for a in orders("interleaved", 2, 4, 2)[1]} == {"1", "3"}
-    assert bubble("interleaved", 4, 2, 1.0, 1.0, virtual=2) > formula("interleaved", 4, 2, 2) + 0.1
+    assert reference_bubble("interleaved", 4, 2, 1.0, 1.0, virtual=2) > formula("interleaved", 4, 2, 2) + 0.1
 
 
 def test_a_deadlocking_order_is_named_with_each_rank_s_next_action():

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from mgpu_lab import launch
-from mgpu_lab.parallel import pp_measure
+from mgpu_lab.parallel import pp_measure, pp_train
 from mgpu_lab.parallel.pp_record import compute_bubble, in_flight, parse
-from mgpu_lab.parallel.pp_train import one_process, pipeline_train, split_layers, stage_ids
+from mgpu_lab.parallel.pp_train import one_process, split_layers, stage_ids
 from mgpu_lab.parallel.pp_work import Work, work_model
 
 pytestmark = pytest.mark.timeout(300)
@@ -61,7 +61,7 @@ def test_every_schedule_trains_like_one_process_on_two_ranks():
     ref = one_process(model_fn, batches, 0.1)
 
     def every_schedule(model_fn, batches):
-        return [pipeline_train(model_fn, 2, s, 4, batches, 0.1) for s in ("gpipe", "1f1b", "interleaved", "zbv")]
+        return [pp_train.train(model_fn, 2, s, 4, batches, 0.1) for s in ("gpipe", "1f1b", "interleaved", "zbv")]
 
     states, nothing = launch(every_schedule, 2, model_fn, batches)
     assert nothing == [None] * 4

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mgpu_lab.course.checks.l13.ranks import saved_bytes  # the check's own count (tests may use references)
+from mgpu_lab.course.checks.l13.ranks import reference_saved_bytes  # the check's own count (tests may use it)
 from mgpu_lab.profiling import blocks
 
 
@@ -13,14 +13,14 @@ from mgpu_lab.profiling import blocks
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_counted_saved_bytes_of_a_block_match_the_formula(batch, seq, dim, heads, ratio, dtype):
     model = torch.nn.Sequential(blocks.Block(dim, heads, ratio).to(dtype))
-    counted = saved_bytes(model, blocks.tokens(batch, seq, dim, dtype=dtype))["0"]
+    counted = reference_saved_bytes(model, blocks.tokens(batch, seq, dim, dtype=dtype))["0"]
     assert counted == (blocks.block_activation_bytes(batch, seq, dim, heads, ratio, dtype)
                        + blocks.block_weight_bytes(dim, ratio, dtype))
 
 
 def test_a_stack_s_blocks_each_save_their_own_share_and_it_grows_linearly_with_the_sequence():
     model = blocks.BlockStack(dim=32, heads=4, ratios=(4, 2))
-    short, long = (saved_bytes(model.blocks, blocks.tokens(2, s, 32)) for s in (16, 32))
+    short, long = (reference_saved_bytes(model.blocks, blocks.tokens(2, s, 32)) for s in (16, 32))
     for name, ratio in (("0", 4), ("1", 2)):
         weights = blocks.block_weight_bytes(32, ratio)
         assert short[name] == blocks.block_activation_bytes(2, 16, 32, 4, ratio) + weights

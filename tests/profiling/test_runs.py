@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from mgpu_lab.course.checks.l13.ranks import saved_bytes
+from mgpu_lab.course.checks.l13.ranks import reference_saved_bytes
 from mgpu_lab.profiling import blocks, runs
 
 pytestmark = pytest.mark.timeout(240)
@@ -25,14 +25,14 @@ def test_full_checkpointing_saves_least_selective_between_and_the_gradients_stay
     saved = {}
     for mode in runs.MODES:
         runs.checkpoint_modes(model, mode)
-        saved[mode] = sum(saved_bytes(model, x).values())
+        saved[mode] = sum(reference_saved_bytes(model, x).values())
         assert all(torch.allclose(g, w, atol=1e-6) for g, w in zip(_grads(model, x), want)), mode
     if "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters:
         assert saved["full"] < saved["selective"] < saved["none"]
     else:  # an older torch hides what selective checkpointing keeps from saved_tensors_hooks
         assert saved["full"] <= saved["selective"] < saved["none"]
     runs.checkpoint_modes(model, "none")
-    assert sum(saved_bytes(model, x).values()) == saved["none"]  # a mode replaces the one before
+    assert sum(reference_saved_bytes(model, x).values()) == saved["none"]  # a mode replaces the one before
 
 
 def test_an_unknown_mode_is_refused_naming_the_modes():

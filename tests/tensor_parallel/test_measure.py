@@ -10,17 +10,25 @@ import torch.distributed as dist
 from mgpu_lab import launch
 from mgpu_lab.tensor_parallel import measure
 from mgpu_lab.tensor_parallel.block import Block
-from mgpu_lab.tensor_parallel.plans import block_plan, parallelize_2d, tp_bytes
+from mgpu_lab.tensor_parallel.plans import block_plan, parallelize_2d
+from mutation import solution_cell
 
 pytestmark = pytest.mark.timeout(240)
 
 
-def test_saved_bytes_counts_activations_per_module_and_never_the_weights():
-    got = measure.saved_bytes(Block(16, 4, 64), torch.randn(2, 8, 16))
+def _solution_tp_bytes():
+    """The solution notebook's own ``tp_bytes`` (the library holds no answer to 11.tp_bytes)."""
+    namespace: dict = {}
+    exec(compile(solution_cell("11_tensor_parallel.ipynb", "def tp_bytes"), "<tp_bytes 11>", "exec"), namespace)
+    return namespace["tp_bytes"]
+
+
+def test_activation_bytes_counts_activations_per_module_and_never_the_weights():
+    got = measure.activation_bytes(Block(16, 4, 64), torch.randn(2, 8, 16))
     assert got["norm1"] == got["norm2"] == (2 * 8 * 16 + 2 * 8 * 2) * 4   # input, mean and rstd
     assert got["mlp.fc1"] == 2 * 8 * 16 * 4                                 # its input, not its 16 x 64 weight
     with torch.no_grad():
-        assert measure.saved_bytes(Block(), torch.randn(1, 4, 16)) == {}
+        assert measure.activation_bytes(Block(), torch.randn(1, 4, 16)) == {}
 
 
 def _norms_saved(sp: bool):
@@ -31,7 +39,7 @@ def _norms_saved(sp: bool):
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     block = parallelize_module(copy.deepcopy(Block(16, 4, 64)), mesh, block_plan(Block(), sp))
     x = torch.randn(2, 8, 16)
-    return measure.saved_bytes(block, x.chunk(world, dim=1)[rank] if sp else x)
+    return measure.activation_bytes(block, x.chunk(world, dim=1)[rank] if sp else x)
 
 
 def test_sequence_parallelism_divides_the_norms_saved_activations_by_the_tp_degree():
@@ -54,6 +62,7 @@ def test_bytes_by_dim_files_each_collective_under_the_mesh_dimension_of_its_rank
 
 
 def test_every_scheme_s_step_hands_collectives_exactly_the_formula_s_bytes():
+    tp_bytes = _solution_tp_bytes()
     measured, formulas = [], []
     for scheme in measure.SCHEMES:
         run = launch(measure.scheme_step, 4, scheme, block_plan, parallelize_2d)[0]

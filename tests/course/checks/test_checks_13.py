@@ -49,25 +49,25 @@ def test_a_stub_is_not_attempted(name):
 
 ANSWERS["library_exposed"] = _by_value('''
 def library_exposed(trace, rank_thread=None):
-    from mgpu_lab.course.checks.l13.judges import exposed_comm as theirs
+    from mgpu_lab.course.checks.l13.judges import reference_exposed_comm as theirs
     return theirs(trace, rank_thread)
 ''', "library_exposed")
 ANSWERS["library_saved"] = _by_value('''
 def library_saved(model, x):
     from mgpu_lab.course.checks.l13 import ranks
-    return ranks.saved_bytes(model, x)
+    return ranks.reference_saved_bytes(model, x)
 ''', "library_saved")
 ANSWERS["library_checkpoint"] = _by_value('''
 def library_checkpoint(model, x, budget_bytes):
-    from mgpu_lab.course.checks.l13.ranks import checkpoint_under
-    return checkpoint_under(model, x, budget_bytes)
+    from mgpu_lab.course.checks.l13.ranks import reference_checkpoint_under
+    return reference_checkpoint_under(model, x, budget_bytes)
 ''', "library_checkpoint")
 
 
 @pytest.mark.parametrize("exercise, answer, says", [
-    ("13.exposed_comm", "library_exposed", "judges.exposed_comm"),
-    ("13.saved_bytes", "library_saved", "ranks.saved_bytes"),
-    ("13.checkpoint_under", "library_checkpoint", "ranks.checkpoint_under"),
+    ("13.exposed_comm", "library_exposed", "judges.reference_exposed_comm"),
+    ("13.saved_bytes", "library_saved", "ranks.reference_saved_bytes"),
+    ("13.checkpoint_under", "library_checkpoint", "ranks.reference_checkpoint_under"),
 ])
 def test_an_answer_that_calls_a_reference_fails_every_case_naming_it(exercise, answer, says):
     result = check(exercise, ANSWERS[answer])
@@ -125,9 +125,9 @@ HAND = {"traceEvents": [
 def test_the_reference_reads_a_hand_made_trace_as_worked_out():
     # communication [5, 40], [42, 46], [48, 52]; thread 1 computes [0, 10], [20, 22], [25, 30]
     # exposed: [10, 20] + [22, 25] + [30, 40] + [42, 46] + [48, 52] = 31 us
-    assert judges.exposed_comm(HAND) == pytest.approx(0.031)
-    assert judges.exposed_comm(HAND, rank_thread=4) == pytest.approx(0.033)  # thread 4 computes [10, 20]
-    assert judges.exposed_comm({"traceEvents": [_x("aten::mm", 1, 0, 5)]}) == 0.0
+    assert judges.reference_exposed_comm(HAND) == pytest.approx(0.031)
+    assert judges.reference_exposed_comm(HAND, rank_thread=4) == pytest.approx(0.033)  # thread 4 computes [10, 20]
+    assert judges.reference_exposed_comm({"traceEvents": [_x("aten::mm", 1, 0, 5)]}) == 0.0
 
 
 @pytest.mark.parametrize("wrong, thread, value", [
@@ -135,5 +135,5 @@ def test_the_reference_reads_a_hand_made_trace_as_worked_out():
     ("calls as compute", None, 0.028), ("c10d only", None, 0.007), ("microseconds", None, 31.0),
     ("ignores rank_thread", 4, 0.031)])
 def test_each_known_wrong_reading_differs_and_is_named(wrong, thread, value):
-    assert judges.exposed_comm(HAND, thread, wrong=wrong) == pytest.approx(value)
+    assert judges.reference_exposed_comm(HAND, thread, wrong=wrong) == pytest.approx(value)
     assert judges.diagnose(HAND, thread, value) == judges.WRONG[wrong]

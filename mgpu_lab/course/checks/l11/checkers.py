@@ -16,15 +16,12 @@ from ..sim.scenarios import launch_scenarios
 from . import judges
 from .ranks import MLP_SHAPES, STEPS_2D, call_tp_bytes, measure_tp_bytes, run_2d, run_plan, run_tp_mlp
 
-MANUAL = "mgpu_lab.tensor_parallel.manual:"
 PLANS = "mgpu_lab.tensor_parallel.plans:"
 
 
 # -- tp_mlp ---------------------------------------------------------------------------------
 @exercise("11.tp_mlp", points=6, description="tp_mlp(x, w1_shard, b1_shard, w2_shard, b2) with CopyToTP and "
-          "ReduceFromTP: the MLP split over TP ranks, column- then row-parallel, one all-reduce each way",
-          references=(MANUAL + "tp_mlp", MANUAL + "CopyToTP.forward", MANUAL + "CopyToTP.backward",
-                      MANUAL + "ReduceFromTP.forward", MANUAL + "ReduceFromTP.backward"))
+          "ReduceFromTP: the MLP split over TP ranks, column- then row-parallel, one all-reduce each way")
 def _tp_mlp(t, tp_mlp, CopyToTP, ReduceFromTP):
     @functools.cache  # one launch per world size, made when the first case needs it
     def get(world):
@@ -115,8 +112,7 @@ _MEASURED: dict = {}  # the recorder's counts for BYTES_SHAPES: the same in ever
 
 
 @exercise("11.tp_bytes", points=4, description="tp_bytes(batch, seq, hidden, tp, sequence_parallel): the bytes of "
-          "fp32 tensors one rank hands to collectives per block, forward plus backward",
-          references=(PLANS + "tp_bytes",))
+          "fp32 tensors one rank hands to collectives per block, forward plus backward")
 def _tp_bytes(t, tp_bytes):
     answers = None
     with t.case("without SP, tp=2 and tp=4: the bytes the recorder counted in a block's forward and backward"):

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from mgpu_lab.comm.record import record
 from mgpu_lab.tensor_parallel.block import Block, Stack, batch, make_mesh_2d
-from mgpu_lab.tensor_parallel.measure import saved_bytes
+from mgpu_lab.tensor_parallel.measure import activation_bytes
 from .. import _references
 from ..sim.scenarios import run_scenarios
 
@@ -149,7 +149,7 @@ def _plan_probe(tp_plan, sp: bool) -> dict:
     block = copy.deepcopy(ref)
     x, y = batch(s["n"], s["seq"], s["dim"], seed=5)
     cut = (lambda t: t.chunk(world, dim=1)[rank]) if sp else (lambda t: t)
-    want_saved = saved_bytes(ref, x)
+    want_saved = activation_bytes(ref, x)
     want = ref(x)
     ((want - y).square().sum() / y.numel()).backward()
     torch.optim.SGD(ref.parameters(), lr=0.5).step()
@@ -175,7 +175,7 @@ def _plan_run(block, plan, x, y, want, cut, entry: dict) -> None:
     mesh = init_device_mesh("cpu", (tdist.get_world_size(),), mesh_dim_names=("tp",))
     parallelize_module(block, mesh, plan)
     entry["shares"] = _shares(block)
-    saved = saved_bytes(block, cut(x))
+    saved = activation_bytes(block, cut(x))
     entry["saved"] = {k: saved.get(k, 0) for k in ("norm1", "norm2")}
     with record() as fwd:
         out = block(cut(x))

@@ -5,7 +5,7 @@
 deadlock is reported with where each rank waits), every scenario in one launch;
 other depths are judged without ranks on the same rules. ``bubble`` is judged in
 one process against every schedule's order replayed with the given times
-(:mod:`mgpu_lab.parallel.pp_orders`). ``pipeline_train`` runs in 2 real ranks,
+(:func:`.judges.reference_bubble`). ``pipeline_train`` runs in 2 real ranks,
 every schedule in one launch, against one process. What runs in the fresh
 process or the ranks is :mod:`.ranks`; :mod:`.judges` turns evidence into words.
 """
@@ -17,7 +17,7 @@ from . import ranks as R
 from .judges import (ORDER_HINT, bubble_problem, bubble_problem_of_orders, in_flight_problem, orders_problem,
                      replay_problem, returns_problem, state_problem)
 
-ORDER_REFERENCES = ("mgpu_lab.parallel.pp_orders:one_f_one_b", "mgpu_lab.parallel.pp_orders:orders",
+ORDER_REFERENCES = ("mgpu_lab.parallel.pp_orders:orders",
                     "torch.distributed.pipelining.schedules:_get_1f1b_rank_ops",
                     "torch.distributed.pipelining.schedules:ScheduleInterleaved1F1B._calculate_single_rank_operations")
 ORDER_TIMEOUT = 60.0  # seconds for the launch; a deadlock ends after RECV_TIMEOUT on its own
@@ -134,11 +134,11 @@ def _grid() -> list:
 
 @exercise("12.bubble", points=6, description="bubble(schedule, n_stages, n_micro, t_f, t_b, t_w=0.0, virtual=1) "
           "-> float: the idle fraction of 'gpipe', '1f1b', 'interleaved' or 'zbv' with these per-stage times",
-          references=("mgpu_lab.parallel.pp_orders:bubble", "mgpu_lab.parallel.pp_orders:simulate",
-                      "mgpu_lab.parallel.pp_orders:formula",
+          references=("mgpu_lab.course.checks.l12.judges:reference_bubble",
+                      "mgpu_lab.parallel.pp_orders:simulate", "mgpu_lab.parallel.pp_orders:formula",
                       "torch.distributed.pipelining.schedules:_simulate_comms_compute"))
 def _bubble(t, bubble):
-    """Every call in one process, judged against the schedules replayed (:mod:`mgpu_lab.parallel.pp_orders`).
+    """Every call in one process, judged against the schedules replayed (:func:`.judges.reference_bubble`).
 
     Catches: the closed formula for every schedule, interleaved without v, interleaved's formula with
     fewer micro-batches than stages, ZBV as 1F1B, ZBV without the split, a percentage.
@@ -164,7 +164,7 @@ def _bubble(t, bubble):
 
 
 # -- pipeline_train --------------------------------------------------------------------
-TRAIN_REFERENCES = ("mgpu_lab.parallel.pp_train:pipeline_train", "mgpu_lab.parallel.pp_train:_build",
+TRAIN_REFERENCES = ("mgpu_lab.parallel.pp_train:train", "mgpu_lab.parallel.pp_train:_build",
                     "mgpu_lab.parallel.pp_train:split_layers", "mgpu_lab.parallel.pp_train:stage_ids",
                     "mgpu_lab.parallel.pp_train:make_schedule", "mgpu_lab.parallel.pp_train:_gather_state")
 TRAIN_SCENARIOS = [("small", "gpipe", 4, 0.1), ("small", "1f1b", 4, 0.1), ("small", "interleaved", 2, 0.1),

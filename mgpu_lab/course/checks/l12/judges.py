@@ -1,7 +1,7 @@
 """Lesson 12's verdicts, in words: replayed 1F1B orders, bubbles against the replayed schedules, pipeline training.
 
-The references a value is judged against come from :mod:`mgpu_lab.parallel.pp_orders`
-(every schedule's order replayed with the given times) and
+The references a value is judged against are :func:`reference_bubble` (every schedule's
+order from :mod:`mgpu_lab.parallel.pp_orders`, replayed with the given times) and
 :func:`.ranks.reference_state` (training in one process); each judge names the known
 wrong answer a value matches when it recognises one.
 """
@@ -90,9 +90,20 @@ ORDER_HINT = ("each rank forwards a few micro-batches to fill the pipeline, then
 
 
 # -- bubble ----------------------------------------------------------------------------
-def bubble_reference(args: tuple) -> float:
-    schedule, n_stages, n_micro, t_f, t_b, t_w, virtual = args
-    return pp_orders.bubble(schedule, n_stages, n_micro, t_f, t_b, t_w, virtual)
+def reference_bubble(schedule: str, n_stages: int, n_micro: int, t_f: float, t_b: float, t_w: float = 0.0,
+                     virtual: int = 1) -> float:
+    """The idle fraction of ``schedule`` on ``n_stages`` ranks with these per-stage, per-micro-batch times.
+
+    Schedules that do not split backward (all but ZBV) run ``t_b + t_w`` as one backward.
+
+    Example:
+        >>> round(reference_bubble("gpipe", 4, 8, 1.0, 2.0), 4), round(reference_bubble("interleaved", 4, 8, 1.0,
+        ...                                                                              2.0, virtual=2), 4)
+        (0.2727, 0.1579)
+    """
+    split = schedule == "zbv"
+    times = {"F": t_f, "B": t_b + t_w, "I": t_b if split else t_b + t_w, "W": t_w}
+    return pp_orders.simulate(pp_orders.orders(schedule, n_stages, n_micro, virtual), times).idle_fraction()
 
 
 def _known_wrong(args: tuple) -> list[tuple[str, float]]:
@@ -104,15 +115,15 @@ def _known_wrong(args: tuple) -> list[tuple[str, float]]:
                     "whole rounds of p", (p - 1) / (v * m + p - 1)))
     if schedule == "zbv":
         out.append(("ZBV run as 1F1B: the weight gradients fill the bubble only where they run apart from the "
-                    "input gradients, in ZBV's own order", pp_orders.bubble("1f1b", p, m, t_f, t_b, t_w)))
+                    "input gradients, in ZBV's own order", reference_bubble("1f1b", p, m, t_f, t_b, t_w)))
         out.append(("ZBV with the weight gradient inside the input gradient (backward not split)",
-                    pp_orders.bubble("zbv", p, m, t_f, t_b + t_w, 0.0, 2)))
+                    reference_bubble("zbv", p, m, t_f, t_b + t_w, 0.0, 2)))
     return out + [("the closed formula (p-1)/(m+p-1), whatever the schedule", (p - 1) / (m + p - 1))]
 
 
 def bubble_problem(args: tuple, got: tuple) -> tuple[str, str] | None:
     """``(hint, got)`` when the learner's value for ``args`` is wrong, else None."""
-    want = bubble_reference(args)
+    want = reference_bubble(*args)
     name = f"bubble{args[:3] + args[3:6] + (args[6],)}"
     if got[0] == "raised":
         return f"{name} raised: the schedule exists and must give its idle fraction", in_words(got, "")

@@ -16,7 +16,7 @@ from .ranks import REFERENCES, run_checkpoint, run_exposed, run_saved
 
 @exercise("13.exposed_comm", points=5, description="exposed_comm(trace, rank_thread=None): milliseconds of "
           "communication in a Chrome trace that the main thread's computing does not hide",
-          references=("mgpu_lab.course.checks.l13.judges:exposed_comm",))
+          references=("mgpu_lab.course.checks.l13.judges:reference_exposed_comm",))
 def _exposed_comm(t, exposed_comm):
     runs = None
     with t.case("DDP in 2 ranks, buckets whose all-reduces overlap backward: each rank's trace as the reference "

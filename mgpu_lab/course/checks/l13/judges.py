@@ -1,6 +1,6 @@
 """Lesson 13's verdicts: the evidence of :mod:`.ranks`, in the words of each case.
 
-:func:`exposed_comm` is the reference of ``13.exposed_comm``. A trace recorded from real
+:func:`reference_exposed_comm` is the reference of ``13.exposed_comm``. A trace recorded from real
 ranks on a busy machine is never the same twice, so every answer is judged against the
 reference computed on the very trace the answer read; when an answer is wrong, the known
 wrong readings of that trace (:data:`WRONG`) are computed too, and a match names the bug.
@@ -51,7 +51,7 @@ def busiest(events) -> object:
     return max(time, key=time.get) if time else None
 
 
-def exposed_comm(trace: dict, rank_thread=None, wrong: str | None = None) -> float:
+def reference_exposed_comm(trace: dict, rank_thread=None, wrong: str | None = None) -> float:
     """Milliseconds of communication in ``trace`` that the main thread's computing does not hide.
 
     Communication: complete events named ``c10d::...``, ``gloo:...`` or ``nccl:...``, on any thread.
@@ -103,9 +103,9 @@ WRONG = {
 def diagnose(trace: dict, thread, got: float) -> str:
     """Name the known wrong readings ``got`` matches on this trace (all of them, when several give the same
     number), or say what a right reading is."""
-    right = exposed_comm(trace, thread)
+    right = reference_exposed_comm(trace, thread)
     matches = [words for name, words in WRONG.items()
-               if abs((value := exposed_comm(trace, thread, wrong=name)) - got) <= 1e-6 + 1e-7 * abs(value)
+               if abs((value := reference_exposed_comm(trace, thread, wrong=name)) - got) <= 1e-6 + 1e-7 * abs(value)
                and abs(value - right) > 1e-6]
     if matches:
         return matches[0] if len(matches) == 1 else "your number fits several known mistakes: " + "; or ".join(matches)
@@ -128,7 +128,7 @@ def exposed_case(t, evidence, names, thread_kind=None) -> None:
             if name not in names or thread != threads[thread_kind]:
                 continue
             trace = run["traces"][name]
-            want = exposed_comm(trace, thread)
+            want = reference_exposed_comm(trace, thread)
             wants.append(want)
             where = f"rank {rank}, the {name!r} trace" + (f", rank_thread={thread}" if thread else "")
             if got[0] == "raised":
@@ -148,8 +148,9 @@ def threads_matter(t, evidence) -> None:
     """Fail unless naming the training thread or the helper gives different readings on some rank: else the
     case could not tell an answer that ignores ``rank_thread``."""
     for run in evidence or []:
-        if run["helper"] is not None and abs(exposed_comm(run["traces"]["helper"], run["training"])
-                                             - exposed_comm(run["traces"]["helper"], run["helper"])) > 1e-6:
+        helper = run["traces"]["helper"] if run["helper"] is not None else None
+        if helper is not None and abs(reference_exposed_comm(helper, run["training"])
+                                      - reference_exposed_comm(helper, run["helper"])) > 1e-6:
             return
     t.fail("in this run the training thread and the helper hid the same communication, so the case has no "
            "evidence: rerun the check")

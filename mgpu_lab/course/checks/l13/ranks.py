@@ -6,14 +6,14 @@
   ``exposed_comm`` on every trace. The traces come back with the answers, so the kernel
   judges each answer against the reference computed on the very same trace. Tests that judge many
   answers name a folder in ``MGPU_LAB_L13_TRACE_CACHE``: the ranks record there once and reuse it.
-- :func:`run_saved`: the learner's ``saved_bytes`` and :func:`saved_bytes` (the reference)
+- :func:`run_saved`: the learner's ``saved_bytes`` and :func:`reference_saved_bytes`
   on known models: views, a storage two modules save, tied weights, bfloat16, transformer blocks.
 - :func:`run_checkpoint`: the learner's ``checkpoint_under`` on a stack of unequal blocks for
   several budgets, with every block's saved bytes before and after, the fewest blocks that
   can meet each budget (every subset tried) and the gradients against the unmodified model's.
 
-:func:`saved_bytes` and :func:`checkpoint_under` are the references of ``13.saved_bytes`` and
-``13.checkpoint_under``; the reference of ``13.exposed_comm`` is :func:`.judges.exposed_comm`.
+:func:`reference_saved_bytes` and :func:`reference_checkpoint_under` are the references of ``13.saved_bytes``
+and ``13.checkpoint_under``; the reference of ``13.exposed_comm`` is :func:`.judges.reference_exposed_comm`.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from ..sim.outcome import one_thread, outcome
 
 
 # -- references -----------------------------------------------------------------------------
-def saved_bytes(model: nn.Module, x: torch.Tensor) -> dict:
+def reference_saved_bytes(model: nn.Module, x: torch.Tensor) -> dict:
     """Bytes autograd saves for backward in ``model(x)``, per top-level module; each storage once, for the
     first module that saves it; saved parameters count."""
     current, seen = [None], set()
@@ -74,7 +74,7 @@ def total_with(model: nn.Module, x: torch.Tensor, chosen) -> int:
     for i in chosen:
         _checkpointed(model.blocks[i])
     try:
-        return sum(saved_bytes(model, x).values())
+        return sum(reference_saved_bytes(model, x).values())
     finally:
         for i in chosen:
             _uncheckpointed(model.blocks[i])
@@ -90,7 +90,7 @@ def fewest(model: nn.Module, x: torch.Tensor, budget: int):
     return None
 
 
-def checkpoint_under(model: nn.Module, x: torch.Tensor, budget_bytes: int) -> nn.Module:
+def reference_checkpoint_under(model: nn.Module, x: torch.Tensor, budget_bytes: int) -> nn.Module:
     """Checkpoint the fewest of ``model.blocks`` so that the saved bytes of ``model(x)`` fit ``budget_bytes``."""
     chosen = fewest(model, x, budget_bytes)
     if chosen is None:
@@ -102,7 +102,8 @@ def checkpoint_under(model: nn.Module, x: torch.Tensor, budget_bytes: int) -> nn
     return model
 
 
-REFERENCES = ("mgpu_lab.course.checks.l13.ranks:saved_bytes", "mgpu_lab.course.checks.l13.ranks:checkpoint_under",
+REFERENCES = ("mgpu_lab.course.checks.l13.ranks:reference_saved_bytes",
+              "mgpu_lab.course.checks.l13.ranks:reference_checkpoint_under",
               "mgpu_lab.course.checks.l13.ranks:fewest", "mgpu_lab.course.checks.l13.ranks:total_with")
 
 
@@ -229,7 +230,7 @@ def run_saved(saved) -> dict:
     for name in known_models():
         with _references.allowed():
             model, x = known_models()[name]
-            expected = saved_bytes(model, x)
+            expected = reference_saved_bytes(model, x)
         model, x = known_models()[name]
         got = outcome(saved, model, x)
         if got[0] == "ok":
@@ -249,7 +250,7 @@ def stack() -> tuple:
 
 def per_block(model, x) -> list:
     """Saved bytes of each of ``model.blocks`` in ``model(x)`` (the blocks as they are now, wrapped or not)."""
-    got = saved_bytes(model.blocks, x)  # an nn.Sequential: its children are the blocks, named "0", "1", ...
+    got = reference_saved_bytes(model.blocks, x)  # an nn.Sequential: its children are the blocks, named "0", "1", ...
     return [got[str(i)] for i in range(len(model.blocks))]
 
 
@@ -285,7 +286,7 @@ def _one_budget(checkpoint_under, budget: int) -> dict:
     target = returned if isinstance(returned, nn.Module) else model
     with _references.allowed():
         out["after"] = per_block(target, x) if hasattr(target, "blocks") else None
-        out["total"] = sum(saved_bytes(target, x).values())
+        out["total"] = sum(reference_saved_bytes(target, x).values())
     out["same output"] = bool(torch.allclose(target(x), ref(x), atol=1e-6))
     mine, want_grads = _grads(target, x), _grads(ref, x)
     out["grads"] = [("none" if g is None else float((g - w).abs().max()) if g.shape == w.shape else "shape")
