@@ -35,7 +35,7 @@ import torch.distributed as tdist
 from mgpu_lab import dist as mdist
 from mgpu_lab.sharding import distcp
 from mgpu_lab.tensor_parallel.block import Stack, make_mesh_2d
-from mgpu_lab.tensor_parallel.plans import parallelize_2d
+from mgpu_lab.tensor_parallel.plans import shard_2d
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -165,7 +165,7 @@ def main(argv=None) -> int:
 
     model = Stack(args.depth, args.dim, args.heads, args.hidden, seed=args.seed).to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    parallelize_2d(model, mesh)                                     # TP over "tp", then FSDP over "dp"
+    shard_2d(model, mesh)                                           # TP over "tp", then FSDP over "dp"
     optimizer = make_optimizer(args, model)                         # after both: DTensor parameters
     dp = mesh["dp"].size()
     say(f"{n_params:,} parameters in {args.depth} blocks on a (dp={dp}, tp={tp}) mesh; {args.batch_size} sequences "

@@ -10,7 +10,7 @@ answers an exercise must not call, and ``scripts/tp_train.py`` uses them.
   each of ``wq``, ``wk``, ``wv`` all-reduces the gradient of the same input). With
   sequence parallelism the norms run on this rank's slice of the sequence
   (``SequenceParallel``), ``attn``/``mlp`` all-gather it, ``wo``/``fc2`` reduce-scatter.
-- :func:`parallelize_2d`: TP over ``mesh["tp"]`` inside every block, then ``fully_shard``
+- :func:`shard_2d`: TP over ``mesh["tp"]`` inside every block, then ``fully_shard``
   over ``mesh["dp"]`` block by block and the root (FSDP shards what TP left: the other
   order fails, a DTensor of the "dp" mesh cannot be redistributed onto "tp").
 """
@@ -21,7 +21,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
-__all__ = ["block_plan", "parallelize_2d"]
+__all__ = ["block_plan", "shard_2d"]
 
 
 def block_plan(block: nn.Module, sequence_parallel: bool) -> dict:
@@ -53,7 +53,7 @@ def block_plan(block: nn.Module, sequence_parallel: bool) -> dict:
     return plan
 
 
-def parallelize_2d(model: nn.Module, mesh) -> nn.Module:
+def shard_2d(model: nn.Module, mesh) -> nn.Module:
     """TP (with sequence parallelism) over ``mesh["tp"]`` in every block of ``model.blocks``, then FSDP over "dp".
 
     The model's input and output are then this rank's slice of its DP group's batch and of
@@ -70,7 +70,7 @@ def parallelize_2d(model: nn.Module, mesh) -> nn.Module:
         >>> from mgpu_lab import launch
         >>> from mgpu_lab.tensor_parallel.block import Stack, make_mesh_2d
         >>> def placements():
-        ...     model = parallelize_2d(Stack(depth=1), make_mesh_2d(2, 2))
+        ...     model = shard_2d(Stack(depth=1), make_mesh_2d(2, 2))
         ...     wq, norm = model.blocks[0].attn.wq.weight, model.blocks[0].norm1.weight
         ...     return [[type(p).__name__ for p in w.placements] for w in (wq, norm)]   # over ("dp", "tp")
         >>> launch(placements, 4)[0]   # FSDP's shard over "dp" is a slice of TP's slice: a strided shard

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from mgpu_lab import LaunchError, launch
 from mgpu_lab.tensor_parallel.block import Attention, Block, Stack, batch, make_mesh_2d
-from mgpu_lab.tensor_parallel.plans import block_plan, parallelize_2d
+from mgpu_lab.tensor_parallel.plans import block_plan, shard_2d
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -64,7 +64,7 @@ def test_heads_that_do_not_divide_over_the_tp_ranks_fail_with_the_reason():
 def _two_d():
     mesh = make_mesh_2d(2, 2)
     ref = Stack(2, 16, 4, 32)
-    model = parallelize_2d(copy.deepcopy(ref), mesh)
+    model = shard_2d(copy.deepcopy(ref), mesh)
     d, t = mesh.get_coordinate()
     x, y = batch(4, 8, 16)
     xs, ys = (v.chunk(2)[d].chunk(2, dim=1)[t] for v in (x, y))

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from mgpu_lab import launch
 from mgpu_lab.tensor_parallel import measure
 from mgpu_lab.tensor_parallel.block import Block
-from mgpu_lab.tensor_parallel.plans import block_plan, parallelize_2d
+from mgpu_lab.tensor_parallel.plans import block_plan, shard_2d
 from mutation import solution_cell
 
 pytestmark = pytest.mark.timeout(240)
@@ -65,7 +65,7 @@ def test_every_scheme_s_step_hands_collectives_exactly_the_formula_s_bytes():
     tp_bytes = _solution_tp_bytes()
     measured, formulas = [], []
     for scheme in measure.SCHEMES:
-        run = launch(measure.scheme_step, 4, scheme, block_plan, parallelize_2d)[0]
+        run = launch(measure.scheme_step, 4, scheme, block_plan, shard_2d)[0]
         want = measure.formula_bytes(scheme, run["params"], 4, 8, 16, 2, 4, tp_bytes)
         assert run["bytes"] == want, (scheme, run)
         measured.append(run)

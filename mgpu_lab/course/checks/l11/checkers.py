@@ -52,7 +52,7 @@ def _tp_mlp(t, tp_mlp, CopyToTP, ReduceFromTP):
 # -- tp_plan --------------------------------------------------------------------------------
 @exercise("11.tp_plan", points=8, description="tp_plan(block, sequence_parallel): the parallelize_module plan of "
           "lesson 11's transformer block, with and without sequence parallelism",
-          references=(PLANS + "block_plan", PLANS + "parallelize_2d"))
+          references=(PLANS + "block_plan", PLANS + "shard_2d"))
 def _tp_plan(t, tp_plan):
     @functools.cache  # one launch, made when the first case needs it
     def get():
@@ -85,7 +85,7 @@ def _tp_plan(t, tp_plan):
 # -- parallelize_2d -------------------------------------------------------------------------
 @exercise("11.parallelize_2d", points=5, description="parallelize_2d(model, mesh): TP over mesh['tp'] in every "
           "block, then FSDP over mesh['dp']; 4 ranks train like one process",
-          references=(PLANS + "parallelize_2d", PLANS + "block_plan"))
+          references=(PLANS + "shard_2d", PLANS + "block_plan"))
 def _parallelize_2d(t, parallelize_2d):
     @functools.cache
     def get():
