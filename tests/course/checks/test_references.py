@@ -189,3 +189,50 @@ def test_no_reference_of_a_lesson_is_reachable_from_its_notebook_s_imports(noteb
     found = _json.loads(line[len(reach.ANSWER):])
     assert "error" not in found, found.get("error")
     assert not found, f"lesson {lesson}'s imports reach the answers of its exercises: {found}"
+
+
+def _answer_names() -> dict[str, str]:
+    """Every name a solution notebook hands to ``check`` (the learner's function or class) -> its exercise."""
+    import ast
+
+    import nbformat
+
+    names = {}
+    for notebook in NOTEBOOKS:
+        for cell in nbformat.read(notebook, as_version=4).cells:
+            if cell.cell_type != "code":
+                continue
+            try:
+                tree = ast.parse("\n".join(line for line in cell.source.splitlines()
+                                           if not line.lstrip().startswith(("%", "!"))))
+            except SyntaxError:
+                continue
+            for node in ast.walk(tree):
+                if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "check" and node.args
+                        and isinstance(node.args[0], ast.Constant)):
+                    names.update({a.id: node.args[0].value for a in node.args[1:] if isinstance(a, ast.Name)})
+    return names
+
+
+def test_the_package_defines_no_exercise_answer_under_the_learner_s_name():
+    """CONTRIBUTING, "No answer in sight": ``from mgpu_lab.<anything> import <the exercise's name>`` finds nothing.
+    The checks' own answers are ``reference_<name>``; the library's version of an idea is named for its role."""
+    import ast
+
+    answers = _answer_names()
+    assert len(answers) >= 30, answers  # the walk of the notebooks found the check calls
+    found = []
+    for path in sorted((ROOT / "mgpu_lab").rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defined = [node.name]
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                defined = [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+            elif isinstance(node, ast.ImportFrom):
+                defined = [a.asname or a.name for a in node.names]
+            else:
+                continue
+            found += [f"{path.relative_to(ROOT)}:{node.lineno} {name} (the answer to {answers[name]})"
+                      for name in defined if name in answers]
+    assert not found, "mgpu_lab defines exercise answers under the learner's names:\n" + "\n".join(found)
