@@ -140,11 +140,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # Training is done and the process group destroyed. With torch 2.14 a rank
-    # can still abort in C++ teardown at interpreter exit ("terminate called
-    # without an active exception", SIGABRT), and torchrun then fails the whole
-    # job (seen twice in CI here). Flush and leave without that teardown.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    mdist.leave(main())  # without the C++ teardown at interpreter exit, which can abort a finished rank

@@ -141,16 +141,11 @@ def main(argv=None) -> int:
         trained = fsdp.full_params(model)                        # a collective: every rank
         if me.rank == 0:
             ref = reference(args, train_set, me.world_size)
-            diff = max((trained[k] - ref[k]).abs().max().item() for k in ref)
+            diff = ddp.max_diff(trained, ref)
             say(f"max |FSDP weights - one process with global batch {args.batch_size * me.world_size}| = {diff:.3g}")
     mdist.teardown()
     return 0
 
 
 if __name__ == "__main__":
-    code = main()
-    # As scripts/ddp_train.py: leave without the C++ teardown at interpreter exit,
-    # which can abort with torch 2.14 after the process group is destroyed.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    mdist.leave(main())  # without the C++ teardown at interpreter exit, which can abort a finished rank

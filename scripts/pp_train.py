@@ -18,7 +18,6 @@ the largest weight difference.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -26,6 +25,7 @@ import torch
 from torch import nn
 
 from mgpu_lab import dist as mdist
+from mgpu_lab.parallel.baseline import max_diff
 from mgpu_lab.parallel import pp_train
 
 
@@ -77,14 +77,11 @@ def main(argv=None) -> int:
         say(f"{schedule}: done in {time.perf_counter() - start:.2f} s")
         if args.compare_reference and me.rank == 0:
             ref = pp_train.one_process(lambda: model_fn(args, n_layers), batches, args.lr)
-            diff = max((state[k] - ref[k]).abs().max().item() for k in ref)
+            diff = max_diff(state, ref)
             say(f"{schedule}: max |pipeline weights - one process| = {diff:.3g}")
     mdist.teardown()
     return 0
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # as scripts/ddp_train.py: no C++ teardown at interpreter exit
+    mdist.leave(main())  # without the C++ teardown at interpreter exit, which can abort a finished rank

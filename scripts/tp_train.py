@@ -33,6 +33,7 @@ import torch
 import torch.distributed as tdist
 
 from mgpu_lab import dist as mdist
+from mgpu_lab.parallel.baseline import max_diff
 from mgpu_lab.sharding import distcp
 from mgpu_lab.tensor_parallel.block import Stack, make_mesh_2d
 from mgpu_lab.tensor_parallel.plans import shard_2d
@@ -194,16 +195,11 @@ def main(argv=None) -> int:
         trained = full_weights(model)
         if me.rank == 0:
             ref = reference(args, x, y, dp, args.steps)
-            diff = max((trained[k] - ref[k]).abs().max().item() for k in ref)
+            diff = max_diff(trained, ref)
             say(f"max |2D weights - one process with global batch {args.batch_size * dp}| = {diff:.3g}")
     mdist.teardown()
     return 0
 
 
 if __name__ == "__main__":
-    code = main()
-    # As scripts/ddp_train.py: leave without the C++ teardown at interpreter exit,
-    # which can abort with torch 2.14 after the process group is destroyed.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    mdist.leave(main())  # without the C++ teardown at interpreter exit, which can abort a finished rank

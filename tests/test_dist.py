@@ -111,3 +111,17 @@ def test_the_same_helpers_under_real_torchrun(tmp_path):
     if dev:
         assert results == ["RESULT 0 0 2 2 cpu 2.0", "RESULT 1 1 2 2 cpu 2.0"]
     assert proc.stdout.count("only once") == 1
+
+
+def test_leave_flushes_what_was_written_and_exits_with_the_code_skipping_exit_handlers():
+    code = textwrap.dedent("""
+        import atexit, sys
+        from mgpu_lab import dist
+        atexit.register(lambda: print("atexit ran"))
+        print("trained", end="")
+        sys.stderr.write("warned")
+        dist.leave(3)
+        print("after leave")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (3, "trained", "warned")
