@@ -16,11 +16,15 @@ a restart gets the same ``RANK`` and ``WORLD_SIZE`` again (on one node) and
 from the agent, which has imported torch already, instead of starting Python
 and importing torch again (about 3 s of CPU each on this machine). The agent,
 its restarts and the variables are the same; a cluster does not need it.
+The workers share the agent's output: a line written in one call stays whole
+(``print('rank', r)`` writes its pieces one by one, and two workers' pieces can
+interleave).
 
 Example:
     >>> script = os.path.join(tempfile.mkdtemp(), "hello.py")
+    >>> line = "sys.stdout.write('rank %s of %s' % (os.environ['RANK'], os.environ['WORLD_SIZE']) + chr(10))"
     >>> with open(script, "w") as f:
-    ...     _ = f.write("import os; print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])")
+    ...     _ = f.write("import os, sys; " + line)
     >>> result = run(torchrun_argv(script, nproc=2, fork=True), echo=False)
     >>> result.returncode, sorted(result.lines("rank [0-9] of 2"))
     (0, ['rank 0 of 2', 'rank 1 of 2'])
