@@ -18,6 +18,19 @@ import nbformat
 # import this module, and nbformat with it (seconds each on a loaded machine).
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
+def by_value(source: str, *names: str):
+    """The objects ``source`` defines under ``names`` (one: the object), belonging to no module.
+
+    cloudpickle ships such a function by value: a rank that got a function of a test file by
+    reference would import that file, and with it nbformat (seconds per rank). Keep them in a
+    dict or a tuple, not as module attributes, where cloudpickle would find them and pickle
+    them by reference.
+    """
+    namespace: dict = {}
+    exec(compile(source, f"<{names[0]}>", "exec"), namespace)
+    return tuple(namespace[n] for n in names) if len(names) > 1 else namespace[names[0]]
+
+
 def solutions_from(notebook: Path, names: tuple[str, ...], namespace: dict | None = None) -> dict:
     """The exercise functions exactly as a solution notebook defines them (its solution cells run)."""
     namespace = {} if namespace is None else namespace

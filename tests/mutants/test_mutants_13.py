@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import functools
-import os
 
 import pytest
 
@@ -16,13 +15,9 @@ NOTEBOOK = "13_time_and_memory.ipynb"
 @pytest.fixture(scope="module", autouse=True)
 def recorded_once(tmp_path_factory):
     """The ranks record the traces 13.exposed_comm is judged on once for all its mutants and variants."""
-    before = os.environ.get(CACHE_ENV)
-    os.environ[CACHE_ENV] = str(tmp_path_factory.mktemp("l13-traces"))
-    yield
-    if before is None:
-        os.environ.pop(CACHE_ENV, None)
-    else:
-        os.environ[CACHE_ENV] = before
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("l13-traces")))
+        yield
 
 
 EXPOSED = ExerciseMutants("13.exposed_comm", NOTEBOOK, ("exposed_comm",), mutants=[

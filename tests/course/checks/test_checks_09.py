@@ -4,23 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from checking import case_starting
+from checking import by_value, case_starting
 from mgpu_lab.course.checks import check, exercises
 
 pytestmark = pytest.mark.timeout(300)
 NAMES = ("ring_allreduce", "MiniDDP", "error_feedback_hook")
 
 
-def _by_value(source: str, name: str):
-    """A function that belongs to no module, so that cloudpickle ships it by value: a rank that got a
-    function of this file by reference would import this file, and with it nbformat (seconds per rank).
-    Kept in ANSWERS, not as a module attribute, where cloudpickle would find it and pickle by reference."""
-    namespace = {}
-    exec(compile(source, f"<{name}>", "exec"), namespace)
-    return namespace[name]
-
-
-ANSWERS = {"stub": _by_value("def stub(*args, **kwargs):\n    raise NotImplementedError('write this')\n", "stub")}
+ANSWERS = {"stub": by_value("def stub(*args, **kwargs):\n    raise NotImplementedError('write this')\n", "stub")}
 
 
 def test_lesson_09_registers_its_three_exercises_with_one_point_per_case():
@@ -33,12 +24,12 @@ def test_a_stub_is_not_attempted(name):
     assert check(f"09.{name}", ANSWERS["stub"]).status == "not attempted"
 
 
-ANSWERS["library_ring"] = _by_value('''
+ANSWERS["library_ring"] = by_value('''
 def library_ring(tensor):
     from mgpu_lab.comm.ring import all_reduce as mine   # the library's reference, under another name
     return mine(tensor)
 ''', "library_ring")
-ANSWERS["ddp_inside"] = _by_value('''
+ANSWERS["ddp_inside"] = by_value('''
 import torch
 from torch import nn
 
@@ -57,7 +48,7 @@ class ddp_inside(nn.Module):
     def finish_gradient_sync(self):
         pass
 ''', "ddp_inside")
-ANSWERS["torch_buckets"] = _by_value("""
+ANSWERS["torch_buckets"] = by_value("""
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -78,7 +69,7 @@ class torch_buckets(nn.Module):
     def finish_gradient_sync(self):
         pass
 """, "torch_buckets")
-ANSWERS["torch_hook"] = _by_value('''
+ANSWERS["torch_hook"] = by_value('''
 def torch_hook(state, bucket):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     return default_hooks.bf16_compress_hook(None, bucket)
@@ -98,11 +89,11 @@ def test_an_answer_that_calls_a_reference_fails_every_case_naming_it(exercise, a
 
 
 # -- trivially wrong answers pass no case that names a behaviour they lack ---------------------------------
-ANSWERS["ring_nothing"] = _by_value('''
+ANSWERS["ring_nothing"] = by_value('''
 def ring_nothing(tensor):
     return tensor.clone()
 ''', "ring_nothing")
-ANSWERS["mini_nothing"] = _by_value('''
+ANSWERS["mini_nothing"] = by_value('''
 from torch import nn
 
 
@@ -117,7 +108,7 @@ class mini_nothing(nn.Module):
     def finish_gradient_sync(self):
         pass
 ''', "mini_nothing")
-ANSWERS["hook_nothing"] = _by_value('''
+ANSWERS["hook_nothing"] = by_value('''
 import torch
 
 
@@ -147,7 +138,7 @@ def test_a_hook_that_does_not_communicate_passes_only_the_shape_of_its_value():
     assert "all_reduce of nothing" in case_starting(result, "20 steps").got
 
 
-ANSWERS["everyone_to_everyone"] = _by_value('''
+ANSWERS["everyone_to_everyone"] = by_value('''
 def everyone_to_everyone(tensor):
     """A correct sum in which every rank sends its whole tensor to every other rank: no ring."""
     import torch
@@ -172,7 +163,7 @@ def test_everyone_to_everyone_fails_only_the_neighbour_and_traffic_cases():
     assert "rank 0 sent 12012 bytes" in case_starting(result, "each rank sends about").got
 
 
-ANSWERS["ring_by_all_reduce"] = _by_value('''
+ANSWERS["ring_by_all_reduce"] = by_value('''
 def ring_by_all_reduce(tensor):
     import torch.distributed as dist
 
@@ -180,7 +171,7 @@ def ring_by_all_reduce(tensor):
     dist.all_reduce(out)
     return out
 ''', "ring_by_all_reduce")
-ANSWERS["ring_send_first"] = _by_value('''
+ANSWERS["ring_send_first"] = by_value('''
 def ring_send_first(tensor):
     """Every rank sends its whole tensor right with a blocking send, then receives: a deadlock."""
     import torch
@@ -212,7 +203,7 @@ def test_a_deadlocking_ring_passes_no_case_and_says_the_deadlock_once_with_its_w
     assert "rank 0:" not in text, text
 
 
-ANSWERS["mini_sync_at_end"] = _by_value('''
+ANSWERS["mini_sync_at_end"] = by_value('''
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -245,7 +236,7 @@ def test_a_minddp_that_all_reduces_each_gradient_after_backward_passes_only_star
     assert "one all-reduce per parameter" in case_starting(result, "one asynchronous all-reduce").hint
 
 
-ANSWERS["hook_fp32"] = _by_value('''
+ANSWERS["hook_fp32"] = by_value('''
 import torch
 import torch.distributed as dist
 

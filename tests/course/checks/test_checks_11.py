@@ -4,21 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from checking import case_starting
+from checking import by_value, case_starting
 from mgpu_lab.course.checks import check, exercises
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def _by_value(source: str, *names: str):
-    """Objects that belong to no module, so that cloudpickle ships them by value (see test_checks_09)."""
-    namespace = {}
-    exec(compile(source, f"<{names[0]}>", "exec"), namespace)
-    return tuple(namespace[n] for n in names) if len(names) > 1 else namespace[names[0]]
-
-
-STUB = _by_value("def stub(*args, **kwargs):\n    raise NotImplementedError('write this')\n", "stub")
-STUB_FN = _by_value('''
+STUB = by_value("def stub(*args, **kwargs):\n    raise NotImplementedError('write this')\n", "stub")
+STUB_FN = by_value('''
 import torch
 
 
@@ -45,7 +38,7 @@ def test_a_stub_is_not_attempted(exercise, answer):
     assert check(exercise, *answer).status == "not attempted"
 
 
-LIBRARY_PLAN = _by_value('''
+LIBRARY_PLAN = by_value('''
 def library_plan(block, sequence_parallel):
     from mgpu_lab.tensor_parallel.plans import block_plan as mine   # the reference, under another name
     return mine(block, sequence_parallel)
@@ -59,7 +52,7 @@ def test_an_answer_that_calls_a_reference_fails_every_case_naming_it():
 
 
 # -- answers that do nothing pass no case that names a behaviour they lack ---------------------------------
-NOTHING_MLP = _by_value('''
+NOTHING_MLP = by_value('''
 import torch
 import torch.nn.functional as F
 
@@ -77,9 +70,9 @@ class Same(torch.autograd.Function):
 def local_mlp(x, w1, b1, w2, b2):
     return F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2)
 ''', "local_mlp", "Same")
-NOTHING_PLAN = _by_value("def no_plan(block, sequence_parallel):\n    return {}\n", "no_plan")
-NOTHING_2D = _by_value("def unchanged(model, mesh):\n    return model\n", "unchanged")
-NOTHING_BYTES = _by_value("def zero(batch, seq, hidden, tp, sequence_parallel):\n    return 0\n", "zero")
+NOTHING_PLAN = by_value("def no_plan(block, sequence_parallel):\n    return {}\n", "no_plan")
+NOTHING_2D = by_value("def unchanged(model, mesh):\n    return model\n", "unchanged")
+NOTHING_BYTES = by_value("def zero(batch, seq, hidden, tp, sequence_parallel):\n    return 0\n", "zero")
 
 
 def test_an_mlp_that_never_communicates_passes_no_case():

@@ -2,11 +2,9 @@
 13.exposed_comm on a trace worked out by hand (tests/mutants/test_mutants_13.py has the named mutants)."""
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from checking import case_starting
+from checking import by_value, case_starting
 from mgpu_lab.course.checks import check, exercises
 from mgpu_lab.course.checks.l13 import judges
 from mgpu_lab.course.checks.l13.ranks import CACHE_ENV
@@ -18,23 +16,12 @@ NAMES = ("exposed_comm", "saved_bytes", "checkpoint_under")
 @pytest.fixture(scope="module", autouse=True)
 def recorded_once(tmp_path_factory):
     """The ranks record lesson 13's traces once for this file and reuse them (the check's own cache)."""
-    before = os.environ.get(CACHE_ENV)
-    os.environ[CACHE_ENV] = str(tmp_path_factory.mktemp("l13-traces"))
-    yield
-    if before is None:
-        os.environ.pop(CACHE_ENV, None)
-    else:
-        os.environ[CACHE_ENV] = before
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("l13-traces")))
+        yield
 
 
-def _by_value(source: str, name: str):
-    """A function of no module, so that cloudpickle ships it by value (see test_checks_09)."""
-    namespace: dict = {}
-    exec(compile(source, f"<{name}>", "exec"), namespace)
-    return namespace[name]
-
-
-ANSWERS = {"stub": _by_value("def stub(*args, **kwargs):\n    raise NotImplementedError('write this')\n", "stub")}
+ANSWERS = {"stub": by_value("def stub(*args, **kwargs):\n    raise NotImplementedError('write this')\n", "stub")}
 
 
 def test_lesson_13_registers_its_three_exercises_with_one_point_per_case():
@@ -47,17 +34,17 @@ def test_a_stub_is_not_attempted(name):
     assert check(f"13.{name}", ANSWERS["stub"]).status == "not attempted"
 
 
-ANSWERS["library_exposed"] = _by_value('''
+ANSWERS["library_exposed"] = by_value('''
 def library_exposed(trace, rank_thread=None):
     from mgpu_lab.course.checks.l13.judges import reference_exposed_comm as theirs
     return theirs(trace, rank_thread)
 ''', "library_exposed")
-ANSWERS["library_saved"] = _by_value('''
+ANSWERS["library_saved"] = by_value('''
 def library_saved(model, x):
     from mgpu_lab.course.checks.l13 import ranks
     return ranks.reference_saved_bytes(model, x)
 ''', "library_saved")
-ANSWERS["library_checkpoint"] = _by_value('''
+ANSWERS["library_checkpoint"] = by_value('''
 def library_checkpoint(model, x, budget_bytes):
     from mgpu_lab.course.checks.l13.ranks import reference_checkpoint_under
     return reference_checkpoint_under(model, x, budget_bytes)
@@ -76,12 +63,12 @@ def test_an_answer_that_calls_a_reference_fails_every_case_naming_it(exercise, a
 
 
 # -- do-nothing answers pass no case that names a behaviour they lack ---------------------------------------
-ANSWERS["zero"] = _by_value("def zero(trace, rank_thread=None):\n    return 0.0\n", "zero")
-ANSWERS["zeros"] = _by_value('''
+ANSWERS["zero"] = by_value("def zero(trace, rank_thread=None):\n    return 0.0\n", "zero")
+ANSWERS["zeros"] = by_value('''
 def zeros(model, x):
     return {name: 0 for name, _ in model.named_children()}
 ''', "zeros")
-ANSWERS["unchanged"] = _by_value("def unchanged(model, x, budget_bytes):\n    return model\n", "unchanged")
+ANSWERS["unchanged"] = by_value("def unchanged(model, x, budget_bytes):\n    return model\n", "unchanged")
 
 
 def test_an_exposed_comm_of_zero_passes_no_case():
