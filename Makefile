@@ -32,7 +32,9 @@ NBVAL       ?= --nbval-lax
 # Worker processes (pytest-xdist): each test file, and each notebook, runs whole in one of them;
 # conftest.py keeps the files that share something machine-wide (the SLURM cluster, the grading
 # sandboxes' users) from running at once. TEST_WORKERS=1 runs everything in one process.
-TEST_WORKERS ?= 2
+# Three on CI's 2-core machine: much of the suite waits (deadlines, restarts, sandboxes, SLURM), and a third
+# worker fills those waits (measured 2026-11-26, the part that needs no root alone: 748 s with 2, 641 s with 3).
+TEST_WORKERS ?= 3
 XDIST       := $(if $(filter-out 0 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 SOLUTION_NOTEBOOKS := $(sort $(wildcard solutions/*.ipynb))
 # The docstring examples of the package run too (pyproject.toml sets their flags: ELLIPSIS, NORMALIZE_WHITESPACE).

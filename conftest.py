@@ -1,6 +1,6 @@
 """Run-wide test plumbing: for tests/ and for the solution notebooks that nbval runs.
 
-``make test`` runs the suite in two worker processes (pytest-xdist,
+``make test`` runs the suite in three worker processes (pytest-xdist,
 ``--dist loadfile``: all of a file's tests, or all of a notebook's cells, in one
 worker, in order). A few files use something there is only one of on a machine,
 so no two of them may run at the same time: the local SLURM cluster (one set of
