@@ -2,9 +2,9 @@
 
 Every lesson's checks have the same three modules: ``checkers`` (the exercises,
 registered with their cases and hints), ``ranks`` (what runs in the check's fresh
-process or real ranks, returning plain evidence; here also the references of
-``saved_bytes`` and ``checkpoint_under``, ``reference_saved_bytes`` and
+process or real ranks, returning plain evidence; here also the checks' own answers
+to ``saved_bytes`` and ``checkpoint_under``: ``reference_saved_bytes``,
 ``reference_checkpoint_under``) and ``judges`` (what the kernel concludes from that
-evidence; here also the reference of ``exposed_comm``, ``reference_exposed_comm``).
+evidence; here also ``reference_exposed_comm``, the checks' own ``exposed_comm``).
 Only ``checkers`` is imported by the registry, and only when lesson 13 is checked.
 """
