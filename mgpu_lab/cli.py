@@ -95,9 +95,9 @@ def _assign(args) -> int:
 
 def _add_refresh(subparsers) -> None:
     parser = subparsers.add_parser(
-        "refresh", help="run solution notebooks; keep only the outputs nbval checks",
+        "refresh", help="run solution notebooks; keep the outputs nbval checks and the measured ones",
         description="Execute each notebook in a fresh kernel and keep the outputs of "
-                    "cells tagged 'nbval-check-output' only (the ones nbval compares).")
+                    "cells tagged 'nbval-check-output' (the ones nbval compares) or 'keep-output' (measured results a reader holds the text against).")
     parser.add_argument("notebooks", nargs="+", type=Path)
     parser.add_argument("--timeout", type=float, default=600, help="seconds per cell (default: 600)")
     parser.set_defaults(handler=_refresh)

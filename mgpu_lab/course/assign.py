@@ -23,6 +23,9 @@ BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 # nbval compares the outputs of cells with this tag (a cell tag, kept by the student copy, so the learner's
 # check cells hold nothing but the check itself).
 CHECK_TAG = "nbval-check-output"
+# A measured cell (a table, a figure, a timing) whose output a reader on GitHub should see beside the text that
+# describes it: `refresh` keeps its output too. nbval --nbval-lax does not compare it (its numbers vary per run).
+KEEP_TAG = "keep-output"
 KERNELSPEC = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
 STUB = 'raise NotImplementedError("write your solution here")'
 
@@ -130,10 +133,11 @@ def assign(sources: list[Path] | None = None, out_dir: Path | str = "notebooks",
 
 
 def refresh(path: Path | str, timeout: float = 600) -> int:
-    """Execute a solution notebook; keep the outputs of the cells tagged ``nbval-check-output`` only.
+    """Execute a solution notebook; keep the outputs of the cells tagged ``nbval-check-output`` or ``keep-output``.
 
-    Every other output is dropped, so the committed notebook holds exactly what
-    nbval compares. Returns the number of cells whose outputs were kept.
+    Every other output is dropped, so the committed notebook holds what nbval
+    compares and the measured results a reader holds the text against (the
+    student copy clears them all). Returns the number of cells whose outputs were kept.
 
     Raises:
         nbclient.exceptions.CellExecutionError: a cell failed (nothing is written).
@@ -151,7 +155,7 @@ def refresh(path: Path | str, timeout: float = 600) -> int:
         if cell.cell_type != "code":
             continue
         cell.metadata.pop("execution", None)
-        if is_check_cell(cell):
+        if is_check_cell(cell) or KEEP_TAG in cell.get("metadata", {}).get("tags", []):
             kept += 1
         else:
             cell.outputs = []

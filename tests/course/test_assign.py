@@ -7,7 +7,7 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
-from mgpu_lab.course.assign import CHECK_TAG, KERNELSPEC, STUB, MarkerError, assign, refresh, strip_solutions, student_notebook
+from mgpu_lab.course.assign import CHECK_TAG, KEEP_TAG, KERNELSPEC, STUB, MarkerError, assign, refresh, strip_solutions, student_notebook
 from mgpu_lab.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -132,13 +132,16 @@ def test_refresh_keeps_the_outputs_of_tagged_cells_only(tmp_path):
         new_code_cell("print('demo')", outputs=[new_output("stream", name="stdout", text="stale\n")]),
         new_code_cell("6 * 7", metadata={"tags": [CHECK_TAG]}),
         new_code_cell("# NBVAL_CHECK_OUTPUT\n1 + 1"),  # the old first-line mark keeps nothing any more
+        new_code_cell("print('measured', 3)", metadata={"tags": [KEEP_TAG]}),
     ])
     path = tmp_path / "01_demo.ipynb"
     nbformat.write(nb, path)
-    assert refresh(path, timeout=120) == 1
+    assert refresh(path, timeout=120) == 2
     cells = nbformat.read(path, 4).cells
     assert cells[0].outputs == [] and cells[2].outputs == []
     assert cells[1].outputs[0]["data"]["text/plain"] == "42"
+    assert cells[3].outputs[0]["text"] == "measured 3\n"
+    assert all(c.outputs == [] for c in student_notebook(nbformat.read(path, 4)).cells)
 
 
 def test_every_notebook_holds_the_installed_kernel_s_kernelspec():
