@@ -38,6 +38,15 @@ MLP = ExerciseMutants("11.tp_mlp", NOTEBOOK, ("tp_mlp", "CopyToTP", "ReduceFromT
            replace("        total = partial.clone()\n        dist.all_reduce(total)\n",
                    "        total = partial.clone()\n"),
            expect=("own partial sum", "no collective forward")),
+    Mutant("tp_mlp built from DTensors (torch's own TP: the same outputs, gradients and collectives, no conjugates "
+           "of its own)",
+           replace(MLP_BODY, "    mesh = init_device_mesh('cpu', (dist.get_world_size(),))\n"
+                             "    w1 = DTensor.from_local(w1_shard, mesh, [Shard(0)])\n"
+                             "    b1 = DTensor.from_local(b1_shard, mesh, [Shard(0)])\n"
+                             "    w2 = DTensor.from_local(w2_shard, mesh, [Shard(1)])\n"
+                             "    h = F.gelu(F.linear(DTensor.from_local(x, mesh, [Replicate()]), w1, b1))\n"
+                             "    return F.linear(h, w2).redistribute(mesh, [Replicate()]).to_local() + b2\n"),
+           expect="dtensor.from_local"),
 ], variants=[
     Variant("explicit group and op, matmuls instead of F.linear", '''
 class CopyToTP(torch.autograd.Function):
@@ -121,6 +130,10 @@ PLAN = ExerciseMutants("11.tp_plan", NOTEBOOK, ("tp_plan",), mutants=[
     Mutant("SP declared nowhere: the activations between the parts taken as replicated",
            replace("between = Shard(1) if sequence_parallel else Replicate()", "between = Replicate()"),
            expect="no all-reduce"),
+    Mutant("with SP no PrepareModuleInput: wq, wk, wv and fc1 each gather the sequence",
+           (replace(PREPARE, "        **({} if sequence_parallel else {" + PREPARE.strip()[:-1] + "}),\n"),
+            replace(PREPARE_MLP, "        **({} if sequence_parallel else {" + PREPARE_MLP.strip()[:-1] + "}),\n")),
+           expect="4 all-gathers of the sequence in forward, not 2"),
     Mutant("attention left out of the plan (only the MLP split)",
            replace('        "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),\n'
                    '        "attn.wo": RowwiseParallel(output_layouts=between),\n', ""),

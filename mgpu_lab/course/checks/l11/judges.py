@@ -200,6 +200,27 @@ def plan_weights(t, runs, k: int) -> None:
                                                                           else ""))
 
 
+def _sp_hint(ops, direction: str) -> str:
+    """What a sequence-parallel block's collectives say about the plan, naming what this one did."""
+    n = {op: _count(ops, op) for op in ("all_reduce", "all_gather", "reduce_scatter")}
+    way = "forward" if direction == "fwd" else "backward"
+    if n["all_reduce"]:
+        return (f"{n['all_reduce']} all-reduce(s) in {way}: with sequence parallelism there is none; each becomes a "
+                "reduce-scatter (back to this rank's slice of the sequence) and an all-gather (the whole sequence "
+                "for the next column-parallel layers)")
+    gather = "all_gather" if direction == "fwd" else "reduce_scatter"  # backward runs the conjugate
+    if n[gather] > 2:
+        words = ("all-gathers of the sequence" if direction == "fwd" else
+                 "reduce-scatters of the input gradients")
+        return (f"{n[gather]} {words} in {way}, not 2: the column-parallel layers each took the norm's slice "
+                "and gathered it themselves (wq, wk and wv three times, where one gather would do for the three); "
+                "gathered once where attention (and the MLP) take their input, the projections share one whole "
+                "sequence, and in backward autograd adds their gradients before one reduce-scatter")
+    return (f"{way}: {n['all_gather']} all-gather(s) and {n['reduce_scatter']} reduce-scatter(s), not 2 and 2: "
+            "with sequence parallelism each sub-layer gathers the whole sequence once before its column-parallel "
+            "layers and hands back this rank's slice by a reduce-scatter after its row-parallel one")
+
+
 def plan_collectives(t, runs, k: int, direction: str) -> None:
     for rank, e in enumerate(runs.get(t, k)):
         plan_ran(t, e, rank)
@@ -214,9 +235,7 @@ def plan_collectives(t, runs, k: int, direction: str) -> None:
                     "all-reduce follows (the same for the MLP)")
         else:
             want = sorted([("all_gather", size), ("reduce_scatter", size)] * 2)
-            hint = ("with sequence parallelism no all-reduce: each becomes a reduce-scatter (back to this rank's "
-                    "slice of the sequence) and an all-gather (the whole sequence for the next column-parallel "
-                    "layers)")
+            hint = _sp_hint(ops, direction)
         got = sorted((op, n) for op, n, _ in ops) if k == 1 else [(op, n) for op, n, _ in ops]
         if got != want:
             t.fail(hint, _in_words(want), f"rank {rank}: {_in_words(ops)}")
