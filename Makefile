@@ -4,6 +4,8 @@
 #   make test    create .venv if needed, install, run tests/ (+ solutions/*.ipynb under nbval)
 #   make bench   create .venv if needed, install, run bench/launch.py
 #   make clean   remove build and test junk (keeps .venv)
+#   make gpu-check   the course on a real GPU in one command (scripts/gpu_check.py); without a GPU, its quick mode
+#   make gpu-wheels  fetch the wheels a GPU machine without network lacks (Jupyter's kernel, nbval) into .whl/
 #
 # The install step runs only when pyproject.toml or constraints.txt changed
 # since the last install (stamp file inside .venv); delete .venv to start over.
@@ -47,7 +49,7 @@ PYTHON312  ?= python3.12
 VENV_T211  ?= .venv-torch2.11
 
 .DEFAULT_GOAL := help
-.PHONY: help install lab test test-torch2.11 bench clean chromium slurm
+.PHONY: help install lab test test-torch2.11 bench clean chromium slurm gpu-check gpu-wheels
 
 help:
 	@echo "make lab     set up .venv and start JupyterLab on $(LAB_DIR)/ (LAB_IP=$(LAB_IP), LAB_ARGS=...)"
@@ -55,6 +57,8 @@ help:
 	@echo "make bench   set up .venv and run bench/launch.py"
 	@echo "make test-torch2.11  the no-root part of the suite on torch 2.11 (PYTHON312=...)"
 	@echo "make clean   remove build and test junk (keeps .venv)"
+	@echo "make gpu-check   run the prepared GPU check (report in gpu-check-report/; quick mode without a GPU)"
+	@echo "make gpu-wheels  fetch the wheels gpu-check installs on a GPU machine without network into .whl/"
 
 $(PY):
 	$(PYTHON3) -m venv $(VENV)
@@ -94,6 +98,15 @@ test-torch2.11: chromium
 	$(VENV_T211)/bin/python -m pip install -c constraints-torch2.11.txt -e '.[dev]'
 	$(VENV_T211)/bin/python -m pytest $(XDIST) -m "not root" $(PYTEST_ARGS) tests $(DOCTESTS) \
 	    $(if $(SOLUTION_NOTEBOOKS),$(NBVAL) $(filter-out solutions/07_multi_node.ipynb,$(SOLUTION_NOTEBOOKS)))
+
+# The GPU check runs with whatever Python holds torch: .venv's where there is one, else python3 (a GPU machine's
+# own torch; the wheels from .whl/ add what it lacks). GPU_CHECK_ARGS="--out DIR --budget S".
+CHECK_PY := $(if $(wildcard $(PY)),$(PY),$(PYTHON3))
+gpu-check:
+	$(CHECK_PY) scripts/gpu_check.py $(GPU_CHECK_ARGS)
+
+gpu-wheels:
+	$(CHECK_PY) scripts/gpu_check.py --fetch-wheels
 
 bench: $(STAMP)
 	$(PY) bench/launch.py

@@ -3,10 +3,11 @@
 - :func:`hooks_probe`: the same training with DDP's plain all-reduce, bfloat16
   compression and PowerSGD: losses, accuracy, bytes all-reduced per step;
 - :func:`compile_probe`: a DDP model compiled two ways, with a backend that counts the
-  graphs it is handed: ``torch.compile(DDP(model))`` hands it none (TorchDynamo skips
-  DDP's own frame); ``model.compile()`` before wrapping hands it one graph per bucket of
-  TorchDynamo's DDPOptimizer, which computes its own buckets (a 1 MiB first one), so
-  that each bucket's all-reduce can start in backward;
+  graphs it is handed: for a model of the user's own class, ``torch.compile(DDP(model))``
+  and ``model.compile()`` before wrapping both hand it one graph per bucket of TorchDynamo's
+  DDPOptimizer, which computes its own buckets (a 1 MiB first one), so that each bucket's
+  all-reduce can start in backward; for an ``nn.Sequential`` (torch's own ``forward``),
+  compiling the DDP wrapper hands it none;
 - :func:`throughput_probe`: samples per second of a DDP training step, for the
   scaling table (1, 2, 4 ranks against the ideal).
 
@@ -29,7 +30,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-__all__ = ["hooks_probe", "compile_probe", "throughput_probe", "single_process_throughput"]
+__all__ = ["hooks_probe", "OwnForward", "compile_probe", "throughput_probe", "single_process_throughput"]
 
 
 def _data(n: int, features: int, classes: int, seed: int):
@@ -134,30 +135,50 @@ def _counted(model, ddp_wrap, how: str, cap_mb: float, x) -> dict:
             "grads": [p.grad.clone() for p in model.parameters()]}
 
 
-def compile_probe(cap_mb: float, width: int = 512, depth: int = 4) -> dict:
+class OwnForward(nn.Module):
+    """A model of the user's own class around ``layers``: its ``forward`` is user code, not torch's."""
+
+    def __init__(self, layers: nn.Module):
+        super().__init__()
+        self.layers = layers
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+def compile_probe(cap_mb: float, width: int = 512, depth: int = 4, model: str = "own class") -> dict:
     """In a rank: the graphs TorchDynamo hands a backend for a DDP model, compiled two ways.
 
-    ``"wrapped first"``: ``torch.compile(DDP(model))``. The frame compiled is DDP's
-    ``forward``, torch's own code, which TorchDynamo skips (it inlines into it only code
-    that is not torch's): the backend gets no graph, and the model runs uncompiled.
-    ``"compiled first"``: ``model.compile()``, then ``DDP(model)``: TorchDynamo traces the
-    model's own ``forward``, and its DDPOptimizer cuts the graph into buckets it computes
-    itself, by DDP's rule, with a first bucket of 1 MiB and the others of ``cap_mb``
-    (an AssertionError when ``cap_mb`` is below 1). The backend runs each graph as it is
-    (no code generation). The model is :func:`mgpu_lab.comm.ddp_buckets.mlp`.
+    ``"wrapped first"``: ``torch.compile(DDP(model))``; ``"compiled first"``: ``model.compile()``, then
+    ``DDP(model)``. For a model of the user's own class (``model="own class"``, :class:`OwnForward`) both
+    give the same graphs: TorchDynamo does not trace DDP's own ``forward`` (torch's code) but catches the
+    first frame below it that is not torch's, the user's ``forward``, and its DDPOptimizer cuts that graph
+    into buckets it computes itself, by DDP's rule, with a first bucket of 1 MiB and the others of
+    ``cap_mb`` (an AssertionError when ``cap_mb`` is below 1). For ``model="sequential"`` the model *is*
+    torch's ``nn.Sequential``: wrapped first, the frame compiled is DDP's ``forward`` and everything it calls
+    is torch's own code, which TorchDynamo does not trace from the top, so the backend gets no graph and the
+    model runs uncompiled; compiled first, torch 2.14 traces ``Sequential.forward`` (torch 2.11 does not
+    either way). The backend runs each graph as it is (no code generation). The layers are
+    :func:`mgpu_lab.comm.ddp_buckets.mlp`'s.
 
     Returns:
         Per way ``{"graphs": operations per graph (or the error), "buckets": DDP's buckets
         in MiB}``, and ``"same gradients"``: both ways' gradients equal uncompiled DDP's.
+
+    Raises:
+        ValueError: ``model`` is neither ``"own class"`` nor ``"sequential"``.
     """
     import logging
 
     from mgpu_lab.comm.ddp_buckets import mlp
 
+    kinds = {"own class": lambda: OwnForward(mlp(width, depth)), "sequential": lambda: mlp(width, depth)}
+    if model not in kinds:
+        raise ValueError(f"model={model!r}: pick 'own class' (a user's nn.Module) or 'sequential' (nn.Sequential)")
     torch._logging.set_logs(dynamo=logging.ERROR)  # not the warning that DDP's record_function is ignored
     x = torch.randn(8, width) + tdist.get_rank()
-    eager = _counted(mlp(width, depth), DDP, "eager", cap_mb, x)
-    out = {how: _counted(mlp(width, depth), DDP, how, cap_mb, x) for how in ("wrapped first", "compiled first")}
+    eager = _counted(kinds[model](), DDP, "eager", cap_mb, x)
+    out = {how: _counted(kinds[model](), DDP, how, cap_mb, x) for how in ("wrapped first", "compiled first")}
     same = all(run["grads"] is not None and all(torch.allclose(a, b, atol=1e-6)
                                                 for a, b in zip(run["grads"], eager["grads"]))
                for run in out.values())

@@ -27,6 +27,10 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
+from mgpu_lab.core import compat
+
+compat.install()  # torch < 2.12: no warm-up send from a stage to its own rank (ZBV under torchrun, gloo)
+
 __all__ = ["SCHEDULES", "stage_ids", "split_layers", "make_schedule", "train", "one_process",
            "schedule_rank"]
 
