@@ -1,11 +1,12 @@
 """A trace drawn: each rank's compute and communication lanes on one time axis; a table of its operators.
 
 :func:`plot_lanes` draws, for every rank's trace (:func:`mgpu_lab.profiling.traces.load_trace`),
-the operators of the training thread (the thread with the most operator time, or the
-one named), the communication events of every thread (``c10d::`` calls, the backend's
-``gloo:``/``nccl:`` work, each on its own strip) and, when the trace has them, the GPU
-kernels per CUDA stream. The ranks of one machine share a clock, so their lanes line
-up. :func:`op_table` lists the operators that took the most time.
+the ``record_function`` labels of the training thread (``forward``, ``backward``, ...) written
+on their spans, its operators (the training thread is the thread with the most operator time,
+or the one named), the communication events of every thread (``c10d::`` calls, the backend's
+``gloo:``/``nccl:`` work, on strips that keep overlapping events apart, each kind in a colour
+of its own with a legend) and, when the trace has them, the GPU kernels per CUDA stream.
+The ranks of one machine share a clock, so their lanes line up. :func:`op_table` lists the operators that took the most time.
 
 Example:
     >>> trace = {"traceEvents": [
@@ -44,49 +45,81 @@ def busiest_thread(trace: dict):
     return max(time, key=time.get) if time else None
 
 
+def _is_label(event: dict) -> bool:
+    """A ``record_function`` label of the training thread (``forward``, ``backward``...), not a step or a collective."""
+    return (event.get("cat") == "user_annotation" and not _is_comm(event)
+            and not event["name"].startswith("ProfilerStep#"))
+
+
 def lanes(trace: dict, thread=None) -> list[tuple[str, list[tuple[str, float, float]]]]:
-    """``[(lane name, [(label, start us, end us), ...]), ...]``: the training thread's operators (outermost
-    only), the communication of every thread, and one lane per GPU stream with kernels."""
+    """``[(lane name, [(label, start us, end us), ...]), ...]``: the training thread's outermost
+    ``record_function`` labels (a lane only when it has some), its operators (outermost only), the communication of every
+    thread, and one lane per GPU stream with kernels."""
     thread = busiest_thread(trace) if thread is None else thread
-    ops, comm, gpu = [], [], defaultdict(list)
-    end = float("-inf")
+    labels, ops, comm, gpu = [], [], [], defaultdict(list)
+    end = label_end = float("-inf")
     for e in sorted(complete_events(trace), key=lambda e: (e["ts"], -e["dur"])):
         span = (e["name"], e["ts"], e["ts"] + e["dur"])
         if _is_comm(e) and e.get("cat") != "kernel":
             comm.append(span)
         elif e.get("cat") == "kernel":
             gpu[f"GPU stream {e['tid']}"].append(span)
+        elif e["tid"] == thread and _is_label(e):
+            if e["ts"] >= label_end:  # outermost labels only: the step's own, not those of torch inside them
+                labels.append(span)
+                label_end = span[2]
         elif e.get("cat") == "cpu_op" and e["tid"] == thread and e["ts"] >= end:  # outermost operators only
             ops.append(span)
             end = span[2]
-    return [(f"operators (thread {thread})", ops), ("communication", comm)] + sorted(gpu.items())
+    found = [(f"labels (thread {thread})", labels)] if labels else []
+    return found + [(f"operators (thread {thread})", ops), ("communication", comm)] + sorted(gpu.items())
+
+
+#: Colours of the communication kinds, in the order they first appear in a drawing.
+COMM_COLOURS = ("tab:green", "tab:orange", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive",
+                "tab:cyan")
 
 
 def plot_lanes(traces: list[dict], ax=None, title: str = "", thread=None):
     """Draw every rank's lanes (:func:`lanes`) on one time axis, in ms from the first rank's first event.
+
+    The labels lane writes each ``record_function`` label on its span; operators are blue; each kind of
+    communication event (``c10d::allreduce_``, ``gloo:all_reduce``, ...) has a colour of its own, named
+    in the legend; GPU kernels are grey, NCCL's black.
 
     Args:
         traces: one trace per rank, in rank order.
         thread: the training thread's id, when it is not the busiest thread of every trace.
     """
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     rows = [(f"rank {r} {name}", spans) for r, trace in enumerate(traces) for name, spans in lanes(trace, thread)]
     start = min((a for _, spans in rows for _, a, _ in spans), default=0.0)
+    stop = max((b for _, spans in rows for _, _, b in spans), default=start + 1.0)
     if ax is None:
-        _, ax = plt.subplots(figsize=(11, 0.6 + 0.45 * len(rows)))
-    colors = {"operators": "tab:blue", "communication": "tab:green", "GPU": "tab:purple"}
+        _, ax = plt.subplots(figsize=(11, 1.0 + 0.45 * len(rows)))
+    kinds = list(dict.fromkeys(label for name, spans in rows if name.endswith("communication") for label, _, _ in spans))
+    colour = {kind: COMM_COLOURS[i % len(COMM_COLOURS)] for i, kind in enumerate(kinds)}
     for row, (name, spans) in enumerate(rows):
-        color = next(c for key, c in colors.items() if key in name)
-        strips = _strips(spans) if "communication" in name else [0] * len(spans)
+        strips = _strips(spans) if "operators" not in name else [0] * len(spans)
         height = 0.8 / (max(strips, default=0) + 1)
         for (label, a, b), strip in zip(spans, strips):
-            ax.broken_barh([((a - start) / 1e3, max(b - a, 1.0) / 1e3)], (row - 0.4 + strip * height, height),
-                           color=color if "nccl" not in label.lower() else "tab:red", alpha=0.8)
+            x, width, y = (a - start) / 1e3, max(b - a, 1.0) / 1e3, row - 0.4 + strip * height
+            fill = ("tab:blue" if "operators" in name else "lightgrey" if "labels" in name
+                    else colour[label] if label in colour else "black" if "nccl" in label.lower() else "dimgrey")
+            ax.broken_barh([(x, width)], (y, height), color=fill, alpha=0.85, edgecolor="white", linewidth=0.3)
+            if "labels" in name and b - a > 0.06 * (stop - start):  # a label only where it fits
+                ax.text(x + width / 2, y + height / 2, label, ha="center", va="center", fontsize=7, clip_on=True)
     ax.set_yticks(range(len(rows)), [name for name, _ in rows], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("time (ms)")
     ax.set_title(title, fontsize=10)
+    handles = [Patch(color="tab:blue", label="operators (training thread)")]
+    handles += [Patch(color=colour[k], label=k) for k in kinds]
+    if any(name.split(" ", 2)[2].startswith("GPU") for name, _ in rows):
+        handles += [Patch(color="dimgrey", label="GPU kernels"), Patch(color="black", label="NCCL kernels")]
+    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     return ax
 
 

@@ -4,7 +4,8 @@ Rank functions (for ``launch``): :func:`ddp_trace` and :func:`fsdp_trace` profil
 labelled ``forward``, ``backward`` and ``optimizer`` with ``record_function``, and return the trace
 file each rank wrote (:func:`mgpu_lab.profiling.traces.profile_steps`).
 In one process: :func:`checkpoint_modes` applies no, full or selective checkpointing to every
-block of a model, :func:`step_seconds` times forward and backward, and :func:`compile_seconds`
+block of a model, :func:`step_seconds` times forward and backward, :func:`step_flops` counts their
+floating-point operations, and :func:`compile_seconds`
 times ``torch.compile``'s first call against the steps after it.
 
 Example:
@@ -18,6 +19,7 @@ from __future__ import annotations
 import functools
 import inspect
 import time
+import warnings
 
 import torch
 import torch.distributed as tdist
@@ -26,8 +28,8 @@ from torch.profiler import record_function
 
 from .traces import BusyThread, profile_steps
 
-__all__ = ["ddp_trace", "fsdp_trace", "fsdp_compiled", "checkpoint_modes", "step_seconds", "compile_seconds",
-           "MODES"]
+__all__ = ["ddp_trace", "fsdp_trace", "fsdp_compiled", "checkpoint_modes", "step_seconds", "step_flops",
+           "compile_seconds", "MODES"]
 
 MODES = ("none", "full", "selective")
 
@@ -165,6 +167,38 @@ def step_seconds(model: nn.Module, x: torch.Tensor, repeats: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def step_flops(model: nn.Module, x: torch.Tensor, early_stop: bool = True) -> dict:
+    """The floating-point operations of one forward+backward, counted by ``torch.utils.flop_counter``.
+
+    Exact and the same on every machine, unlike a stopwatch: the counter adds up the formula of every
+    matrix product it sees (``aten.mm``, ``aten.addmm``, ...), recomputations in backward included.
+    It has no formula for element-wise operators, and none for the CPU's attention kernel
+    (``_scaled_dot_product_flash_attention_for_cpu``): on a CPU those count 0.
+
+    Args:
+        early_stop: non-reentrant checkpointing's default, which stops a recomputation as soon as it
+            has every tensor backward needs (``torch.utils.checkpoint.set_checkpoint_early_stop``);
+            False recomputes each checkpointed block's whole forward.
+
+    Returns:
+        ``{operator name: FLOPs}``, with ``"total"``.
+
+    Example:
+        >>> lin = nn.Linear(8, 4, bias=False)
+        >>> step_flops(lin, torch.randn(2, 8, requires_grad=True))  # forward 2*2*8*4, backward twice that
+        {'aten.mm': 384, 'total': 384}
+    """
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter, set_checkpoint_early_stop(early_stop):
+        model(x).square().mean().backward()
+    model.zero_grad()
+    counts = {str(op): int(n) for op, n in counter.get_flop_counts().get("Global", {}).items()}
+    return counts | {"total": int(counter.get_total_flops())}
+
+
 def compile_seconds(model: nn.Module, x: torch.Tensor, backend: str = "aot_eager", repeats: int = 5) -> dict:
     """``torch.compile`` each block of ``model.blocks`` with ``backend``: the first step's time, and later ones.
 
@@ -192,29 +226,40 @@ def fsdp_compiled(backend: str = "aot_eager", steps: int = 3) -> dict:
         ``{"eager": {...}, "compiled": {...}}``, each with the losses of ``steps`` SGD steps from the
         same weights and data and the seconds they took (the compiled run's first step compiles).
     """
-    from torch.distributed.fsdp import fully_shard
-
     from mgpu_lab.sharding.fsdp import make_mesh, rank_device
 
-    from .blocks import BlockStack, tokens
+    from .blocks import tokens
 
     mesh, device = make_mesh(), rank_device()
     x = tokens(2, 32, 64, seed=tdist.get_rank()).to(device)
     out = {}
-    for how in ("eager", "compiled"):
-        model = BlockStack(dim=64, heads=4, ratios=(2, 2)).to(device)
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-            if how == "compiled":
-                block.compile(backend=backend)
-        fully_shard(model, mesh=mesh)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        losses, start = [], time.perf_counter()
-        for _ in range(steps):
-            opt.zero_grad()
-            loss = model(x).square().mean()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        out[how] = {"losses": losses, "seconds": time.perf_counter() - start}
+    with warnings.catch_warnings():
+        # the stack's output is a view (its head's): FSDP2 warns that an in-place op on it would skip the
+        # all-gather; the loss only reads it
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module", category=UserWarning)
+        for how in ("eager", "compiled"):
+            out[how] = _fsdp_steps(how, backend, mesh, device, x, steps)
     return out
+
+
+def _fsdp_steps(how: str, backend: str, mesh, device, x, steps: int) -> dict:
+    """``steps`` SGD steps of a fresh FSDP2 stack, its blocks compiled when ``how`` is ``"compiled"``."""
+    from torch.distributed.fsdp import fully_shard
+
+    from .blocks import BlockStack
+
+    model = BlockStack(dim=64, heads=4, ratios=(2, 2)).to(device)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+        if how == "compiled":
+            block.compile(backend=backend)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, start = [], time.perf_counter()
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {"losses": losses, "seconds": time.perf_counter() - start}

@@ -34,10 +34,37 @@ def test_lanes_hold_the_outermost_operators_every_collective_and_a_lane_per_gpu_
     assert list(dict(lanes.lanes(TRACE, thread=9))) [0] == "operators (thread 9)"
 
 
+LABELLED = {"traceEvents": TRACE["traceEvents"] + [
+    _x("forward", 1, 0, 11, "user_annotation"), _x("DistributedDataParallel.forward", 1, 0, 10, "user_annotation"),
+    _x("backward", 1, 11, 30, "user_annotation"), _x("ProfilerStep#2", 1, 0, 50, "user_annotation"),
+    _x("c10d::_allgather_base_", 1, 40, 2), _x("forward", 9, 0, 4, "user_annotation")]}
+
+
+def test_the_labels_lane_holds_the_training_threads_outermost_labels_only():
+    got = dict(lanes.lanes(LABELLED))
+    assert [label for label, _, _ in got["labels (thread 1)"]] == ["forward", "backward"]
+    assert "labels (thread 1)" not in dict(lanes.lanes(TRACE))  # no labels, no lane
+
+
 def test_plot_lanes_draws_one_row_per_lane_and_rank():
     ax = lanes.plot_lanes([TRACE, TRACE], title="two ranks")
     assert len(ax.get_yticks()) == 2 * len(lanes.lanes(TRACE))
     assert ax.get_title() == "two ranks"
+
+
+def test_plot_lanes_writes_the_labels_and_gives_each_communication_kind_its_colour_in_the_legend():
+    import matplotlib.pyplot as plt
+
+    ax = lanes.plot_lanes([LABELLED])
+    assert {t.get_text() for t in ax.texts} == {"forward", "backward"}
+    legend = {t.get_text(): h.get_facecolor() for t, h in zip(ax.get_legend().get_texts(),
+                                                               ax.get_legend().legend_handles)}
+    kinds = ["c10d::allreduce_", "gloo:all_reduce", "c10d::_allgather_base_"]
+    assert set(kinds) | {"GPU kernels", "NCCL kernels"} <= set(legend)
+    assert len({legend[k] for k in kinds}) == 3  # one colour per kind
+    bars = {tuple(c.get_facecolor()[0][:3]) for c in ax.collections}
+    assert all(tuple(legend[k][:3]) in bars for k in kinds)  # the legend's colours are the ones drawn
+    plt.close(ax.figure)
 
 
 def test_op_table_sums_each_operator_of_the_thread():

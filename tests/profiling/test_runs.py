@@ -35,6 +35,21 @@ def test_full_checkpointing_saves_least_selective_between_and_the_gradients_stay
     assert sum(reference_saved_bytes(model, x).values()) == saved["none"]  # a mode replaces the one before
 
 
+def test_counted_flops_full_checkpointing_recomputes_the_blocks_products_selective_none():
+    d, ratio = 32, 4
+    model, x = blocks.BlockStack(dim=d, ratios=(ratio, ratio)), blocks.tokens(2, 16, d)
+    flops = {}
+    for mode, early in (("none", True), ("selective", True), ("full", True), ("full", False)):
+        runs.checkpoint_modes(model, mode)
+        flops[mode, early] = runs.step_flops(model, x, early_stop=early)["total"]
+    runs.checkpoint_modes(model, "none")
+    tokens, block_forward = 2 * 16, 2 * 2 * 16 * (4 + 2 * ratio) * d * d  # each block's Linear products
+    assert flops["selective", True] == flops["none", True]  # the products are kept, not recomputed
+    assert flops["full", False] - flops["none", True] == 2 * block_forward  # every block's forward again
+    fc2 = 2 * tokens * ratio * d * d  # the block's last product: no saved tensor needs its output
+    assert flops["full", True] - flops["none", True] == 2 * (block_forward - fc2)
+
+
 def test_an_unknown_mode_is_refused_naming_the_modes():
     with pytest.raises(ValueError, match="'none', 'full', 'selective'"):
         runs.checkpoint_modes(blocks.BlockStack(ratios=(1,)), "some")

@@ -124,3 +124,26 @@ def test_the_reference_reads_a_hand_made_trace_as_worked_out():
 def test_each_known_wrong_reading_differs_and_is_named(wrong, thread, value):
     assert judges.reference_exposed_comm(HAND, thread, wrong=wrong) == pytest.approx(value)
     assert judges.diagnose(HAND, thread, value) == judges.WRONG[wrong]
+
+
+class _Failed(Exception):
+    pass
+
+
+class _Case:
+    """What exposed_case needs of a check's case: fail(hint, expected, got) ends it."""
+
+    def fail(self, hint, expected=None, got=None):
+        raise _Failed(hint, expected, got)
+
+
+def test_a_hint_is_given_once_later_cases_with_the_same_reading_point_back_to_it():
+    run = {"training": 1, "helper": None, "traces": {"one bucket": HAND, "no_sync": HAND},
+           "answers": [("one bucket", None, ("ok", 0.054)), ("no_sync", None, ("ok", 0.054))]}
+    said, hints = set(), []
+    for name in ("one bucket", "no_sync"):
+        with pytest.raises(_Failed) as failed:
+            judges.exposed_case(_Case(), [run], {name}, said=said)
+        hints.append(failed.value.args[0])
+    assert hints[0] == judges.WRONG["sum"]
+    assert "same reading as in a failed case above" in hints[1] and judges.WRONG["sum"] not in hints[1]

@@ -18,22 +18,22 @@ from .ranks import REFERENCES, run_checkpoint, run_exposed, run_saved
           "communication in a Chrome trace that the main thread's computing does not hide",
           references=("mgpu_lab.course.checks.l13.judges:reference_exposed_comm",))
 def _exposed_comm(t, exposed_comm):
-    runs = None
+    runs, said = None, set()  # said: the hints given so far, each given once
     with t.case("DDP in 2 ranks, buckets whose all-reduces overlap backward: each rank's trace as the reference "
                 "reads it; and 0.0 for a step with no collective"):
         runs = t.ranks(run_exposed, 2, exposed_comm, timeout=120)
-        judges.exposed_case(t, runs, {"overlap", "no collective"})
+        judges.exposed_case(t, runs, {"overlap", "no collective"}, said=said)
     with t.case("DDP with one bucket, all-reduced after backward: mostly exposed"):
-        judges.exposed_case(t, runs, {"one bucket"})
+        judges.exposed_case(t, runs, {"one bucket"}, said=said)
     with t.case("no_sync accumulation, then a synchronised micro-batch"):
-        judges.exposed_case(t, runs, {"no_sync"})
+        judges.exposed_case(t, runs, {"no_sync"}, said=said)
     with t.case("a helper thread computes beside the training loop: without rank_thread, the main thread is the "
                 "one with the most operator time"):
-        judges.exposed_case(t, runs, {"helper"})
+        judges.exposed_case(t, runs, {"helper"}, said=said)
     with t.case("rank_thread given (the training loop's thread, then the helper's): only that thread's operators "
                 "hide communication"):
-        judges.exposed_case(t, runs, {"helper"}, "training")
-        judges.exposed_case(t, runs, {"helper"}, "helper")
+        judges.exposed_case(t, runs, {"helper"}, "training", said)
+        judges.exposed_case(t, runs, {"helper"}, "helper", said)
         judges.threads_matter(t, runs)
 
 

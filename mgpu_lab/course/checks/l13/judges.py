@@ -113,11 +113,23 @@ def diagnose(trace: dict, thread, got: float) -> str:
             "thread spends inside an operator that is not a communication call")
 
 
-def exposed_case(t, evidence, names, thread_kind=None) -> None:
+def _once(said: set | None, hint: str) -> str:
+    """``hint`` the first time a check gives it; after that, a pointer to the case above that said it."""
+    if said is None:
+        return hint
+    if hint in said:
+        return "the same reading as in a failed case above: its hint says what it does"
+    said.add(hint)
+    return hint
+
+
+def exposed_case(t, evidence, names, thread_kind=None, said: set | None = None) -> None:
     """Fail unless every rank's answer on the traces ``names`` equals the reference on the same trace.
 
     A reading of 0 ms is judged like any other (a busy helper thread can hide everything), but a case
     whose every reading is 0 has no evidence and fails: an answer that returns 0 must not pass it.
+    ``said`` holds the hints earlier cases of the same check gave: a hint is given once, later cases
+    point back to it.
     """
     if evidence is None:
         t.fail("the ranks did not finish")
@@ -132,11 +144,16 @@ def exposed_case(t, evidence, names, thread_kind=None) -> None:
             wants.append(want)
             where = f"rank {rank}, the {name!r} trace" + (f", rank_thread={thread}" if thread else "")
             if got[0] == "raised":
-                t.fail("", f"{want:.3f} ms", f"{where}: your code raised {got[1]}: {got[2]}")
+                raised = f"your code raised {got[1]}: {got[2]}"
+                if said is not None and raised in said:
+                    raised = f"your code raised {got[1]} again, as in a failed case above"
+                elif said is not None:
+                    said.add(raised)
+                t.fail("", f"{want:.3f} ms", f"{where}: {raised}")
             if not isinstance(got[1], (int, float)) or isinstance(got[1], bool):
                 t.fail("return the milliseconds as a float", "a float", f"{where}: {got[1]!r}")
             if abs(got[1] - want) > 1e-6 + 1e-7 * abs(want):
-                t.fail(diagnose(trace, thread, float(got[1])), f"{want:.4f} ms", f"{where}: {got[1]:.4f}")
+                t.fail(_once(said, diagnose(trace, thread, float(got[1]))), f"{want:.4f} ms", f"{where}: {got[1]:.4f}")
     if thread_kind == "helper" and any(run["helper"] is None for run in evidence):
         t.fail("the helper thread recorded no operator in this run, so the case has no evidence: rerun the check")
     if names != {"no collective"} and not any(w > 0 for w in wants):
@@ -244,6 +261,14 @@ def ckpt_unreachable(t, evidence) -> None:
     run = evidence["unreachable"]
     least = run["least"]
     if run["outcome"][0] != "raised":
+        lost = [i for i, g in enumerate(run.get("grads") or []) if g == "none"]
+        if lost and run.get("total") is not None and run["total"] < least:
+            t.fail("the budget looked met only because reentrant checkpointing (use_reentrant=True) saves nothing "
+                   "for a block whose input needs no gradient, and leaves that block's parameters without "
+                   "gradients: checkpointed without reentrance every block keeps its input, this budget cannot be "
+                   "met, and the answer raises ValueError",
+                   f"ValueError naming {least} bytes",
+                   f"returned a model saving {run['total']} bytes, parameter {lost[0]} without a gradient")
         t.fail("when even every block checkpointed saves more than the budget, raise ValueError naming the "
                "smallest reachable size instead of returning a model that does not fit",
                f"ValueError naming {least} bytes", "returned a model")
