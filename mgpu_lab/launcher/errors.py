@@ -98,7 +98,9 @@ def summary(info) -> str:
         err = info.message[1]
         if "exit" in err:
             return f"called sys.exit({err['exit']['arg']}) ({exit_text(err['exit']['status'])})"
-        return f"raised {err['type']}: {err['message']}"
+        cause = err.get("cause")
+        said = f" (caused by {cause['exception_only'].strip()})" if cause else ""
+        return f"raised {err['type']}: {err['message']}{said}"
     return f"died without raising ({exit_text(info.exitcode)})"
 
 

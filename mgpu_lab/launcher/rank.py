@@ -81,7 +81,20 @@ def describe_exception(exc: BaseException) -> dict:
         "exception_only": "".join(te.format_exception_only()),
         "pickled": pickled,
         "time": time.time(),
+        "cause": _cause(te),
     }
+
+
+def _cause(te: traceback.TracebackException) -> dict | None:
+    """The exception this one was raised from (``raise ... from``), as frames and text; None if none.
+
+    A wrapper (e.g. torch's "[Stage 1] failed to run forward") hides the learner's own error, which
+    pickling the exception loses (a pickled exception keeps no ``__cause__``)."""
+    cause = te.__cause__
+    if cause is None:
+        return None
+    return {"frames": [(f.filename, f.lineno, f.name, f.line or "") for f in cause.stack],
+            "exception_only": "".join(cause.format_exception_only()), "cause": _cause(cause)}
 
 
 def exit_status(code) -> int:

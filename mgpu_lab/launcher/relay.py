@@ -111,12 +111,16 @@ def _source(filename: str, lineno: int) -> str:
 
 
 def format_traceback(err: dict) -> str:
-    """Render a rank's exception description (from ``_rank.describe_exception``).
+    """Render a rank's exception description (from ``_rank.describe_exception``), its cause first.
 
     Source lines missing in the rank (functions defined in notebook cells) are
     filled in from the caller's linecache.
     """
-    lines = ["Traceback (most recent call last):\n"]
+    lines = []
+    if err.get("cause"):  # as Python prints a chain: the cause first
+        lines += [format_traceback(err["cause"]), "\nThe above exception was the direct cause of the following "
+                  "exception:\n\n"]
+    lines.append("Traceback (most recent call last):\n")
     frames = err["frames"]
     if frames and frames[0][2] == "rank_main":  # the launcher's own frame
         frames = frames[1:]

@@ -9,7 +9,8 @@ idle), the peak number of micro-batches alive per rank, and the *fitted model*:
 the schedule's own order replayed with the mean measured time of each action
 kind on each stage, the mean host time after it and the mean transfer time of a
 message, idle counted as the measurement counts it (:func:`fitted_bubble`).
-:func:`ideal` draws a schedule replayed with set times.
+:func:`ideal` draws a schedule replayed with set times; :func:`torch_orders` reads torch's
+interleaved and ZBV orders from a built schedule's public ``pipeline_order``.
 
 Example:
     >>> runs = measure(["1f1b"], n_ranks=2, n_micro=4, t_f=0.004, t_b=0.004)
@@ -25,7 +26,7 @@ from torch import nn
 from mgpu_lab.parallel.pp_record import compute_bubble, in_flight, parse
 from mgpu_lab.parallel.timeline import Timeline
 
-__all__ = ["measure", "ideal", "fitted_bubble", "stages_per_rank", "mlp", "pp_dp"]
+__all__ = ["measure", "ideal", "fitted_bubble", "stages_per_rank", "torch_orders", "mlp", "pp_dp"]
 
 
 def stages_per_rank(schedule: str, virtual: int = 2) -> int:
@@ -33,18 +34,67 @@ def stages_per_rank(schedule: str, virtual: int = 2) -> int:
     return {"interleaved": virtual, "zbv": 2}.get(schedule, 1)
 
 
+def torch_orders(schedule: str, n_ranks: int, n_micro: int, virtual: int = 2) -> dict[int, list[str]]:
+    """Every rank's compute actions under torch's interleaved 1F1B or ZBV, read from a built schedule.
+
+    A schedule of several stages per rank works out every rank's order when it is made and keeps it in its
+    public ``pipeline_order`` (``{rank: [action or None]}``; None is a time step the rank idles). Making one
+    needs only what each stage tells it (its index, the stage count, the group's size), so the schedule is
+    built here on stand-ins for rank 0's stages, without a process group. Actions come as labels ``F3/s1``
+    (forward, micro-batch 3, stage 1), ``B`` (whole backward), ``I`` (input gradient), ``W`` (weight gradient).
+
+    Args:
+        schedule: ``"interleaved"`` (``virtual`` stages per rank, in a loop) or ``"zbv"`` (two, in a V).
+        n_ranks: ranks of the pipeline.
+        n_micro: micro-batches per step.
+        virtual: stages per rank under interleaved.
+
+    Raises:
+        ValueError: another schedule (GPipe and 1F1B have one stage per rank; their orders follow from their
+            rules), or an ``n_micro`` torch's schedule refuses (its message).
+
+    Example:
+        >>> torch_orders("zbv", 2, 2)[1][:4]
+        ['F0/s1', 'F0/s2', 'F1/s1', 'F1/s2']
+        >>> torch_orders("interleaved", 2, 2)[0][:3]
+        ['F0/s0', 'F1/s0', 'F0/s2']
+    """
+    import types
+
+    from torch.distributed import pipelining
+
+    classes = {"interleaved": pipelining.ScheduleInterleaved1F1B, "zbv": pipelining.ScheduleZBVZeroBubble}
+    if schedule not in classes:
+        raise ValueError(f"schedule={schedule!r}: torch_orders reads the orders of 'interleaved' and 'zbv'; "
+                         f"GPipe's and 1F1B's have one stage per rank and follow from their rules")
+    per_rank = stages_per_rank(schedule, virtual)
+    n_stages = per_rank * n_ranks
+    ids = [0, n_stages - 1] if schedule == "zbv" else [k * n_ranks for k in range(per_rank)]
+    stand_ins = [types.SimpleNamespace(stage_index=k, num_stages=n_stages, group_size=n_ranks, group_rank=0,
+                                       is_first=k == 0, is_last=k == n_stages - 1, submod=None) for k in ids]
+    built = classes[schedule](stand_ins, n_micro)
+    return {r: [f"{a.computation_type.value}{a.microbatch_index}/s{a.stage_index}" for a in acts if a is not None]
+            for r, acts in built.pipeline_order.items()}
+
+
 def measure(schedules, n_ranks: int = 2, n_micro: int = 4, t_f: float = 0.02, t_b: float = 0.02,
-            t_w: float = 0.0, virtual: int = 2, width: int = 8, timeout: float = 120) -> dict:
+            t_w: float = 0.0, virtual: int = 2, width: int = 8, timeout: float = 120, repeats: int = 1) -> dict:
     """Run every schedule on ``n_ranks`` ranks (one launch) and measure it.
 
     Each stage is one :class:`~mgpu_lab.parallel.pp_work.Work` layer sleeping ``t_f``/``t_b``/``t_w``
     (seconds; schedules that do not split backward spend ``t_b + t_w`` in one backward); with ``virtual``
     stages per rank under interleaved (2 under ZBV) each stage is one layer, so a rank does ``virtual``
-    times the work per micro-batch: compare the bubbles, not the step times.
+    times the work per micro-batch: compare the bubbles, not the step times. Each schedule runs a first
+    step (which also exchanges the stages' shapes) and then ``repeats`` timed steps; a busy machine wakes
+    sleeping ranks late now and then, so the numbers are the medians over the timed steps.
 
     Returns:
-        ``{schedule: {"timeline", "bubble", "model", "in_flight", "step_time", "losses"}}``.
+        ``{schedule: {"timeline", "bubble", "model", "in_flight", "step_time", "losses", "bubbles"}}``: the
+        medians of the bubble, the fitted model and the step time; ``"bubbles"``, every timed step's bubble;
+        the timeline and in-flight counts of the step whose bubble is the median.
     """
+    import statistics
+
     from mgpu_lab import launch
 
     configs = []
@@ -55,15 +105,20 @@ def measure(schedules, n_ranks: int = 2, n_micro: int = 4, t_f: float = 0.02, t_
     x, y = torch.randn(2 * n_micro, width, generator=g), torch.randn(2 * n_micro, width, generator=g)
     from mgpu_lab.parallel.pp_train import schedules_rank  # here: lesson 12's notebook must not reach it
 
-    ranks = launch(schedules_rank, n_ranks, configs, x, y, timeout=timeout)
+    ranks = launch(schedules_rank, n_ranks, configs, x, y, 1 + repeats, timeout=timeout)
     out = {}
     for k, s in enumerate(schedules):
-        spans = [span for r in ranks for span in r[k]["spans"]]
-        tl = Timeline(spans)
-        for r in range(n_ranks):
-            tl.add_lane(f"rank {r}")
-        out[s] = {"timeline": tl.shifted(), "bubble": compute_bubble(spans), "model": fitted_bubble(s, spans, n_ranks,
-                  n_micro, virtual), "in_flight": in_flight(spans), "step_time": tl.makespan,
+        steps = []
+        for step in range(repeats):
+            spans = [span for r in ranks for span in r[k]["timed"][step]]
+            tl = Timeline(spans)
+            for r in range(n_ranks):
+                tl.add_lane(f"rank {r}")
+            steps.append((compute_bubble(spans), fitted_bubble(s, spans, n_ranks, n_micro, virtual), tl, spans))
+        middle = sorted(steps, key=lambda step: step[0])[(repeats - 1) // 2]
+        out[s] = {"timeline": middle[2].shifted(), "bubble": middle[0], "in_flight": in_flight(middle[3]),
+                  "model": statistics.median(step[1] for step in steps), "bubbles": [step[0] for step in steps],
+                  "step_time": statistics.median(step[2].makespan for step in steps),
                   "losses": ranks[-1][k]["losses"] or ranks[0][k]["losses"]}
     return out
 

@@ -5,8 +5,9 @@ Lesson 12's notebook does not import this module: its exercises ask for the
 :func:`simulate` give. :func:`orders` gives every rank's actions under GPipe, 1F1B,
 interleaved 1F1B and ZBV as labels ``F3/s1`` (forward of micro-batch 3 on
 stage 1), ``B`` (whole backward), ``I`` (input gradient), ``W`` (weight
-gradient); interleaved and ZBV orders are torch's own (the schedules compute
-them from these same functions, so the drawing is what ``step()`` runs).
+gradient); interleaved and ZBV orders are torch's own, read from a built
+schedule's ``pipeline_order`` (:func:`~mgpu_lab.parallel.pp_measure.torch_orders`),
+so the drawing is what ``step()`` runs.
 :func:`simulate` replays the orders with fixed times per action and returns a
 :class:`~mgpu_lab.parallel.timeline.Timeline`, with a message naming the first
 actions that wait for each other when an order cannot finish.
@@ -19,7 +20,6 @@ Example:
 """
 from __future__ import annotations
 
-import types
 
 from mgpu_lab.parallel.pp_record import parse
 from mgpu_lab.parallel.timeline import Timeline
@@ -35,24 +35,6 @@ def stage_of_rank(schedule: str, n_ranks: int, virtual: int = 1) -> dict[int, in
     return {s: s % n_ranks for s in range(n)}
 
 
-def _torch_order(schedule: str, rank: int, n_ranks: int, n_micro: int, virtual: int) -> list[str]:
-    """torch's own order of compute actions of ``rank`` (interleaved 1F1B or ZBV), as labels."""
-    from torch.distributed.pipelining import schedules
-
-    if schedule == "interleaved":
-        rounds = max(1, n_micro // n_ranks)
-        if n_micro % rounds:
-            raise ValueError(f"interleaved 1F1B needs n_micro={n_micro} to be a multiple of the rounds ({rounds})")
-        me = types.SimpleNamespace(n_local_stages=virtual, pp_group_size=n_ranks, _n_microbatches=n_micro,
-                                   number_of_rounds=rounds, microbatches_per_round=n_micro // rounds)
-        actions = schedules.ScheduleInterleaved1F1B._calculate_single_rank_operations(me, rank)
-    else:
-        me = types.SimpleNamespace(pp_group_size=n_ranks, num_stages=2 * n_ranks, _n_microbatches=n_micro,
-                                   n_local_stages=2)
-        actions = schedules.ScheduleZBVZeroBubble._calculate_single_rank_operations(me, rank)
-    return [f"{a.computation_type.value}{a.microbatch_index}/s{a.stage_index}" for a in actions if a is not None]
-
-
 def orders(schedule: str, n_ranks: int, n_micro: int, virtual: int = 1) -> dict[int, list[str]]:
     """Every rank's compute actions, in the order it runs them.
 
@@ -66,7 +48,9 @@ def orders(schedule: str, n_ranks: int, n_micro: int, virtual: int = 1) -> dict[
         ['F0/s1', 'F0/s2', 'F1/s1', 'F1/s2']
     """
     if schedule in ("interleaved", "zbv"):
-        return {r: _torch_order(schedule, r, n_ranks, n_micro, virtual) for r in range(n_ranks)}
+        from mgpu_lab.parallel.pp_measure import torch_orders
+
+        return torch_orders(schedule, n_ranks, n_micro, virtual)
     if schedule == "gpipe":
         return {r: [f"F{i}/s{r}" for i in range(n_micro)] + [f"B{i}/s{r}" for i in range(n_micro)]
                 for r in range(n_ranks)}

@@ -28,10 +28,8 @@ __all__ = ["record_actions", "in_flight", "compute_bubble", "parse"]
 
 def parse(label: str) -> tuple[str, int, int] | None:
     """``"F3/s1"`` -> ``("F", 3, 1)``; None for a label that is no action (``wait``)."""
-    head, _, stage = label.partition("/s")
-    if head[:1] not in ("F", "B", "I", "W") or not head[1:].isdigit() or not stage.isdigit():
-        return None
-    return head[0], int(head[1:]), int(stage)
+    action = Timeline._action(label)
+    return None if action[0] is None else action
 
 
 @contextmanager

@@ -169,32 +169,33 @@ def one_process(model_fn, batches, lr: float) -> dict:
 
 
 def schedule_rank(model_fn, schedule: str, n_stages: int, n_micro: int, x, y, steps: int = 2) -> dict:
-    """Run ``steps`` steps of ``schedule`` (the first warms up); time every action of the last.
+    """Run ``steps`` steps of ``schedule`` (the first warms up); time every action of the others.
 
     Returns:
-        ``{"rank", "spans": [(lane, label, start, end)], "order": [labels in the order run],
-        "losses"}``: labels ``F3/s1`` (forward of micro-batch 3 on stage 1), ``B``, ``I``
-        (input gradient), ``W`` (weight gradient) and ``wait`` (waiting for a message).
+        ``{"rank", "spans": [(lane, label, start, end)] of the last step, "timed": the spans of every step but
+        the first, "losses"}``: labels ``F3/s1`` (forward of micro-batch 3 on stage 1), ``B``, ``I`` (input
+        gradient), ``W`` (weight gradient) and ``wait`` (waiting for a message).
     """
     from mgpu_lab.parallel.pp_record import record_actions
 
     rank = tdist.get_rank()
     model = model_fn()
     modules, stages, sched = _build(model, schedule, n_stages, n_micro, tdist.group.WORLD, torch.device("cpu"))
-    losses = []
+    losses, timed = [], []
     for step in range(steps):
         for m in modules.values():
             m.zero_grad(set_to_none=True)
         tdist.barrier()
-        if step < steps - 1:
+        if step == 0:
             _step(sched, list(modules), n_stages, x, y)
             continue
         with record_actions(stages, f"rank {rank}") as timeline:
             losses = _step(sched, list(modules), n_stages, x, y)
-    return {"rank": rank, "spans": list(timeline.spans), "losses": [float(v.detach()) for v in losses]}
+        timed.append(list(timeline.spans))
+    return {"rank": rank, "spans": timed[-1], "timed": timed, "losses": [float(v.detach()) for v in losses]}
 
 
-def schedules_rank(configs: list, x, y) -> list:
+def schedules_rank(configs: list, x, y, steps: int = 2) -> list:
     """:func:`schedule_rank` for every ``(schedule, n_layers, n_stages, n_micro, t_f, t_b, t_w)`` in one launch."""
     from mgpu_lab.parallel.pp_work import work_model
 
@@ -202,5 +203,5 @@ def schedules_rank(configs: list, x, y) -> list:
     for schedule, n_layers, n_stages, n_micro, t_f, t_b, t_w in configs:
         def model_fn():
             return work_model(n_layers, x.shape[1], t_f, t_b, t_w)
-        out.append(schedule_rank(model_fn, schedule, n_stages, n_micro, x, y))
+        out.append(schedule_rank(model_fn, schedule, n_stages, n_micro, x, y, steps))
     return out

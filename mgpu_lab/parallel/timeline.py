@@ -201,31 +201,72 @@ class Timeline:
         colours = {"F": "tab:blue", "B": "tab:orange", "I": "tab:orange", "W": "tab:green"}
         return colours.get(label[:1], "tab:olive")
 
-    def plot(self, ax=None, title: str = "", unit: float = 1e3):
+    def plot(self, ax=None, title: str = "", unit: float = 1e3, annotate: bool = False):
         """Draw the lanes as bars, idle blank: lesson 03's phases in their colours (with a legend),
         forward spans (labels F...) blue, backward (B...) and input-gradient (I...) orange, weight-gradient
-        (W...) green, ``wait`` light grey; a span of every lane in every row."""
+        (W...) green, ``wait`` light grey; a span of every lane in every row.
+
+        With ``annotate``, pipeline actions (``F3/s1``: kind, micro-batch, stage) carry their micro-batch's
+        number, the actions of a lane's later stages (virtual stages) are drawn lighter, and a legend beside
+        the lanes names the kinds drawn.
+        """
         import matplotlib.pyplot as plt
-        from matplotlib.patches import Patch
 
         tl, lanes = self.shifted(), self.lanes
         if ax is None:
             _, ax = plt.subplots(figsize=(9, 0.6 + 0.55 * max(len(lanes), 1)))
+        first_stage = {lane: min(st) for lane, st in self._stages(tl.spans).items()} if annotate else {}
         for row, lane in enumerate(lanes):
             for name, label, a, b in tl.spans:
                 if name in (lane, None):
-                    ax.broken_barh([(a * unit, max(b - a, 1e-9) * unit)], (row - 0.4, 0.8),
-                                   color=self._colour(label), edgecolor="white", linewidth=0.4)
+                    kind, mb, stage = self._action(label)
+                    later = annotate and kind and stage != first_stage.get(name, stage)
+                    ax.broken_barh([(a * unit, max(b - a, 1e-9) * unit)], (row - 0.4, 0.8), color=self._colour(label),
+                                   edgecolor="white", linewidth=0.4, alpha=0.5 if later else 1.0)
+                    if annotate and kind:
+                        ax.text((a + b) / 2 * unit, row, str(mb), ha="center", va="center", fontsize=6)
         ax.set_yticks(range(len(lanes)), lanes)
         if not ax.yaxis_inverted():  # axes that share y would flip back and forth
             ax.invert_yaxis()
         ax.set_xlabel("time (ms)" if unit == 1e3 else "time")
-        phases = [p for p in self.PHASES if any(s[1] == p for s in tl.spans)]
-        if phases:
-            ax.legend(handles=[Patch(color=self.PHASES[p], label=p) for p in phases], ncol=len(phases),
-                      loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(lanes) < 3 else -0.2), fontsize=8)
+        self._legend(ax, tl.spans, len(lanes), annotate)
         ax.set_title(title or f"idle {self.idle_fraction():.0%}", fontsize=9)
         return ax
+
+    #: Names of the pipeline action kinds in a legend.
+    KINDS = {"F": "forward", "B": "backward", "I": "input gradient", "W": "weight gradient", "wait": "wait for a message"}
+
+    @staticmethod
+    def _action(label: str) -> tuple:
+        """``"F3/s1"`` -> ``("F", 3, 1)``; ``(None, None, None)`` for any other label."""
+        head, _, stage = label.partition("/s")
+        if head[:1] in "FBIW" and head[1:].isdigit() and stage.isdigit():
+            return head[0], int(head[1:]), int(stage)
+        return None, None, None
+
+    def _stages(self, spans) -> dict:
+        """Per lane, the stages of the pipeline actions it runs."""
+        out: dict = {}
+        for lane, label, _, _ in spans:
+            stage = self._action(label)[2]
+            if stage is not None:
+                out.setdefault(lane, set()).add(stage)
+        return out
+
+    def _legend(self, ax, spans, n_lanes: int, annotate: bool) -> None:
+        from matplotlib.patches import Patch
+
+        handles = [Patch(color=self.PHASES[p], label=p) for p in self.PHASES if any(s[1] == p for s in spans)]
+        if annotate:
+            kinds = {"wait" if label == "wait" else self._action(label)[0] for _, label, _, _ in spans}
+            handles += [Patch(color=self._colour(k), label=words) for k, words in self.KINDS.items() if k in kinds]
+            if any(len(stages) > 1 for stages in self._stages(spans).values()):
+                handles.append(Patch(color="tab:blue", alpha=0.5, label="lighter: the rank's later stage"))
+            handles.append(Patch(color="white", label="numbers: micro-batch"))
+            ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+        elif handles:
+            ax.legend(handles=handles, ncol=len(handles), loc="upper center", fontsize=8,
+                      bbox_to_anchor=(0.5, -0.35 if n_lanes < 3 else -0.2))
 
 
 # -- GPipe's schedule, and a model of it fitted to a measurement ------------------------

@@ -118,3 +118,24 @@ def test_a_rank_printing_32_mb_without_a_newline_is_relayed_whole(capsys):
     pieces = [line for line in out if line.startswith("[rank 0/1] y")]
     assert sum(len(p) - len("[rank 0/1] ") for p in pieces) == 32 * 2**20
     assert out[-1] == "[rank 0/1]  19999/20000"
+
+
+def test_a_rank_s_exception_raised_from_another_shows_its_cause_first_as_python_does():
+    import types
+
+    from mgpu_lab.launcher.errors import summary
+    from mgpu_lab.launcher.rank import describe_exception
+    from mgpu_lab.launcher.relay import format_traceback
+
+    try:
+        try:
+            raise ValueError("the learner's own error")
+        except ValueError as inner:
+            raise RuntimeError("[Stage 1] failed to run forward") from inner
+    except RuntimeError as exc:
+        err = describe_exception(exc)
+    text = format_traceback(err)
+    assert (text.index("ValueError: the learner's own error") < text.index("The above exception was the direct cause")
+            < text.index("RuntimeError: [Stage 1] failed to run forward")), text
+    assert summary(types.SimpleNamespace(message=("error", err))) == (
+        "raised RuntimeError: [Stage 1] failed to run forward (caused by ValueError: the learner's own error)")

@@ -72,8 +72,8 @@ BUBBLE = ExerciseMutants("12.bubble", NOTEBOOK, ("bubble",), mutants=[
            replace("    ### BEGIN SOLUTION\n", "    ### BEGIN SOLUTION\n"
                                               "    return (n_stages - 1) / (n_micro + n_stages - 1)\n"),
            "closed formula"),
-    Mutant("interleaved without its v stages per rank (not divided by v)", replace("n_local_stages=virtual",
-                                                                                 "n_local_stages=1"),
+    Mutant("interleaved without its v stages per rank (not divided by v)",
+           replace("torch_orders(schedule, p, m, virtual)", "torch_orders(schedule, p, m, 1)"),
            "closed formula (p-1)/(m+p-1)"),
     Mutant("zbv treated as 1f1b", replace('elif schedule == "1f1b":', 'elif schedule in ("1f1b", "zbv"):'),
            "zbv run as 1f1b"),
@@ -87,24 +87,16 @@ BUBBLE = ExerciseMutants("12.bubble", NOTEBOOK, ("bubble",), mutants=[
 ], variants=[
     Variant("closed forms where they hold, ZBV replayed event by event", '''
 def bubble(schedule, n_stages, n_micro, t_f, t_b, t_w=0.0, virtual=1):
-    import heapq
-    import types
-    from torch.distributed.pipelining import schedules as S
+    import collections
+    from mgpu_lab.parallel import pp_measure
     p, m = n_stages, n_micro
     if schedule in ("gpipe", "1f1b"):
         return (p - 1) / (m + p - 1)
-    if schedule == "interleaved":
-        rounds = max(1, m // p)
-        me = types.SimpleNamespace(n_local_stages=virtual, pp_group_size=p, _n_microbatches=m,
-                                   number_of_rounds=rounds, microbatches_per_round=m // rounds)
-        make = S.ScheduleInterleaved1F1B._calculate_single_rank_operations
-        dur = {"F": t_f, "B": t_b + t_w}
-    else:
-        me = types.SimpleNamespace(pp_group_size=p, num_stages=2 * p, _n_microbatches=m, n_local_stages=2)
-        make = S.ScheduleZBVZeroBubble._calculate_single_rank_operations
-        dur = {"F": t_f, "I": t_b, "W": t_w}
-    queues = {r: [a for a in make(me, r) if a is not None] for r in range(p)}
-    n = max(a.stage_index for q in queues.values() for a in q) + 1
+    dur = {"F": t_f, "B": t_b + t_w} if schedule == "interleaved" else {"F": t_f, "I": t_b, "W": t_w}
+    Act = collections.namedtuple("Act", "kind mb stage")
+    queues = {r: [Act(a[0], int(a[1:a.index("/")]), int(a[a.index("/") + 2:])) for a in acts]
+              for r, acts in pp_measure.torch_orders(schedule, p, m, virtual).items()}
+    n = max(a.stage for q in queues.values() for a in q) + 1
     done, clock, busy = {}, [0.0] * p, 0.0
     progress = True
     while progress:
@@ -112,7 +104,7 @@ def bubble(schedule, n_stages, n_micro, t_f, t_b, t_w=0.0, virtual=1):
         for r in range(p):
             while queues[r]:
                 a = queues[r][0]
-                k, i, s = a.computation_type.value, a.microbatch_index, a.stage_index
+                k, i, s = a.kind, a.mb, a.stage
                 deps = []
                 if k == "F" and s > 0:
                     deps.append(("F", i, s - 1))
@@ -133,8 +125,7 @@ def bubble(schedule, n_stages, n_micro, t_f, t_b, t_w=0.0, virtual=1):
 '''),
     Variant("time-stepped: each rank runs the first action whose inputs are ready", '''
 def bubble(schedule, n_stages, n_micro, t_f, t_b, t_w=0.0, virtual=1):
-    import types
-    from torch.distributed.pipelining import schedules as S
+    from mgpu_lab.parallel.pp_measure import torch_orders
     p, m = n_stages, n_micro
     def order(r):
         if schedule == "gpipe":
@@ -145,15 +136,9 @@ def bubble(schedule, n_stages, n_micro, t_f, t_b, t_w=0.0, virtual=1):
             for i in range(m - w):
                 out += [("F", w + i, r), ("B", i, r)]
             return out + [("B", i, r) for i in range(m - w, m)]
-        if schedule == "interleaved":
-            k = max(1, m // p)
-            me = types.SimpleNamespace(n_local_stages=virtual, pp_group_size=p, _n_microbatches=m,
-                                       number_of_rounds=k, microbatches_per_round=m // k)
-            acts = S.ScheduleInterleaved1F1B._calculate_single_rank_operations(me, r)
-        else:
-            me = types.SimpleNamespace(pp_group_size=p, num_stages=2 * p, _n_microbatches=m, n_local_stages=2)
-            acts = S.ScheduleZBVZeroBubble._calculate_single_rank_operations(me, r)
-        return [(a.computation_type.value, a.microbatch_index, a.stage_index) for a in acts if a]
+        import re
+        acts = torch_orders(schedule, p, m, virtual)[r]
+        return [(k, int(i), int(st)) for k, i, st in (re.fullmatch(r"([FBIW])(\\d+)/s(\\d+)", a).groups() for a in acts)]
     orders = [order(r) for r in range(p)]
     last = max(s for o in orders for *_, s in o)
     cost = {"F": t_f, "B": t_b + t_w, "I": t_b, "W": t_w}
@@ -191,6 +176,11 @@ TRAIN = ExerciseMutants("12.pipeline_train", NOTEBOOK, ("pipeline_train",), muta
     Mutant("gradients never cleared", replace("        optimizer.zero_grad()\n", ""), "clear the gradients"),
     Mutant("the micro-batch losses summed (scale_grads=False)",
            replace("loss_fn=loss_fn)", "loss_fn=loss_fn, scale_grads=False)", count=0), "divide by n_micro"),
+    Mutant("the loss divided by n_micro, as torch's schedules do too (scaled twice)",
+           replace("loss_fn = nn.MSELoss()", "loss_fn = lambda out, y: nn.functional.mse_loss(out, y) / n_micro"),
+           ("divided by n_micro twice", "1/n_micro of one process's")),
+    Mutant("zbv's stages listed last first", replace("ids = [rank, total - 1 - rank]", "ids = [total - 1 - rank, rank]"),
+           ("scheduleZBVZeroBubble its stages in the order", "increasing order of their index")),
     Mutant("the library's pp_train.train", replace("    ### BEGIN SOLUTION\n", "    ### BEGIN SOLUTION\n"
                                                    "    from mgpu_lab.parallel.pp_train import train as lib\n"
                                                    "    return lib(model_fn, n_stages, schedule, n_micro, batches, "

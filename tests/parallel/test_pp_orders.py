@@ -59,3 +59,17 @@ def test_an_unknown_schedule_is_refused_with_the_known_ones():
     with pytest.raises(ValueError, match="pick one of 'gpipe', '1f1b', 'interleaved', 'zbv'"):
         orders("dualpipe", 2, 4)
     assert callable(pp_orders.needs)
+
+
+def test_torch_s_orders_come_from_a_built_schedule_s_pipeline_order_and_gpipe_s_are_refused():
+    from torch.distributed.pipelining import schedules
+
+    from mgpu_lab.parallel.pp_measure import torch_orders
+
+    got = torch_orders("interleaved", 2, 4, virtual=2)
+    assert sorted(got) == [0, 1] and got[0][0] == "F0/s0" and {a.split("/s")[1] for a in got[1]} == {"1", "3"}
+    assert not hasattr(schedules.ScheduleInterleaved1F1B, "pipeline_order")  # an instance's: it was built
+    zbv = torch_orders("zbv", 4, 8)
+    assert {a.split("/s")[1] for a in zbv[0]} == {"0", "7"} and any(a.startswith("W") for a in zbv[0])
+    with pytest.raises(ValueError, match="'interleaved' and 'zbv'"):
+        torch_orders("gpipe", 2, 4)

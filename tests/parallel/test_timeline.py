@@ -53,3 +53,19 @@ def test_plot_and_reset(tmp_path):
     assert legend == ["scatter", "forward", "loss+backward"]  # the phases drawn, in the lesson's order
     tl.reset()
     assert tl.spans == [] and tl.lanes == []  # undeclared lanes go with their spans
+
+
+def test_an_annotated_pipeline_plot_numbers_micro_batches_lightens_later_stages_and_names_the_kinds():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    tl = Timeline([("rank 0", "F0/s0", 0, 1), ("rank 0", "F0/s2", 1, 2), ("rank 0", "wait", 2, 3),
+                   ("rank 0", "I0/s2", 3, 4), ("rank 0", "W0/s2", 4, 5), ("rank 0", "B0/s0", 5, 6)])
+    ax = tl.plot(annotate=True, unit=1.0)
+    assert sorted(t.get_text() for t in ax.texts) == ["0"] * 5  # every action's micro-batch, not the wait
+    legend = [text.get_text() for text in ax.get_legend().get_texts()]
+    assert legend == ["forward", "backward", "input gradient", "weight gradient", "wait for a message",
+                      "lighter: the rank's later stage", "numbers: micro-batch"]
+    assert [bar.get_alpha() for bar in ax.collections] == [1.0, 0.5, 1.0, 0.5, 0.5, 1.0]
+    plain = Timeline([("rank 0", "F0/s0", 0, 1)]).plot(unit=1.0)
+    assert len(plain.texts) == 0 and plain.get_legend() is None  # without annotate: as before

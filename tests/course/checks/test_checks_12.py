@@ -76,6 +76,27 @@ def test_the_closed_formula_passes_only_where_it_holds():
     result = check("12.bubble", formula_everywhere)
     assert [c.passed for c in result.cases] == [True, False, False, False, False, False], str(result)
     assert "yours matches the closed formula" in result.cases[1].hint, str(result)
+    assert result.cases[1].expected.startswith("bubble('interleaved', 4, 8, 1.0, 2.0, 0.0, 2) = 0.1579"), str(result)
+
+
+def one_process_on_rank_0(model_fn, n_stages, schedule, n_micro, batches, lr):
+    """The visible part without the pipeline: rank 0 trains the whole model alone; its weights are right."""
+    if tdist.get_rank() != 0:
+        return None
+    model = model_fn()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    for x, y in batches:
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+    return model.state_dict()
+
+
+def test_weights_right_without_a_pipeline_fail_the_case_that_the_schedule_ran():
+    result = check("12.pipeline_train", one_process_on_rank_0)
+    assert [c.passed for c in result.cases] == [True, True, True, True, True, False], str(result)
+    ran = result.cases[-1]
+    assert ran.name.startswith("the schedule really ran") and "rank 0 built no ScheduleGPipe" in ran.got, str(result)
 
 
 def warmup_reversed(rank, n_stages, n_micro):
@@ -97,6 +118,10 @@ def test_a_deadlocking_order_fails_in_bounded_time_saying_where_each_rank_waits(
     assert not replay.passed and "deadlock, found in bounded time" in replay.got, str(result)
     assert "rank 0 waits at B0 (the gradient of micro-batch 0) for rank 1" in replay.got, str(result)
     assert "rank 1 waits at F1 (the activations of micro-batch 1) for rank 0" in replay.got, str(result)
+    said = [c for c in result.cases if not c.passed]
+    assert sum(replay.hint == c.hint for c in said) == 1, f"the order's hint is said once:\n{result}"
+    assert sum("4 stages, 8 micro-batches: deadlock" in c.got for c in said) == 1, f"the deadlock is told once:\n{result}"
+    assert "micro-batches than stages a rank cannot" not in str(result), f"no hint about the shrink:\n{result}"
 
 
 def short_warmup(rank, n_stages, n_micro):

@@ -15,7 +15,7 @@ from .._core import exercise
 from ..sim.scenarios import launch_scenarios
 from . import ranks as R
 from .judges import (ORDER_HINT, bubble_problem, bubble_problem_of_orders, in_flight_problem, orders_problem,
-                     replay_problem, returns_problem, state_problem)
+                     ran_problem, replay_problem, returns_problem, state_problem)
 
 ORDER_REFERENCES = ("mgpu_lab.parallel.pp_orders:orders",
                     "torch.distributed.pipelining.schedules:_get_1f1b_rank_ops",
@@ -31,32 +31,50 @@ DEPTHS = [(p, m) for p in (2, 3, 5, 8) for m in (1, 2, 3, 7, 16)]
 CALLS = [(r, p, m) for p, m in DEPTHS for r in range(p)]
 
 
-def _main_cases(t, evidence):
-    for name, judge in (
-            ("replayed on 4 real ranks with 8, 4 and 6 micro-batches (isend, blocking recv): every order runs "
-             "to the end, each message the micro-batch its receiver expects", "replay"),
-            ("the replay's gradients equal one process's (the whole batch's mean loss)", "grads"),
-            ("at most n_stages - rank micro-batches alive at once on each rank (GPipe holds all of them), and "
-             "no more idle than GPipe's bubble (p-1)/(m+p-1) when replayed with equal times", "flight")):
-        with t.case(name, hint=ORDER_HINT):
-            if evidence is None:
-                t.fail("not judged: the orders could not be replayed", got="no replay")
-            for (p, m), per_rank in zip(MAIN, evidence):
-                problem = replay_problem(per_rank, f"{p} stages, {m} micro-batches")
-                if problem or judge == "replay":
-                    if problem:
-                        t.fail(ORDER_HINT if "deadlock" in problem else "", "every order runs to the end", problem)
-                    continue
-                if judge == "grads" and not all(ev["same"] for ev in per_rank):
-                    t.fail("every micro-batch's forward and backward must run once, in an order both neighbours "
-                           "share", "one process's gradients", f"{p} stages, {m} micro-batches: other gradients")
-                if judge == "flight":
-                    problem = in_flight_problem(per_rank, p, m)
-                    if problem:
-                        t.fail(FLIGHT_HINT, f"<= {p} - rank", problem)
-                    problem = bubble_problem_of_orders({r: ev["order"] for r, ev in enumerate(per_rank)}, p, m)
-                    if problem:
-                        t.fail(IDLE_HINT, "GPipe's bubble", problem)
+SAID = "the hint above says what a 1F1B order needs"
+
+
+def _main_cases(t, evidence) -> bool:
+    """The replay, gradient and memory cases of the main scenarios; True when the replay case gave ORDER_HINT.
+
+    A scenario whose replay did not run to the end is reported once, in the replay case; the later cases
+    judge the scenarios that ran and name the others as not judged."""
+    ran, gave_hint = [], False
+    with t.case("replayed on 4 real ranks with 8, 4 and 6 micro-batches (isend, blocking recv): every order runs "
+                "to the end, each message the micro-batch its receiver expects", hint=ORDER_HINT):
+        if evidence is None:
+            t.fail("not judged: the orders could not be replayed", got="no replay")
+        stuck = []
+        for (p, m), per_rank in zip(MAIN, evidence):
+            problem = replay_problem(per_rank, f"{p} stages, {m} micro-batches")
+            if problem:
+                stuck.append(problem)
+            else:
+                ran.append(((p, m), per_rank))
+        if stuck:
+            gave_hint = any("deadlock" in problem for problem in stuck)
+            t.fail(ORDER_HINT if gave_hint else "", "every order runs to the end", "; ".join(stuck))
+    not_run = ("not judged: no scenario's replay ran to the end (the replay's case says where each rank waits)"
+               if evidence is not None else "not judged: the orders could not be replayed")
+    with t.case("the replay's gradients equal one process's (the whole batch's mean loss)",
+                hint="every micro-batch's forward and backward must run once, in an order both neighbours share"):
+        if not ran:
+            t.fail(SAID if gave_hint else "", "one process's gradients", not_run)
+        for (p, m), per_rank in ran:
+            if not all(ev["same"] for ev in per_rank):
+                t.fail("", "one process's gradients", f"{p} stages, {m} micro-batches: other gradients")
+    with t.case("at most n_stages - rank micro-batches alive at once on each rank (GPipe holds all of them), and "
+                "no more idle than GPipe's bubble (p-1)/(m+p-1) when replayed with equal times"):
+        if not ran:
+            t.fail(SAID if gave_hint else "", "<= n_stages - rank", not_run)
+        for (p, m), per_rank in ran:
+            problem = in_flight_problem(per_rank, p, m)
+            if problem:
+                t.fail(FLIGHT_HINT, f"<= {p} - rank", problem)
+            problem = bubble_problem_of_orders({r: ev["order"] for r, ev in enumerate(per_rank)}, p, m)
+            if problem:
+                t.fail(IDLE_HINT, "GPipe's bubble", problem)
+    return gave_hint
 
 
 @exercise("12.one_f_one_b", points=6, description="one_f_one_b(rank, n_stages, n_micro) -> list[str]: one rank's "
@@ -78,10 +96,9 @@ def _one_f_one_b(t, one_f_one_b):
         problem = evidence[0][0]["problem"]
         if problem:
             t.fail("", "F0..F7 and B0..B7, each once", problem)
-    _main_cases(t, evidence[:len(MAIN)] if evidence else None)
+    gave_hint = _main_cases(t, evidence[:len(MAIN)] if evidence else None)
     with t.case("fewer micro-batches than stages (4 stages, 2 and 1 micro-batches): the warm-up shrinks to fit; "
-                "the replay runs to the end with one process's gradients, within the bound",
-                hint="with fewer micro-batches than stages a rank cannot forward more micro-batches than exist"):
+                "the replay runs to the end with one process's gradients, within the bound"):
         if evidence is None:
             t.fail("not judged: the first case did not finish", got="no replay")
         for (p, m), per_rank in zip(FEW, evidence[len(MAIN):]):
@@ -89,8 +106,7 @@ def _one_f_one_b(t, one_f_one_b):
                        or ("" if all(ev["same"] for ev in per_rank) else "other gradients than one process's")
                        or in_flight_problem(per_rank, p, m))
             if problem:
-                t.fail(FLIGHT_HINT if "alive at once" in problem else "", "runs, one process's gradients, within "
-                       "the bound", problem)
+                t.fail(_few_hint(problem, gave_hint), "runs, one process's gradients, within the bound", problem)
     with t.case("2, 3, 5 and 8 stages with 1 to 16 micro-batches: well formed, neighbours agree, no deadlock, "
                 "within the bound, GPipe's bubble (judged without ranks)", hidden=True):
         if evidence is None:
@@ -100,6 +116,17 @@ def _one_f_one_b(t, one_f_one_b):
             problem = orders_problem(got, p, m)
             if problem:
                 t.fail("", "a 1F1B order on every rank", problem)
+
+
+def _few_hint(problem: str, gave_hint: bool) -> str:
+    """The hint for a scenario with fewer micro-batches than stages, by what went wrong."""
+    if "alive at once" in problem:
+        return FLIGHT_HINT
+    if "deadlock" in problem:
+        return SAID if gave_hint else ORDER_HINT
+    if "micro-batch(es)" in problem:  # an order with actions of micro-batches that do not exist, or missing ones
+        return "with fewer micro-batches than stages a rank cannot forward more micro-batches than exist"
+    return "every micro-batch's forward and backward must run once, in an order both neighbours share"
 
 
 # -- bubble ----------------------------------------------------------------------------
@@ -153,14 +180,14 @@ def _bubble(t, bubble):
             for args in cases:
                 problem = bubble_problem(args, results[args])
                 if problem:
-                    t.fail(problem[0], "", problem[1])
+                    t.fail(*problem)
     with t.case("15 more: every schedule, 2 to 4 stages, random times and micro-batches", hidden=True):
         if not results:
             t.fail("the first case did not finish")
         for args in grid:
             problem = bubble_problem(args, results[args])
             if problem:
-                t.fail(problem[0], "", problem[1])
+                t.fail(*problem)
 
 
 # -- pipeline_train --------------------------------------------------------------------
@@ -198,12 +225,25 @@ def _pipeline_train(t, pipeline_train):
              "ZBV: the model cut into 2 x n_stages runs of layers, rank r holding stages r and 2 x n_stages - 1 - r"),
     )):
         with t.case(name, hint=hint):
-            _judge_train(t, evidence.get(t, k), TRAIN_SCENARIOS[k])
+            _judge_train(t, _returned(_scenario(t, evidence, k)), TRAIN_SCENARIOS[k])
     with t.case("8 layers with 1F1B and ZBV, 2 micro-batches, lr 0.05: the same as one process", hidden=True):
         for k in (4, 5):
-            _judge_train(t, evidence.get(t, k), TRAIN_SCENARIOS[k])
-    with t.case("the schedule really ran on the ranks: the weights of every stage changed on both ranks"):
-        per_rank = evidence.get(t, 0)
+            _judge_train(t, _returned(_scenario(t, evidence, k)), TRAIN_SCENARIOS[k])
+    with t.case("the schedule really ran on the ranks: in every schedule above, each rank built torch's schedule "
+                "of that name with its stages, each stage ran every micro-batch's forward and backward once per "
+                "step, the ranks sent each other messages, and the weights of every stage changed",
+                hint="train with torch.distributed.pipelining's schedule of the named kind on every rank, each rank "
+                     "running its own stages; the check records what torch's stages and schedules did"):
+        if evidence.complete < 4:
+            t.fail("every schedule must first run to the end (the cases above say where one stopped)",
+                   "torch's schedule run on every rank", "not judged: not every schedule ran to the end")
+        for k in range(4):
+            per_rank = evidence.get(t, k)
+            _, schedule, n_micro, _ = TRAIN_SCENARIOS[k]
+            problem = ran_problem([r["ran"] for r in per_rank], schedule, n_micro, len(R.train_batches("small")))
+            if problem:
+                t.fail("", "torch's schedule run on every rank", f"{schedule}: {problem}")
+        per_rank = _returned(evidence.get(t, 0))
         problem = returns_problem(per_rank)
         if problem:
             t.fail("", "rank 0: the state_dict", problem)
@@ -214,11 +254,31 @@ def _pipeline_train(t, pipeline_train):
             t.fail("every stage must train", "every tensor changed", f"unchanged or missing: {unchanged[:4]}")
 
 
+def _scenario(t, evidence, k: int) -> list:
+    """Scenario ``k``'s evidence; a rank's stages given to a schedule out of order is said in words."""
+    from mgpu_lab.launcher.errors import LaunchError
+
+    try:
+        return evidence.get(t, k)
+    except LaunchError as exc:
+        said = str(exc).splitlines()[0]
+        if "increasing order of their index" in said:
+            t.fail("a schedule of several stages per rank takes the rank's stages in increasing order of their "
+                   "index", "each rank's stages in increasing order", said)
+        raise
+
+
+def _returned(per_rank: list) -> list:
+    return [r["returned"] for r in per_rank]
+
+
 def _judge_train(t, per_rank, scenario):
     kind, schedule, n_micro, lr = scenario
     problem = returns_problem(per_rank)
     if problem:
-        t.fail("rank 0 gathers the weights and returns them; every other rank returns None", "", problem)
-    problem = state_problem(per_rank[0][1], R.reference_state(kind, lr), n_micro, lr)
+        t.fail("rank 0 gathers the weights and returns them; every other rank returns None",
+               "rank 0: the whole model's state_dict; every other rank: None", problem)
+    hint, problem = state_problem(per_rank[0][1], R.reference_state(kind, lr), n_micro, lr,
+                                  scaled=lambda c: R.reference_state(kind, lr * c))
     if problem:
-        t.fail("", "one process's weights", f"{schedule}: {problem}")
+        t.fail(hint, "one process's weights", f"{schedule}: {problem}")

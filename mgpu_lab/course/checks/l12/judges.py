@@ -121,25 +121,26 @@ def _known_wrong(args: tuple) -> list[tuple[str, float]]:
     return out + [("the closed formula (p-1)/(m+p-1), whatever the schedule", (p - 1) / (m + p - 1))]
 
 
-def bubble_problem(args: tuple, got: tuple) -> tuple[str, str] | None:
-    """``(hint, got)`` when the learner's value for ``args`` is wrong, else None."""
+def bubble_problem(args: tuple, got: tuple) -> tuple[str, str, str] | None:
+    """``(hint, expected, got)`` when the learner's value for ``args`` is wrong, else None."""
     want = reference_bubble(*args)
     name = f"bubble{args[:3] + args[3:6] + (args[6],)}"
+    expected = f"{name} = {want:.4f}"
     if got[0] == "raised":
-        return f"{name} raised: the schedule exists and must give its idle fraction", in_words(got, "")
+        return f"{name} raised: the schedule exists and must give its idle fraction", expected, in_words(got, "")
     value = got[1]
     if not isinstance(value, float):
-        return f"{name} must return a float, the idle fraction", repr(value)
+        return f"{name} must return a float, the idle fraction", expected, repr(value)
     if abs(value - want) <= 1e-6 + 1e-6 * abs(want):
         return None
     if abs(value - 100 * want) <= 1e-4:
-        return f"{name}: a fraction between 0 and 1 is asked, not a percentage", f"{value}"
+        return f"{name}: a fraction between 0 and 1 is asked, not a percentage", expected, f"{value}"
     for words, wrong in _known_wrong(args):
         if abs(value - wrong) <= 1e-6:
-            return (f"{name} is {want:.4f}; yours matches {words}: replay the schedule's actions in its order, each "
-                    f"rank waiting for the action it needs", f"{value:.4f}")
-    return (f"{name} is {want:.4f}: the idle time of every rank over (ranks x the step's length), with each rank "
-            f"running its actions in the schedule's order as soon as what they need has ended", f"{value:.4f}")
+            return (f"yours matches {words}: replay the schedule's actions in its order, each rank waiting for the "
+                    f"action it needs", expected, f"{value:.4f}")
+    return ("the idle time of every rank over (ranks x the step's length), with each rank running its actions in "
+            "the schedule's order as soon as what they need has ended", expected, f"{value:.4f}")
 
 
 # -- pipeline_train --------------------------------------------------------------------
@@ -154,7 +155,73 @@ def returns_problem(per_rank: list) -> str:
     return ""
 
 
-def state_problem(state: dict, ref: dict, n_micro: int, lr: float) -> str:
+TRAIN_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
+                 "zbv": "ScheduleZBVZeroBubble"}
+
+
+def stages_of(schedule: str, rank: int, world: int) -> list[int]:
+    """The stages ``rank`` holds: one, two in a loop (interleaved), two in a V (ZBV)."""
+    if schedule == "interleaved":
+        return [rank, rank + world]
+    if schedule == "zbv":
+        return [rank, 2 * world - 1 - rank]
+    return [rank]
+
+
+def ran_problem(ran: list, schedule: str, n_micro: int, steps: int) -> str:
+    """'' when, on every rank, torch's schedule of that name was built with the rank's stages, each stage ran
+    every micro-batch's forward and backward once per step, and the rank sent messages; else what is missing.
+
+    ``ran``: each rank's record (:func:`.ranks.recording_pipelining`).
+
+    Example:
+        >>> seen = {"schedules": [("Schedule1F1B", [0])], "actions": {"F0": 8, "B0": 8}, "sends": 8}
+        >>> ran_problem([seen, dict(seen, schedules=[("Schedule1F1B", [1])], actions={"F1": 8, "B1": 8})],
+        ...             "1f1b", 4, 2)
+        ''
+        >>> ran_problem([seen, {"schedules": [], "actions": {}, "sends": 0}], "1f1b", 4, 2)
+        'rank 1 built no Schedule1F1B (it built none)'
+    """
+    want = TRAIN_CLASSES[schedule]
+    for rank, seen in enumerate(ran):
+        built = [name for name, _ in seen["schedules"]]
+        if want not in built:
+            return f"rank {rank} built no {want} (it built {', '.join(built) or 'none'})"
+        for stage in stages_of(schedule, rank, len(ran)):
+            forwards = seen["actions"].get(f"F{stage}", 0)
+            backwards = seen["actions"].get(f"B{stage}", 0) + seen["actions"].get(f"I{stage}", 0)
+            if forwards < n_micro * steps or backwards < n_micro * steps:
+                return (f"stage {stage} on rank {rank} ran {forwards} forwards and {backwards} backwards in torch's "
+                        f"pipeline stage, where {steps} steps of {n_micro} micro-batches run {n_micro * steps} of each")
+        if not seen["sends"]:
+            return f"rank {rank}'s stages sent no message to the other rank"
+    return ""
+
+
+def state_problem(state: dict, ref: dict, n_micro: int, lr: float, scaled=None) -> tuple[str, str]:
+    """How the gathered weights differ from one process's: ``(hint, got)``, ``("", "")`` when equal.
+
+    ``scaled(c)``: one process's weights with every gradient multiplied by ``c`` (SGD: the learning rate times
+    ``c``), to recognise the micro-batch losses summed (``c = n_micro``) or divided twice (``c = 1 / n_micro``).
+    """
+    hint, got = "", _state_difference(state, ref)
+    if "differs from one process's" in got:
+        hint = ("every tensor has the model's name and shape, with other values: the step must use the mean loss "
+                f"over the whole batch (torch's schedules divide by n_micro={n_micro} when scale_grads=True), clear "
+                f"the gradients every step, and step with SGD(lr={lr}) once per batch")
+    if got and scaled is not None and "differs from one process's" in got:
+        for c, words in ((n_micro, "the micro-batch losses summed, not averaged: the gradients are n_micro times "
+                                   "one process's (torch's schedules already divide by n_micro when "
+                                   "scale_grads=True, which a loss that is a mean over its micro-batch needs)"),
+                         (1 / n_micro, "the loss divided by n_micro twice: the gradients are 1/n_micro of one "
+                                       "process's (torch's schedules already divide by n_micro when "
+                                       "scale_grads=True; a loss that is a mean over its micro-batch needs no more)")):
+            if not _state_difference(state, scaled(c)):
+                hint = f"the weights are those of {words}"
+    return hint, got
+
+
+def _state_difference(state: dict, ref: dict) -> str:
     """How the gathered weights differ from one process's ('' when equal)."""
     missing = [k for k in ref if k not in state]
     if missing:
@@ -170,6 +237,4 @@ def state_problem(state: dict, ref: dict, n_micro: int, lr: float) -> str:
     diff = float((state[worst].float() - ref[worst]).abs().max())
     if diff <= 1e-5:
         return ""
-    return (f"{worst} differs from one process's by {diff:.2e}: the step must use the mean loss over the whole "
-            f"batch (torch's schedules divide by n_micro={n_micro} when scale_grads=True), clear the gradients "
-            f"every step, and step with SGD(lr={lr}) once per batch")
+    return f"{worst} differs from one process's by {diff:.2e}"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as tdist
@@ -221,8 +222,74 @@ def _plain(value):
     return ("other", type(value).__name__, repr(value)[:80])
 
 
+@contextmanager
+def recording_pipelining():
+    """Inside the block, record what ``torch.distributed.pipelining`` does in this rank.
+
+    Yields a dict: ``"schedules"``, the schedules built (class name, the stage ids in the order the rank
+    passed them); ``"actions"``, ``{"F<stage>": n, "B<stage>": n, ...}`` the forwards, backwards (``B``,
+    or ``I`` and ``W`` when split) each stage ran; ``"sends"``, the messages this rank's stages sent.
+    """
+    from torch.distributed.pipelining import schedules, stage
+
+    seen = {"schedules": [], "actions": {}, "sends": 0}
+    base, multi, single = stage._PipelineStageBase, schedules.PipelineScheduleMulti, schedules.PipelineScheduleSingle
+    own = {(cls, name): cls.__dict__[name] for cls, name in (
+        (base, "forward_one_chunk"), (base, "backward_one_chunk"), (base, "backward_weight_one_chunk"),
+        (base, "get_fwd_send_ops"), (base, "get_bwd_send_ops"), (multi, "__init__"), (single, "__init__"))}
+
+    def count(kind_of):
+        def wrap(method):
+            def counted(self, *args, **kwargs):
+                key = f"{kind_of(kwargs)}{self.stage_index}"
+                seen["actions"][key] = seen["actions"].get(key, 0) + 1
+                return method(self, *args, **kwargs)
+            return counted
+        return wrap
+
+    def sends(method):
+        def counted(self, *args, **kwargs):
+            ops = method(self, *args, **kwargs)
+            seen["sends"] += len(ops)
+            return ops
+        return counted
+
+    def built(method, many):
+        def init(self, *args, **kwargs):
+            given = args[0] if args else kwargs.get("stages" if many else "stage")
+            ids = [getattr(s, "stage_index", None) for s in (given if many else [given])]
+            seen["schedules"].append((type(self).__name__, ids))
+            return method(self, *args, **kwargs)
+        return init
+
+    wrapped = {(base, "forward_one_chunk"): count(lambda kw: "F"),
+               (base, "backward_one_chunk"): count(lambda kw: "B" if kw.get("full_backward", True) else "I"),
+               (base, "backward_weight_one_chunk"): count(lambda kw: "W"),
+               (base, "get_fwd_send_ops"): sends, (base, "get_bwd_send_ops"): sends,
+               (multi, "__init__"): lambda m: built(m, True), (single, "__init__"): lambda m: built(m, False)}
+    for (cls, name), method in own.items():
+        setattr(cls, name, wrapped[cls, name](method))
+    try:
+        yield seen
+    finally:
+        for (cls, name), method in own.items():
+            setattr(cls, name, method)
+
+
+def _in_words(exc: Exception, built: list) -> Exception:
+    """The learner's error, with what went wrong said in words when a rank listed its stages out of order."""
+    for name, ids in built:
+        if len(ids) > 1 and None not in ids and ids != sorted(ids):
+            return RuntimeError(
+                f"rank {tdist.get_rank()} gave {name} its stages in the order {ids}, and torch's schedule failed "
+                f"inside its step: a schedule of several stages per rank takes the rank's stages in increasing "
+                f"order of their index ({sorted(ids)})")
+    return exc
+
+
 def probe_train(pipeline_train, scenarios: list, log_dir: str) -> list:
-    """Per ``(kind, schedule, n_micro, lr)``: what this rank's ``pipeline_train`` returned (plain)."""
+    """Per ``(kind, schedule, n_micro, lr)``: what this rank's ``pipeline_train`` returned (plain) and what
+    torch's pipelining did in this rank meanwhile (:func:`recording_pipelining`)."""
     from functools import partial
 
     from ..sim.scenarios import run_scenarios
@@ -232,8 +299,14 @@ def probe_train(pipeline_train, scenarios: list, log_dir: str) -> list:
 
     def one(scenario):
         kind, schedule, n_micro, lr = scenario
-        got = pipeline_train(partial(train_model, kind), world, schedule, n_micro, train_batches(kind), lr)
+        with recording_pipelining() as seen:
+            try:
+                got = pipeline_train(partial(train_model, kind), world, schedule, n_micro, train_batches(kind), lr)
+            except NotImplementedError:
+                raise
+            except Exception as exc:
+                raise _in_words(exc, seen["schedules"]) from exc
         tdist.barrier()
-        return _plain(got)
+        return {"returned": _plain(got), "ran": seen}
 
     return run_scenarios(log_dir, one, scenarios)
