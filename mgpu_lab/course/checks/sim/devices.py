@@ -17,7 +17,7 @@ of GPUs (``cuda:1``, ``cuda:3``) and track placement themselves:
 * a :class:`PlacedModule` (its layers inside, as ``nn.Sequential``) logs its own
   moves in the same log, records the device of every input in
   :attr:`PlacedModule.inputs`, and with ``virtual_parameters`` its parameters
-  (:class:`PlacedParameter`) report its device, and so do their gradients;
+  (:class:`PlacedParameter`) report its device;
 * inside :class:`GpuFactories`, tensors made on a GPU (``torch.tensor(..., device=...)``,
   ``zeros_like`` of such a parameter, ``.to("cuda:1")`` of a plain tensor) are Placed;
 * a :class:`PlacedLoss` records the devices of the output and the labels.
@@ -210,11 +210,6 @@ class PlacedParameter(nn.Parameter):
         return copied
 
 
-def _placed_grad(p) -> None:
-    if p.grad is not None and not isinstance(p.grad, Placed):
-        p.grad = place(p.grad, "gradient", p.device)
-
-
 class PlacedModule(nn.Sequential):
     """Layers run in order (as ``nn.Sequential``) on a virtual device; its moves and inputs are recorded.
 
@@ -243,8 +238,6 @@ class PlacedModule(nn.Sequential):
                 for key, p in list(module._parameters.items()):
                     if p is not None:
                         module._parameters[key] = PlacedParameter(p.data, p.requires_grad)
-                        # its gradient is where it is: Placed on its device once backward has filled it
-                        module._parameters[key].register_post_accumulate_grad_hook(_placed_grad)
         self.name, self.out_tag, self.virtual_parameters = name, out_tag, virtual_parameters
         self.put_on(device)
 
