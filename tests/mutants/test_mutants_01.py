@@ -37,6 +37,10 @@ PICK = ExerciseMutants("01.pick_device", NOTEBOOK, ("pick_device",), mutants=[
     Mutant("index == count allowed (off by one)", replace("index < count", "index <= count"),
            "pick_device(2) with 2 gpu(s)"),
     Mutant("negative index allowed", replace("0 <= index < count", "index < count"), "pick_device(-1)"),
+    Mutant("a physical GPU listed in CUDA_VISIBLE_DEVICES accepted as an index",
+           replace("if not 0 <= index < count:",
+                   'if not (0 <= index < count or str(index) in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")):'),
+           ("pick_device(3) with 2 gpu(s)", "3 is a physical id")),
     Mutant("IndexError instead of ValueError", replace("raise ValueError", "raise IndexError"),
            ("valueerror", "indexerror")),
     Mutant("message does not name the visible count",
@@ -179,6 +183,19 @@ def visible_devices_env(ids):
     env["CUDA_DEVICE_ORDER"] = order
     env["CUDA_VISIBLE_DEVICES"] = ",".join(pool[i].strip() if pool is not None else f"{i}" for i in seen)
     return env
+'''),
+    Variant("the order decided first: nvidia-smi's for a whole machine, else this process's own", '''
+def visible_devices_env(ids):
+    import os
+    subset = os.environ.get("CUDA_VISIBLE_DEVICES")
+    order = "PCI_BUS_ID" if subset is None else os.environ.get("CUDA_DEVICE_ORDER", "FASTEST_FIRST")
+    if len(set(ids)) != len(ids) or any(type(i) is not int or i < 0 for i in ids):
+        raise ValueError(f"ids={ids}: each GPU once, as an int >= 0")
+    entries = None if subset is None else [e.strip() for e in subset.split(",")]
+    if entries is not None and any(i >= len(entries) for i in ids):
+        raise ValueError(f"ids={ids}: this process sees {len(entries)} GPU(s) ({subset})")
+    chosen = [str(i) if entries is None else entries[i] for i in ids]
+    return dict(CUDA_VISIBLE_DEVICES=",".join(chosen), CUDA_DEVICE_ORDER=order)
 '''),
 ])
 

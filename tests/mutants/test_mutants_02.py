@@ -108,6 +108,8 @@ BEST = ExerciseMutants("02.best_num_workers", NOTEBOOK, ("best_num_workers",), m
            "more workers is not always faster"),
     Mutant("best rate never updated", replace("best, best_rate = k, rate", "best = k"), "most samples per second"),
     Mutant("no warm-up", replace("range(max(1, k))", "range(0)"), "warm-up"),
+    Mutant("a warm-up without workers only (the workers' start-up timed)",
+           replace("range(max(1, k))", "range(1 if k == 0 else 0)"), ("start-up", "2, measured after a warm-up")),
     Mutant("num_workers not passed to the DataLoader", replace(", num_workers=k)", ")"),
            "really starts that many workers"),
     Mutant("n_batches ignored (one batch timed)", replace("range(n_batches)", "range(1)"),

@@ -40,23 +40,23 @@ REPLICATE = ExerciseMutants("03.replicate", NOTEBOOK, ("replicate",), mutants=[
     Mutant("device names from indices (cuda:i)",
            replace("for device in devices:", "for i, _ in enumerate(devices):\n        device = f'cuda:{i}'"),
            "replica 1: parameter inp.weight on cuda:1"),
+    Mutant("torch's per-module replicate (Module._replicate_for_data_parallel)",
+           replace("copies = {m: copy.copy(m) for m in module.modules()}",
+                   "copies = {m: m._replicate_for_data_parallel() for m in module.modules()}"),
+           "your code calls torch.nn.modules.module.module._replicate_for_data_parallel"),
 ], variants=[
-    Variant("torch's own module copy hook, object.__setattr__", '''
+    Variant("a recursive copy of each module's __dict__, linked parameters set as attributes", '''
 def replicate(module, devices):
-    modules = list(module.modules())
-    index = {m: i for i, m in enumerate(modules)}
-    out = []
-    for device in devices:
-        copies = [m._replicate_for_data_parallel() for m in modules]
-        for m, c in zip(modules, copies):
-            for key, child in m._modules.items():
-                c._modules[key] = None if child is None else copies[index[child]]
-            for key, p in m._parameters.items():
-                object.__setattr__(c, key, None if p is None else p.to(device))
-            for key, b in m._buffers.items():
-                c._buffers[key] = None if b is None else b.to(device)
-        out.append(copies[0])
-    return out
+    def copy_tree(m, device):
+        r = m.__class__.__new__(m.__class__)
+        r.__dict__ = dict(m.__dict__)
+        r._parameters = {}
+        r._buffers = {k: None if b is None else b.to(device) for k, b in m._buffers.items()}
+        r._modules = {k: None if c is None else copy_tree(c, device) for k, c in m._modules.items()}
+        for k, p in m._parameters.items():
+            object.__setattr__(r, k, None if p is None else p.to(device))
+        return r
+    return [copy_tree(module, d) for d in devices]
 '''),
     Variant("deep copy, then every parameter swapped for a linked copy", '''
 def replicate(module, devices):

@@ -138,8 +138,8 @@ def download_once(fn):
 MEAN_VARIANTS = [
     Variant("two all_reduce calls, float()", '''
 def global_mean(local_sum, local_count):
-    total = torch.tensor(float(local_sum), dtype=torch.float64)
-    count = torch.tensor(float(local_count), dtype=torch.float64)
+    total = torch.tensor(float(local_sum), dtype=torch.float64, device=mdist.device())
+    count = torch.tensor(float(local_count), dtype=torch.float64, device=mdist.device())
     dist.all_reduce(total, op=dist.ReduceOp.SUM)
     dist.all_reduce(count, op=dist.ReduceOp.SUM)
     return float(total / count)
@@ -229,6 +229,12 @@ SPECS = [
                "only local rank 0 should"),
         Mutant("node 0's path on every node", replace(PICK, "return paths[0]"), "node 0's path"),
         Mutant("the path only on local rank 0", replace(PICK, "return path"), "every rank must return the path"),
+        Mutant("the second call answers from memory (fn not called again)",
+               (replace("    def wrapper(root):\n        " + FETCH,
+                        "    seen = {}\n\n    def wrapper(root):\n        if root in seen:\n            return seen[root]\n"
+                        "        " + FETCH),
+                replace(PICK, "seen[root] = paths[dist.get_rank() - mdist.local_rank()]\n        return seen[root]")),
+               ("did not call fn at all", "fn called by ranks [[], []]")),
     ], variants=DOWNLOAD_VARIANTS),
     ExerciseMutants("04.global_mean", NB, ("global_mean",), mutants=[
         Mutant("the mean of the ranks' means",
@@ -242,6 +248,11 @@ SPECS = [
                replace("dist.all_reduce(totals)", "dist.all_reduce(totals, op=dist.ReduceOp.MAX)"), "op max"),
         Mutant("no division by the count", replace(MEAN, "totals[0].item()"), "total sum"),
         Mutant("a tensor instead of a float", replace(MEAN, "totals[0] / totals[1]"), "float"),
+        Mutant("the collective's tensor left on the CPU (NCCL refuses it)",
+               replace('device = mdist.device() if dist.get_backend() == "nccl" else torch.device("cpu")',
+                       'device = torch.device("cpu")'), ("nccl refuses", "given a tensor on cpu")),
+        Mutant("sums in float32", replace("dtype=torch.float64", "dtype=torch.float32"),
+               ("a float32 holds", "8388608.0")),
     ], variants=MEAN_VARIANTS),
 ]
 

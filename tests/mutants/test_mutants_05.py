@@ -164,6 +164,11 @@ SPECS = [
         Mutant("shuffle=False still shuffles",
                (replace("if self.shuffle else list(range(n))", ""), replace("if self.shuffle:", "if True:")),
                "shuffle=False"),
+        Mutant("shuffle=False still shuffles the positions, by the seed alone (the same every epoch)",
+               (replace("manual_seed(self.seed + self.epoch)", "manual_seed(self.seed + (self.epoch if self.shuffle "
+                                                                "else 0))"),
+                replace("if self.shuffle:  #", "if True:  #")),
+               ("changed with the seed", "different lists for another seed")),
     ], variants=SAMPLER_VARIANTS),
     ExerciseMutants("05.train_uneven", NB, ("train_uneven",), mutants=[
         Mutant("divided by the ranks that still have a batch", replace("flat /= world_size", "flat /= have.item()"),

@@ -149,3 +149,46 @@ def test_a_step_that_does_nothing_passes_only_the_type_of_its_result():
 def test_an_answer_that_calls_the_library_s_version_fails_naming_it(exercise_id, answer):
     result = check(exercise_id, answer)
     assert result.points == 0 and "your code calls mgpu_lab." in result.cases[0].got, str(result)
+
+
+# -- a case passes only with its evidence: an answer that does the visible part and skips the evidenced one ------
+def pick_accepting_physical_ids(index=None):
+    """Right with and without CUDA_VISIBLE_DEVICES for the indices this process has, but takes a physical id the
+    variable lists (3 of 5,3) for one of its own indices: under 5,3 it returns cuda:3, which does not exist."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if index is None:
+        return torch.device("cuda", 0) if count else torch.device("cpu")
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    physical = [int(v) for v in listed.split(",")] if listed else []
+    if not (0 <= index < count or index in physical):
+        raise ValueError(f"index={index} but {count} GPU(s) are visible")
+    return torch.device("cuda", index)
+
+
+def test_the_cuda_visible_devices_case_needs_this_process_s_numbering():
+    result = check("01.pick_device", pick_accepting_physical_ids)
+    failed = [c for c in result.cases if not c.passed]
+    assert [c.name.split(":")[0] for c in failed] == ["started with CUDA_VISIBLE_DEVICES=5,3 (two GPUs visible)"], \
+        str(result)
+    assert "3 is a physical id" in failed[0].hint and "pick_device(3)" in failed[0].got, str(result)
+
+
+def keeps_this_process_s_order(ids):
+    """A reading the notebook's criteria rule out: from a process that sees every GPU, the child keeps this
+    process's order (CUDA's default here) instead of nvidia-smi's."""
+    mine = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if len(set(ids)) != len(ids) or any(i < 0 for i in ids):
+        raise ValueError(f"bad ids {ids}")
+    entries = None if mine is None else mine.split(",")
+    if entries is not None and any(i >= len(entries) for i in ids):
+        raise ValueError(f"bad ids {ids} for {len(entries)} GPUs")
+    return {"CUDA_VISIBLE_DEVICES": ",".join(str(i) if entries is None else entries[i] for i in ids)}
+
+
+def test_the_whole_machine_case_asks_for_nvidia_smi_s_order_as_the_notebook_says():
+    result = check("01.visible_devices_env", keeps_this_process_s_order)
+    first = result.cases[0]
+    assert not first.passed and "nvidia-smi" in first.hint and "whatever order this process" in first.hint, str(result)
+    text = "".join(c.source for c in __import__("nbformat").read(NOTEBOOK, as_version=4).cells
+                   if "## Exercise 3: `visible_devices_env`" in c.source)
+    assert "CUDA_DEVICE_ORDER=PCI_BUS_ID" in text and "even when this" in text  # the criterion the check holds

@@ -121,3 +121,28 @@ def test_an_error_in_a_worker_fails_every_case_with_its_reason():
     assert "RuntimeError in a worker" in result.cases[0].got and "boom" in result.cases[0].got
     assert all(c.got == "skipped" for c in result.cases[1:-1]), str(result)
     assert "boom" in result.cases[-1].got, str(result)  # the one-process case runs it again, on its own
+
+
+# -- a case passes only with its evidence: the warm-up, for workers too ---------------------------------------
+def warms_up_without_workers_only(dataset, candidates, batch_size, n_batches):
+    """Draws the warm-up batch the count asks of num_workers=0, and none with workers: their start-up is timed
+    (with workers the count cannot tell, as they prefetch)."""
+    best, best_rate = None, -1.0
+    for k in candidates:
+        it = iter(DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=k))
+        if k == 0:
+            next(it)
+        start = time.perf_counter()
+        for _ in range(n_batches):
+            next(it)
+        rate = n_batches * batch_size / (time.perf_counter() - start)
+        del it
+        if rate > best_rate:
+            best, best_rate = k, rate
+    return best
+
+
+def test_the_warm_up_case_needs_the_workers_start_up_left_out():
+    result = check("02.best_num_workers", warms_up_without_workers_only)
+    warm = next(c for c in result.cases if c.name.startswith("warm-up"))
+    assert not warm.passed and "start-up" in warm.hint and "returned 0" in warm.got, str(result)

@@ -88,7 +88,21 @@ def test_the_model_itself_as_every_replica_passes_only_what_it_does_not_lack():
     assert not any(c.passed for c in result.cases if "devices[i]" in c.name or "of its own" in c.name), passed
 
 
-@pytest.mark.parametrize("answer", [torch_replicate, library_replicas])
+def replicate_with_torch_s_module_copy(module, devices):
+    """Otherwise right: torch's per-module copy (what its replicate calls), parameters linked by hand."""
+    out = []
+    for device in devices:
+        copies = {m: m._replicate_for_data_parallel() for m in module.modules()}
+        for original, replica in copies.items():
+            replica._modules = {k: None if c is None else copies[c] for k, c in original._modules.items()}
+            replica._buffers = {k: None if b is None else b.to(device) for k, b in original._buffers.items()}
+            for k, p in original._parameters.items():
+                object.__setattr__(replica, k, None if p is None else p.to(device))
+        out.append(copies[module])
+    return out
+
+
+@pytest.mark.parametrize("answer", [torch_replicate, library_replicas, replicate_with_torch_s_module_copy])
 def test_calling_a_reference_replicate_fails_naming_it(answer):
     result = check("03.replicate", answer)
     assert result.points == 0 and "your code calls" in result.cases[0].got, str(result)
@@ -115,3 +129,22 @@ def test_the_solution_gets_full_marks():
     for exercise_id, name in (("03.replicate", "replicate"), ("03.data_parallel_forward", "data_parallel_forward")):
         result = check(exercise_id, SOLUTION[name])
         assert result.points == result.max_points, str(result)
+
+
+LEAF_REPLICATE = """
+def replicate(module, devices):
+    import copy
+    return [copy.deepcopy(module).to(device) for device in devices]   # new leaves: no gradient reaches module
+"""
+
+
+def test_a_replicate_bug_costs_points_in_03_replicate_only():
+    """Each exercise is judged on its own: the solution's forward, beside a replicate whose replicas are cut off
+    from the model by autograd, gets full marks; the bug costs 03.replicate's points, with its own hint."""
+    namespace = {"torch": torch, "nn": nn, "parallel_apply": parallel_apply}
+    forward = solutions_from(NOTEBOOK, ("data_parallel_forward",), namespace)["data_parallel_forward"]
+    exec(LEAF_REPLICATE, namespace)  # the forward's global `replicate` is now the broken one, as in a notebook
+    broken = check("03.replicate", namespace["replicate"])
+    assert not broken.passed and "leaves of their own" in str(broken), str(broken)
+    result = check("03.data_parallel_forward", forward)
+    assert result.points == result.max_points, str(result)

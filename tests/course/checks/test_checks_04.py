@@ -31,7 +31,7 @@ NAMES = ("shard_indices", "ddp_train", "global_mean", "download_once")
 
 def test_lesson_04_registers_its_four_exercises_with_one_point_per_case():
     got = {e.id: e.points for e in exercises("04")}
-    assert got == {"04.ddp_train": 9, "04.download_once": 4, "04.global_mean": 4, "04.shard_indices": 6}
+    assert got == {"04.ddp_train": 9, "04.download_once": 4, "04.global_mean": 6, "04.shard_indices": 6}
 
 
 def _stub(*args, **kwargs):  # checking.stub would travel by reference: every rank would import nbformat
@@ -117,12 +117,34 @@ def _every_rank_fetches(fn):
     return fn
 
 
+def _second_call_without_waiting(fn):
+    """Right the first time; later, local rank 0 calls fn again but the others return the remembered path at
+    once: the file is complete from the first call, so only the order of returns tells."""
+    from mgpu_lab import dist as mdist
+
+    remembered = {}
+
+    def wrapper(root):
+        path = fn(root) if mdist.local_rank() == 0 else None
+        if root in remembered:
+            return remembered[root]
+        dist.barrier()
+        paths = [None] * dist.get_world_size()
+        dist.all_gather_object(paths, path)
+        remembered[root] = paths[dist.get_rank() - mdist.local_rank()]
+        return remembered[root]
+    return wrapper
+
+
 @pytest.mark.parametrize("name, answer, allowed", [
     ("shard_indices", _shards_in_turn, {"no shuffle, 12 samples on 3 ranks"}),
     ("ddp_train", _single_process_on_every_rank, {"the data order changes", "2 nodes x 2 GPUs (virtual)",
                                                   "every batch's inputs and labels"}),
     ("global_mean", _local_mean, set()),
     ("download_once", _every_rank_fetches, set()),
+    # the second-call case holds its evidence: who called fn, and whether every rank returned after it
+    ("download_once", _second_call_without_waiting, {"2 nodes x 3 ranks", "every rank returns its own node's path",
+                                                     "no rank returns before its node's file is complete"}),
 ])
 def test_a_trivially_wrong_answer_passes_only_what_it_does(name, answer, allowed):
     result = check(f"04.{name}", answer)
@@ -135,13 +157,17 @@ def test_a_trivially_wrong_answer_passes_only_what_it_does(name, answer, allowed
 def _all_reduce_unless_empty(local_sum, local_count):
     if local_count == 0:  # this rank skips the collective the others wait in
         return float("nan")
-    t = torch.tensor([float(local_sum), float(local_count)], dtype=torch.float64)
+    from mgpu_lab import dist as mdist
+
+    t = torch.tensor([float(local_sum), float(local_count)], dtype=torch.float64, device=mdist.device())
     dist.all_reduce(t)
     return (t[0] / t[1]).item()
 
 
 def _raises_on_empty(local_sum, local_count):
-    t = torch.tensor([float(local_sum), float(local_count)], dtype=torch.float64)
+    from mgpu_lab import dist as mdist
+
+    t = torch.tensor([float(local_sum), float(local_count)], dtype=torch.float64, device=mdist.device())
     if local_count == 0:
         raise ValueError("no samples on this rank")
     dist.all_reduce(t)
@@ -151,14 +177,40 @@ def _raises_on_empty(local_sum, local_count):
 def test_global_mean_a_rank_skipping_the_collective_in_the_last_scenario_fails_only_its_case(monkeypatch):
     monkeypatch.setattr(checkers, "GLOBAL_MEAN_TIMEOUT", 8.0)
     result = check("04.global_mean", _all_reduce_unless_empty)  # a hang, or a peer's closed connection
-    assert [c.passed for c in result.cases] == [True, True, True, False], result
-    assert result.cases[3].got, result
+    assert [c.passed for c in result.cases] == [True] * 5 + [False], result
+    assert result.cases[5].got, result
 
 
 def test_global_mean_an_error_in_the_last_scenario_fails_only_its_case():
     result = check("04.global_mean", _raises_on_empty)
-    assert [c.passed for c in result.cases] == [True, True, True, False], result
-    assert "ValueError: no samples on this rank" in result.cases[3].got
+    assert [c.passed for c in result.cases] == [True] * 5 + [False], result
+    assert "ValueError: no samples on this rank" in result.cases[5].got
+
+
+# Answers right on gloo that a GPU rank breaks, or that lose precision: each fails its own case, naming the bug.
+def _mean_of_cpu_tensors(local_sum, local_count):
+    t = torch.tensor([float(local_sum), float(local_count)], dtype=torch.float64)  # on the CPU: NCCL refuses it
+    dist.all_reduce(t)
+    return (t[0] / t[1]).item()
+
+
+def _mean_in_float32(local_sum, local_count):
+    from mgpu_lab import dist as mdist
+
+    t = torch.tensor([local_sum, local_count], device=mdist.device())  # torch's default dtype: float32
+    dist.all_reduce(t)
+    return (t[0] / t[1]).item()
+
+
+@pytest.mark.parametrize("answer, case, words", [
+    (_mean_of_cpu_tensors, "NCCL ranks", ("NCCL refuses", "rank 0's all_reduce given a tensor on cpu")),
+    (_mean_in_float32, "sums past 2**24", ("float32", "8388608.0")),
+])
+def test_global_mean_judges_what_only_a_gpu_or_large_sums_show(answer, case, words):
+    result = check("04.global_mean", answer)
+    failed = [c for c in result.cases if not c.passed]
+    assert len(failed) == 1 and failed[0].name.startswith(case), str(result)
+    assert all(w in failed[0].hint + failed[0].got for w in words), str(result)
 
 
 # -- download_once: ranks that wait for something that never comes hang, in bounded time ---

@@ -27,6 +27,8 @@ from .ranks import run_pick, run_train_step, run_visible
 FIRST_GPU = ("index None means the first GPU this process sees, cuda:0; a device without an index ('cuda') "
              "means whichever GPU is current, not a fixed one")
 GIVEN = "the index you are given picks the GPU: pick_device(i) is the i-th GPU this process sees"
+SUBSET_PICK = ("a process numbers the GPUs it sees from 0: under CUDA_VISIBLE_DEVICES=5,3 physical GPU 3 is its "
+               "cuda:1, and cuda:3 does not exist in it (3 is a physical id, not one of its indices); " + GIVEN)
 PICK_CASES = [  # name, (gpus, args, CUDA_VISIBLE_DEVICES) calls, expected devices, hidden, hint per call
     ("no GPU visible: pick_device() is the CPU", [(0, (), None)], [torch.device("cpu")], False,
      ["with no GPU visible the work falls back to the CPU (and says so): a GPU device there fails at the "
@@ -34,10 +36,9 @@ PICK_CASES = [  # name, (gpus, args, CUDA_VISIBLE_DEVICES) calls, expected devic
     ("2 GPUs visible: pick_device() and pick_device(0) are cuda:0, pick_device(1) is cuda:1",
      [(2, (), None), (2, (0,), None), (2, (1,), None)],
      [torch.device("cuda", 0), torch.device("cuda", 0), torch.device("cuda", 1)], False, [FIRST_GPU, GIVEN, GIVEN]),
-    ("started with CUDA_VISIBLE_DEVICES=5,3 (two GPUs visible): pick_device(1) is cuda:1, this process's "
-     "numbering", [(2, (1,), "5,3")], [torch.device("cuda", 1)], False,
-     ["a process numbers the GPUs it sees from 0: under CUDA_VISIBLE_DEVICES=5,3 physical GPU 3 is its cuda:1, "
-      "and cuda:3 does not exist in it; " + GIVEN]),
+    ("started with CUDA_VISIBLE_DEVICES=5,3 (two GPUs visible): this process's numbering, pick_device(1) is "
+     "cuda:1 and pick_device(3) raises ValueError naming 2", [(2, (1,), "5,3"), (2, (3,), "5,3")],
+     [torch.device("cuda", 1), ValueError], False, [SUBSET_PICK, SUBSET_PICK]),
     ("4 GPUs visible: pick_device(3) is cuda:3", [(4, (3,), None)], [torch.device("cuda", 3)], True, [GIVEN]),
 ]
 BAD_INDEX = [(2, (2,), None), (2, (-1,), None), (2, (7,), None), (0, (0,), None)]
@@ -49,7 +50,7 @@ RANGE_HINT = ("an index that names no GPU of this process is an error the caller
           "cuda:index, cuda:0 for None, the CPU without GPUs; ValueError naming the visible count for a bad index")
 def _pick_device(t, pick_device):
     """Catches: the index ignored (always cuda:0), no CPU fallback, ``torch.device('cuda')`` for None,
-    the physical id of CUDA_VISIBLE_DEVICES instead of the process's numbering, strings instead of devices
+    the physical id of CUDA_VISIBLE_DEVICES instead of the process's numbering (or accepted as an index), strings instead of devices
     (one case), an index out of range accepted (off by one, negative, any index without GPUs) or refused
     with another error or without the count (one case)."""
     calls = [c for case in PICK_CASES for c in case[1]] + BAD_INDEX
@@ -63,6 +64,10 @@ def _pick_device(t, pick_device):
             for (gpus, args, visible), want, hint in zip(these, expected, hints):
                 result = got[(gpus, args, visible)]
                 call = f"pick_device({', '.join(map(repr, args))}) with {gpus} GPU(s)"
+                if want is ValueError:  # an index this process does not have, though the machine may
+                    if not raises_naming(result, gpus):
+                        t.fail(hint, f"{call}: ValueError mentioning {gpus}", f"{call}: {in_words(result, raised='')}")
+                    continue
                 if result[0] == "raised":
                     t.fail(hint, repr(want), f"{call}: {in_words(result, raised='')}")
                 value = result[1]
@@ -199,7 +204,9 @@ def _judge_child(t, report, ids, parent, want):
         t.fail(hint, f"the child sees {want!r}", f"the child sees {seen.get('CUDA_VISIBLE_DEVICES')!r}")
     if parent["CUDA_VISIBLE_DEVICES"] is None and _order(seen) != "PCI_BUS_ID":
         t.fail("your child numbers the GPUs in CUDA's default order (fastest first), which can differ from "
-               "nvidia-smi's: its GPU 2 may be another card; CUDA_DEVICE_ORDER says which order the child uses",
+               "nvidia-smi's: its GPU 2 may be another card; from a process that sees every GPU the ids are "
+               "nvidia-smi's numbers, whatever order this process was left in, and CUDA_DEVICE_ORDER says which "
+               "order the child uses",
                "CUDA_DEVICE_ORDER PCI_BUS_ID", f"CUDA_DEVICE_ORDER {_order(seen)}")
     if parent["CUDA_VISIBLE_DEVICES"] is not None and _order(seen) != _order(parent):
         t.fail("your child reads the list in another order than this process: the same entries can then name "

@@ -164,10 +164,11 @@ def run_seeds(seed_worker, generator_seed: int = 7, num_workers: int = 2, single
 
 # -- best_num_workers -----------------------------------------------------------------
 class Paced(Dataset):
-    """Samples that cost ``costs[num_workers]`` seconds (a sleep) and are counted per num_workers."""
+    """Samples that cost ``costs[num_workers]`` seconds (a sleep) and are counted per num_workers; a worker's
+    first sample costs ``startup`` seconds more (its start-up: each worker has its own copy of the data set)."""
 
-    def __init__(self, costs: dict, n: int, counts):
-        self.costs, self.n, self.counts = costs, n, counts
+    def __init__(self, costs: dict, n: int, counts, startup: float = 0.0):
+        self.costs, self.n, self.counts, self.startup, self.started = costs, n, counts, startup, False
 
     def __len__(self) -> int:
         return self.n
@@ -177,18 +178,22 @@ class Paced(Dataset):
         k = info.num_workers if info is not None else 0
         with self.counts.get_lock():
             self.counts[min(k, len(self.counts) - 1)] += 1
+        if info is not None and not self.started:
+            self.started = True
+            time.sleep(self.startup)
         time.sleep(self.costs.get(k, 0.0))
         return torch.zeros(2)
 
 
 def run_best(best_num_workers, scenarios: list, batch_size: int, n_batches: int, n: int) -> list:
-    """For each ``(costs, candidates)``: the learner's choice on a :class:`Paced` data set of ``n``
-    samples, and the samples drawn per candidate (an outcome per scenario)."""
+    """For each ``(costs, candidates, startup)``: the learner's choice on a :class:`Paced` data set of ``n``
+    samples (each worker's start-up ``startup`` seconds), and the samples drawn per candidate (an outcome
+    per scenario)."""
     fork_workers()
     out = []
-    for costs, candidates in scenarios:
+    for costs, candidates, startup in scenarios:
         counts = multiprocessing.get_context("fork").Array("l", 17)
-        got = outcome(best_num_workers, Paced(costs, n, counts), list(candidates), batch_size, n_batches)
+        got = outcome(best_num_workers, Paced(costs, n, counts, startup), list(candidates), batch_size, n_batches)
         if got[0] == "ok" and not isinstance(got[1], (int, float, str, type(None))):
             got = ("ok", repr(got[1])[:100])
         out.append({"outcome": got, "counts": {k: counts[k] for k in candidates}})

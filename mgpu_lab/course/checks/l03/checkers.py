@@ -16,8 +16,10 @@ from .ranks import run_dps, run_replicate
 
 TORCH_REPLICATE = ("torch.nn.parallel:replicate", "torch.nn.parallel.replicate:replicate",
                    "torch.nn.parallel.replicate:_broadcast_coalesced_reshape",
-                   "torch.nn.parallel._functions:Broadcast.forward")
-REPLICATE_REFS = ("mgpu_lab.parallel.data_parallel:StepByStepDataParallel.replicas", *TORCH_REPLICATE)
+                   "torch.nn.parallel._functions:Broadcast.forward",
+                   "torch.nn.modules.module:Module._replicate_for_data_parallel")  # torch's per-module copy
+REPLICATE_REFS = ("mgpu_lab.parallel.data_parallel:StepByStepDataParallel.replicas",
+                  "mgpu_lab.course.checks.l03.ranks:reference_replicate", *TORCH_REPLICATE)
 DP_REFS = ("mgpu_lab.parallel.data_parallel:StepByStepDataParallel.replicas", "mgpu_lab.parallel.data_parallel:scatter",
            "mgpu_lab.parallel.data_parallel:gather", "mgpu_lab.parallel.data_parallel:StepByStepDataParallel.forward",
            *TORCH_REPLICATE, "torch.nn.parallel:scatter", "torch.nn.parallel:gather",
@@ -94,14 +96,17 @@ def _replicate(t, replicate):
 
 # -- data_parallel_forward ----------------------------------------------------------------
 DP_SCENARIOS = [(3, 10), (4, 3)]  # (simulated GPUs, samples): the main case, and fewer chunks than devices
-YOURS = "(your replicate is what the forward uses: if 03.replicate's check fails, fix that first)"
+# The forward is judged on its own: the name ``replicate`` in it is the check's correct one
+# (:func:`.ranks.reference_replicate`), so a bug in 03.replicate costs points there only.
+OWN = "the check gives your forward a correct replicate of its own, so this is your forward's doing"
 
 
 @exercise("03.data_parallel_forward", points=7, references=DP_REFS,
-          description="data_parallel_forward(model, batch, devices): DataParallel's forward with your "
-                      "replicate; equals model(batch) on devices[0], gradients reach the model")
+          description="data_parallel_forward(model, batch, devices): DataParallel's forward with replicate "
+                      "(the check's own, correct one); equals model(batch) on devices[0], gradients reach the model")
 def _dp_forward(t, data_parallel_forward):
-    """Runs on simulated ``[cuda:0, cuda:1, cuda:2]``. Catches: chunks never moved, all moved to
+    """Runs on simulated ``[cuda:0, cuda:1, cuda:2]``, with the name ``replicate`` in the answer bound to the
+    check's own correct one (the answer is judged apart from 03.replicate). Catches: chunks never moved, all moved to
     ``devices[0]`` or to ``"cpu"``; the whole batch to every replica; the original model (or replicas all
     on ``devices[0]``) running every chunk; ``copy.deepcopy`` or ``no_grad`` replicas (no gradients);
     ``torch.cat`` before moving the outputs; the result gathered elsewhere than ``devices[0]``; one
@@ -127,7 +132,7 @@ def _dp_forward(t, data_parallel_forward):
             t.fail("", f"chunks on {three['devices']}", f"chunks on {chunk_devices}")
     with t.case("every chunk runs on its own replica, placed on that chunk's device",
                 hint="the model lives on devices[0]; on a GPU, running it (or a replica made for devices[0]) "
-                     f"on a chunk on cuda:1 fails; one replica per chunk {YOURS}"):
+                     f"on a chunk on cuda:1 fails; one replica per chunk ({OWN})"):
         three = dp(t, runs, 0)
         if three["instances"] < len(three["chunks"]) or three["original_runs"] > 1:
             t.fail("", f"{len(three['chunks'])} module instances, one per chunk",
@@ -151,7 +156,7 @@ def _dp_forward(t, data_parallel_forward):
             t.fail("the output is gathered on devices[0], not on the CPU or another GPU", "the result on cuda:0",
                    f"the result on {three['where']}")
     with t.case("gradients reach the original model's parameters, equal to those of model(batch)",
-                hint=f"a deep copy, a module's .to() or torch.no_grad() cut the graph {YOURS}"):
+                hint=f"a deep copy, a module's .to() or torch.no_grad() cut the graph ({OWN})"):
         three = dp(t, runs, 0)
         if three["grads"] != "equal":
             t.fail("", "the model's gradients equal to model(batch)'s", f"gradients: {three['grads']}")

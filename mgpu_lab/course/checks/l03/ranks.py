@@ -12,7 +12,8 @@ so an answer whose own backward adds the gradients on the first device runs. Eve
 forward of the model or of a replica of it is recorded: the replica, the chunk's
 device, the replica's device, the chunk's size. :func:`run_replicate` judges
 ``replicate(model, devices)``, :func:`run_dps` ``data_parallel_forward(model, batch,
-devices)``; both return plain evidence that :mod:`.checkers` judges.
+devices)`` with the check's own :func:`reference_replicate` under the name ``replicate`` (each
+exercise judged on its own); both return plain evidence that :mod:`.checkers` judges.
 """
 from __future__ import annotations
 
@@ -248,6 +249,46 @@ def run_replicate(replicate, scenarios) -> list:
 
 
 # -- data_parallel_forward ----------------------------------------------------------------
+def reference_replicate(module: nn.Module, devices: list) -> list:
+    """The check's own replicate, given to the learner's forward so that it is judged on its own.
+
+    One tree of shallow module copies per device whose parameters are ``param.to(device)``
+    (computed from the module's: a backward adds their gradients into its ``.grad``) and
+    whose buffers are moved copies.
+    """
+    out = []
+    for device in devices:
+        copies = {m: copy.copy(m) for m in module.modules()}
+        for original, replica in copies.items():
+            replica._modules = {k: None if c is None else copies[c] for k, c in original._modules.items()}
+            replica._buffers = {k: None if b is None else b.to(device) for k, b in original._buffers.items()}
+            replica._parameters = {}
+            for key, p in original._parameters.items():
+                setattr(replica, key, None if p is None else p.to(device))
+        out.append(copies[module])
+    return out
+
+
+@contextmanager
+def check_s_replicate(fn):
+    """Inside the block the global ``replicate`` of ``fn`` (a notebook function: the learner's own) is
+    :func:`reference_replicate`; restored after."""
+    names = getattr(fn, "__globals__", None)
+    if names is None:
+        yield
+        return
+    missing = object()
+    saved = names.get("replicate", missing)
+    names["replicate"] = reference_replicate
+    try:
+        yield
+    finally:
+        if saved is missing:
+            names.pop("replicate", None)
+        else:
+            names["replicate"] = saved
+
+
 def run_dp(data_parallel_forward, n_devices: int, batch_size: int) -> dict:
     """Run the learner's forward on ``[cuda:0, ..., cuda:n-1]`` (simulated) and a CPU batch; report."""
     model, twin = models()
@@ -255,7 +296,7 @@ def run_dp(data_parallel_forward, n_devices: int, batch_size: int) -> dict:
     devices = [torch.device("cuda", i) for i in range(n_devices)]
     batch = torch.randn(batch_size, 5)
     reset()
-    with simulated_gpus(n_devices):
+    with simulated_gpus(n_devices), check_s_replicate(data_parallel_forward):
         out = data_parallel_forward(model, place(batch.clone(), "batch"), list(devices))
     # The log keeps the modules themselves, not their id(): a replica made and dropped inside
     # a loop can be freed and its id reused by the next one.

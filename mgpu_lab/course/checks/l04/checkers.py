@@ -166,54 +166,99 @@ def _download_once(t, download_once):
                 judge(t, results, roots, 0, callers)
             else:
                 judge(t, results, 0, callers)
-    with t.case("a second call downloads nothing and again returns the complete file",
+    with t.case("a second call behaves the same: fn again once per node, on local rank 0 (it finds the file "
+                "complete and downloads nothing), and every rank waits for it and returns its node's path",
                 hint="a second call must behave like the first: one call of fn per node (which finds the file "
-                     "complete and downloads nothing), every rank returning the path"):
+                     "complete and downloads nothing), the node's other ranks waiting for it, every rank returning "
+                     "the path"):
         if results is None:
             t.fail("not judged: the first case did not finish")
-        calls = t.local(log_counts, roots, "calls.log", 1)
+        again = t.local(download_callers, roots, 1)
         downloads = t.local(log_counts, roots, "downloads.log", 1)
-        if max(calls) > 1 or any(downloads):
-            t.fail("", "at most 1 call and 0 downloads per node", f"calls {calls}, downloads {downloads}")
-        judge_paths(t, results, roots, 1, t.local(download_callers, roots, 1))
-        judge_complete(t, results, 1, t.local(download_callers, roots, 1))
+        if again != [[0], [3]] or any(downloads):
+            t.fail("" if again != [[], []] else "your second call did not call fn at all: only fn knows whether "
+                   "the file on disk is still complete (another job may have removed or changed it); call it "
+                   "again on each node's local rank 0, and it downloads nothing when it needs not",
+                   "fn called by ranks [[0], [3]], 0 downloads", f"fn called by ranks {again}, downloads {downloads}")
+        judge_paths(t, results, roots, 1, again)
+        early = [r for r, res in enumerate(results) if not res["rounds"][1]["waited"]]
+        if early:
+            t.fail(f"ranks {early} returned from the second call before their node's fn did: a rank that does not "
+                   "wait for it the second time reads a file that fn may still be replacing",
+                   "every rank returning after its node's fn", f"ranks {early} returned first")
 
 
 GLOBAL_MEAN_SCENARIOS = [  # 3 ranks: sums, counts
-    ([10.0, 2.0, 6.0], [4, 4, 4]), ([9.0, 3.0, 4.0], [1, 3, 8]), ([0.0, 5.0, 1.0], [0, 2, 5])]
+    ([10.0, 2.0, 6.0], [4, 4, 4]), ([9.0, 3.0, 4.0], [1, 3, 8]),
+    ([16777217.0, 33554433.0, 1.0], [1, 2, 3]),  # above 2**24: a float32 keeps no units there
+    ([0.0, 5.0, 1.0], [0, 2, 5])]  # last: a rank without samples (an answer that fails there fails it alone)
+NCCL_HINT = ("with NCCL a collective's tensors must be on the rank's own GPU (mgpu_lab.dist.device()): NCCL refuses "
+             "a tensor on the CPU, and gloo's CPU path hides that")
 
 
-@exercise("04.global_mean", points=4, description="global_mean(local_sum, local_count): the mean over every "
-          "rank's samples, counts differing per rank, on every rank",
+def _mean_values(t, evidence, k, rel_tol, near_hint=""):
+    """Fail the case unless every rank returned the mean of scenario ``k`` to ``rel_tol``; values right to
+    1e-6 only get ``near_hint``, others the diagnosis of the wrong formula they match."""
+    sums, counts = GLOBAL_MEAN_SCENARIOS[k]
+    values = [v for v, *_ in evidence.get(t, k)]
+    expected = sum(sums) / sum(counts)
+
+    def within(tol):
+        return all(isinstance(v, (int, float)) and math.isclose(v, expected, rel_tol=tol) for v in values)
+    if not within(rel_tol):
+        hint = near_hint if near_hint and within(1e-6) else mean_diagnosis(values, sums, counts)
+        t.fail(hint, f"{expected:.10g} on every rank", values)
+
+
+def _judge_nccl(t, evidence):
+    """Fail unless some collective ran and every tensor handed to one was on its rank's (simulated) GPU."""
+    calls = [(r, op, on) for k in range(len(GLOBAL_MEAN_SCENARIOS) - 1)
+             for r, (_, _, rank_calls) in enumerate(evidence.get(t, k)) for op, on in rank_calls]
+    if not calls:
+        t.fail("not judged: your ranks called no collective, so nothing crossed between them (see the cases "
+               "above)", "a collective on every rank", "none")
+    wrong = [(r, op, on) for r, op, on in calls if on is not None and on != f"cuda:{r}"]
+    if wrong:
+        r, op, on = wrong[0]
+        t.fail(NCCL_HINT, f"rank {r}'s {op} given a tensor on cuda:{r}", f"rank {r}'s {op} given a tensor on {on}")
+
+
+@exercise("04.global_mean", points=6, description="global_mean(local_sum, local_count): the mean over every "
+          "rank's samples, counts differing per rank, on every rank, exact for large sums; with NCCL the "
+          "collective's tensors on the rank's GPU",
           references=("mgpu_lab.parallel.ddp:mean_over_ranks", "mgpu_lab.parallel.ddp:evaluate"))
 def _global_mean(t, global_mean):
-    """One launch of 3 ranks running every scenario; every rank's value is judged.
+    """One launch of 3 ranks running every scenario as NCCL ranks on simulated GPUs (gloo underneath); every
+    rank's value and every collective's tensor device are judged.
 
     Catches: the mean of the ranks' means, the sum all-reduced but not the count,
     reduce to rank 0 instead of all_reduce, op MAX, no division, a division by
-    zero on a rank without samples, a tensor returned instead of a float.
-    Placement is not judged: the check runs gloo, on the CPU.
+    zero on a rank without samples, a tensor returned instead of a float, the
+    collective's tensor left on the CPU (NCCL refuses it), sums in float32.
     """
-    names = ["3 ranks with 4 samples each: the same mean on every rank",
-             "3 ranks with 1, 3 and 8 samples: every sample counts the same, not every rank",
-             "a rank with no samples (count 0)"]
     evidence = launch_scenarios(t, run_global_mean, 3, global_mean, GLOBAL_MEAN_SCENARIOS,
                                 timeout=GLOBAL_MEAN_TIMEOUT)
-    for k, ((sums, counts), name) in enumerate(zip(GLOBAL_MEAN_SCENARIOS, names)):
-        with t.case(name, hidden=k == 2):
-            values = [v for v, _ in evidence.get(t, k)]
-            expected = sum(sums) / sum(counts)
-            if not all(isinstance(v, (int, float)) and math.isclose(v, expected, rel_tol=1e-6) for v in values):
-                t.fail(mean_diagnosis(values, sums, counts), f"{expected:g} on every rank", values)
-        if k == 1:
-            with t.case("returns the same Python float on every rank",
-                        hint="your global_mean returned something else than a Python float on some rank (a tensor "
+    with t.case("3 ranks with 4 samples each: the same mean on every rank"):
+        _mean_values(t, evidence, 0, 1e-6)
+    with t.case("3 ranks with 1, 3 and 8 samples: every sample counts the same, not every rank"):
+        _mean_values(t, evidence, 1, 1e-6)
+    with t.case("returns the same Python float on every rank",
+                hint="your global_mean returned something else than a Python float on some rank (a tensor "
                      "keeps its device and autograd state; callers format and compare floats)"):
-                got = evidence.get(t, 1)
-                kinds = {kind for _, kind in got}
-                if kinds != {"float"}:
-                    t.fail("", "float", ", ".join(sorted(kinds)))
-                if len({v for v, _ in got}) > 1:
-                    t.fail("your ranks returned different numbers: each computed from its own samples only; the "
-                           "ranks' sums and counts must cross between them (a collective) so that every rank "
-                           "returns the one mean", "the same float on every rank", [v for v, _ in got])
+        got = evidence.get(t, 1)
+        kinds = {kind for _, kind, _ in got}
+        if kinds != {"float"}:
+            t.fail("", "float", ", ".join(sorted(kinds)))
+        if len({v for v, *_ in got}) > 1:
+            t.fail("your ranks returned different numbers: each computed from its own samples only; the "
+                   "ranks' sums and counts must cross between them (a collective) so that every rank "
+                   "returns the one mean", "the same float on every rank", [v for v, *_ in got])
+    with t.case("NCCL ranks (simulated GPUs cuda:0-2): every tensor handed to a collective is on the rank's own "
+                "GPU", hint=NCCL_HINT):
+        _judge_nccl(t, evidence)
+    with t.case("sums past 2**24 (16777217 and 33554433 samples' worth): the mean exact to 1e-9"):
+        _mean_values(t, evidence, 2, 1e-9, near_hint="your mean lost the units of large sums: a float32 holds "
+                     "whole numbers exactly only up to 2**24 (16777216), and a long evaluation's sums pass that; "
+                     "Python floats and float64 tensors keep them")
+    with t.case("a rank with no samples (count 0)", hidden=True):
+        _mean_values(t, evidence, 3, 1e-6)

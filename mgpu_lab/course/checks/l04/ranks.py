@@ -29,9 +29,9 @@ from mgpu_lab import dist as mdist
 from mgpu_lab.data.datasets import synthetic_classification
 from mgpu_lab.data.download import simulate_nodes
 from ..sim.cuda import simulated_gpus
-from ..sim.devices import place, Placed, PlacedModule, reset
+from ..sim.devices import GpuFactories, place, Placed, PlacedModule, reset
 from ..sim.outcome import outcomes
-from ..sim.parallel import virtual_ddp
+from ..sim.parallel import simulated_nccl, virtual_ddp
 from ..sim.scenarios import run_scenarios
 
 
@@ -145,14 +145,24 @@ def _plain_state(state):
 PAYLOAD = bytes(range(256)) * 32
 
 
+def _finished(root, path):
+    """What fn does last: note in ``done.log`` that this round's call returned (the evidence that the node's
+    other ranks waited for it, also when it downloads nothing)."""
+    with open(os.path.join(root, "done.log"), "a") as f:
+        f.write(f"{os.environ.get('MGPU_LAB_CHECK_ROUND', '?')} {mdist.rank()}\n")
+    return path
+
+
 def slow_fetch(root):
-    """The function the check decorates: logs its calls, writes data.bin slowly, skips a complete file."""
+    """The function the check decorates: logs its calls, writes data.bin slowly, takes a while to find a
+    complete file (and downloads nothing then), and notes when it returns."""
     root = os.fspath(root)
     with open(os.path.join(root, "calls.log"), "a") as f:
         f.write(f"{os.environ.get('MGPU_LAB_CHECK_ROUND', '?')} {mdist.rank()}\n")
     path = os.path.join(root, "data.bin")
     if os.path.isfile(path) and os.path.getsize(path) == len(PAYLOAD):
-        return path
+        time.sleep(0.3)  # checking the file: a rank that does not wait for it returns meanwhile
+        return _finished(root, path)
     with open(os.path.join(root, "downloads.log"), "a") as f:
         f.write(f"{os.environ.get('MGPU_LAB_CHECK_ROUND', '?')} {mdist.rank()}\n")
     with open(path, "wb") as f:  # written in place, slowly: an early reader sees half a file
@@ -160,7 +170,7 @@ def slow_fetch(root):
             f.write(PAYLOAD[i:i + 1024])
             f.flush()
             time.sleep(0.04)
-    return path
+    return _finished(root, path)
 
 
 def run_download_once(download_once, roots, ranks_per_node, rounds=2):
@@ -173,19 +183,31 @@ def run_download_once(download_once, roots, ranks_per_node, rounds=2):
         path = fetch(roots[node])
         ok = isinstance(path, (str, os.PathLike)) and os.path.isfile(path)
         complete = ok and open(path, "rb").read() == PAYLOAD
-        out.append({"path": os.fspath(path) if ok else repr(path), "found": ok, "complete": complete})
+        done = os.path.join(roots[node], "done.log")
+        waited = os.path.exists(done) and str(k) in open(done).read().split()[0::2]
+        out.append({"path": os.fspath(path) if ok else repr(path), "found": ok, "complete": complete,
+                    "waited": waited})
         tdist.barrier()
     return {"node": node, "local_rank": mdist.local_rank(), "rounds": out}
 
 
 # -- global_mean -------------------------------------------------------------------------
 def run_global_mean(global_mean, scenarios, log_dir):
-    """Probe: this rank's (value, type name) of the learner's global_mean in each scenario."""
+    """Probe: in each scenario, this rank's (value, type name, the collectives it called) of the learner's
+    global_mean, run as an NCCL rank on simulated GPUs: ``get_backend()`` is ``"nccl"``,
+    ``mgpu_lab.dist.device()`` is ``cuda:rank``, a tensor made there records it, and every collective is
+    recorded with the device of its tensor (``(op, device or None)``, None: an object collective)."""
+    from mgpu_lab.comm.record import record
+
     me = tdist.get_rank()
 
     def one(scenario):
         sums, counts = scenario
-        value = global_mean(sums[me], counts[me])
-        return (value.item() if isinstance(value, torch.Tensor) else value), type(value).__name__
+        reset()
+        with simulated_gpus(tdist.get_world_size(), local_rank=me), simulated_nccl(), GpuFactories("yours"), \
+                record() as log:
+            value = global_mean(sums[me], counts[me])
+        calls = [(e["op"], e["device"] if e["numel"] else None) for e in log if e["op"] != "wait"]
+        return (value.item() if isinstance(value, torch.Tensor) else value), type(value).__name__, calls
 
     return run_scenarios(log_dir, one, scenarios)

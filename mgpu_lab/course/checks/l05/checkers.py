@@ -24,8 +24,8 @@ from __future__ import annotations
 from mgpu_lab.data.workload import step_imbalance
 from .._core import exercise
 from ..sim.scenarios import launch_scenarios
-from .judges import (case_costs, judge, partition_problem, same_state, sampler_cases, uneven_diagnosis,
-                     uneven_reference, STEP_HINT, STEP_TOL)
+from .judges import (case_costs, judge, judge_same_lists, partition_problem, same_state, sampler_cases,
+                     uneven_diagnosis, uneven_reference, STEP_HINT, STEP_TOL)
 from .ranks import probe_sampler, probe_sampler_ranks, probe_uneven, uneven_model
 
 
@@ -47,7 +47,8 @@ def _balanced(t, BalancedDistributedSampler):
     room check), costs ignored or not sorted costliest first (totals
     unbalanced), each rank shuffling its own positions (a rank in the seed:
     per-step imbalance), the same order every epoch, set_epoch(e) not
-    reproducible, shuffle=False not honoured, the global random state
+    reproducible, shuffle=False not honoured (a new order every epoch, or a shuffle drawn from the seed
+    alone), the global random state
     (plans differ between processes).
     """
     cls = BalancedDistributedSampler
@@ -63,6 +64,8 @@ def _balanced(t, BalancedDistributedSampler):
                 got = t.call(probe_sampler, cls, configs)  # one fresh process for all of them
             for cfg, result in zip(case["cfgs"], got[start:start + len(case["cfgs"])]):
                 judge(t, result, cfg, case["balance"], case["steps"], case["differ"], case["hint"])
+            if case["same"]:
+                judge_same_lists(t, got[start:start + len(case["cfgs"])])
         start += len(case["cfgs"])
     with t.case("3 real processes, each building only its own rank's sampler: the lists fit together, "
                 "step by step, in epochs 0 and 1, and match what another process computes for that rank",

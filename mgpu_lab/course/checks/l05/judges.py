@@ -20,9 +20,22 @@ from ..sim.outcome import in_words
 from .ranks import LR, uneven_model, uneven_shards
 
 
-def _case(name, cfg, hint="", balance=False, steps=False, differ=False, hidden=False) -> dict:
+def _case(name, cfg, hint="", balance=False, steps=False, differ=False, hidden=False, same=False) -> dict:
+    """``same``: every configuration of the case must give the same lists (they differ only in the seed)."""
     return {"name": name, "cfgs": cfg if isinstance(cfg, list) else [cfg], "hint": hint, "balance": balance,
-            "steps": steps, "differ": differ, "hidden": hidden}
+            "steps": steps, "differ": differ, "hidden": hidden, "same": same}
+
+
+UNSHUFFLED_HINT = ("with shuffle=False your lists changed with the {what}: shuffle=False draws no random order at "
+                   "all, so nothing may depend on the epoch or the seed")
+
+
+def judge_same_lists(t, results) -> None:
+    """Fail unless every result (an outcome of :func:`.ranks.sampler_lists`) gave the first one's lists."""
+    lists = [r[1]["epochs"][0][1] for r in results if r[0] == "ok"]
+    if any(other != lists[0] for other in lists[1:]):
+        t.fail(UNSHUFFLED_HINT.format(what="seed"), "the same lists for seeds 0 and 7",
+               "different lists for another seed")
 
 
 def sampler_cases() -> list[dict]:
@@ -52,8 +65,9 @@ def sampler_cases() -> list[dict]:
               "your lists do not follow the epoch set last: each epoch needs its own order, and the same epoch the "
               "same lists",
               balance=True, differ=True),
-        _case("shuffle=False: the same balanced lists in every epoch", config(heavy, 4, shuffle=False, epochs=(0, 5)),
-              "with shuffle=False your lists changed with the epoch: nothing may depend on it", balance=True),
+        _case("shuffle=False: no random order, the same balanced lists in every epoch and for every seed (0, 7)",
+              [config(heavy, 4, shuffle=False, epochs=(0, 5)), config(heavy, 4, shuffle=False, seed=7)],
+              UNSHUFFLED_HINT.format(what="epoch"), balance=True, same=True),
         _case("fresh costs: log-normal, n=1001, 2 ranks, seed=7",
               config(case_costs("lognormal", 1001, 11), 2, seed=7, epochs=(0, 3)), **fresh),
         _case("fresh costs: capped Pareto, n=240, 3 ranks, drop_last=True",
@@ -257,8 +271,7 @@ def judge(t, got, cfg, check_balance=True, steps=False, epochs_differ=False, hin
                    "over between calls; it may depend only on costs, seed and epoch",
                    f"epoch {e} twice: the same lists", "different lists the second time")
     if not cfg["shuffle"] and any(v != res["epochs"][0][1] for v in by_epoch.values()):
-        t.fail("with shuffle=False your lists changed with the epoch: nothing may depend on it",
-               "the same lists in every epoch", "different lists in another epoch")
+        t.fail(UNSHUFFLED_HINT.format(what="epoch"), "the same lists in every epoch", "different lists in another epoch")
     if epochs_differ and len(by_epoch) > 1 and all(v == res["epochs"][0][1] for v in by_epoch.values()):
         t.fail("every epoch gave the same lists: a new order each epoch needs the epoch in the randomness",
                "a different order in each epoch", "the same lists in every epoch")

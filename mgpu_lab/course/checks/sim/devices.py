@@ -18,6 +18,8 @@ of GPUs (``cuda:1``, ``cuda:3``) and track placement themselves:
   moves in the same log, records the device of every input in
   :attr:`PlacedModule.inputs`, and with ``virtual_parameters`` its parameters
   (:class:`PlacedParameter`) report its device;
+* inside :class:`GpuFactories`, tensors made on a GPU (``torch.tensor(..., device=...)``,
+  ``zeros_like`` of such a parameter, ``.to("cuda:1")`` of a plain tensor) are Placed;
 * a :class:`PlacedLoss` records the devices of the output and the labels.
 
 :func:`parse_move` is the one reader of ``.to``/``.cuda``/``.cpu`` arguments.
@@ -46,6 +48,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._device import _device_constructors
 
 CPU = torch.device("cpu")
 
@@ -282,6 +286,43 @@ class PlacedLoss(nn.Module):
         PlacedLoss.calls.append((str(where(input)), str(where(target)), tag_of(target)))
         loss = self.loss_fn(plain(input), plain(target))
         return place(loss, "loss", input.vdev, tracked=input.tracked) if isinstance(input, Placed) else loss
+
+
+class GpuFactories(TorchFunctionMode):
+    """Inside the block, a tensor the learner's code makes on a (simulated) GPU is a tracked :class:`Placed`
+    tensor whose data stays on the CPU, instead of a CUDA call: ``torch.tensor(..., device="cuda:1")``,
+    ``torch.zeros(2, device=device)`` and the other factories, and ``.to``/``.cuda`` of a plain tensor (logged
+    in :attr:`Placed.moves`). So a collective handed a tensor on the wrong device shows on a CPU.
+
+    Example:
+        >>> reset()
+        >>> with GpuFactories("flag"):
+        ...     made, moved, kept = torch.ones(2, device="cuda:1"), torch.zeros(1).to("cuda:2"), torch.ones(1)
+        >>> [str(where(t)) for t in (made, moved, kept)], Placed.moves
+        (['cuda:1', 'cuda:2', 'cpu'], [('flag', 'cpu', 'cuda:2')])
+    """
+
+    def __init__(self, tag: str = UNTAGGED):
+        super().__init__()
+        self.tag = tag
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if device is not None and func in _device_constructors():
+            asked = cuda_device(device) if isinstance(device, int) else torch.device(device)
+            if asked.type == "cuda":
+                return place(func(*args, **{**kwargs, "device": CPU}), self.tag, asked)
+        like = getattr(func, "__name__", "").endswith("_like") and "device" not in kwargs
+        if like and args and isinstance(args[0], PlacedParameter) and args[0].device.type == "cuda":
+            return place(func(*args, **kwargs), self.tag, args[0].device)  # zeros_like(p): where p is
+        if func in _MOVES and args and not isinstance(args[0], Placed):
+            asked, dtype = parse_move(_MOVES[func], *args[1:], **kwargs)
+            if asked is not None and asked.type == "cuda":
+                Placed.moves.append((self.tag, str(where(args[0])), str(asked)))
+                data = args[0] if dtype is None else args[0].to(dtype)
+                return place(data.view_as(data), self.tag, asked)
+        return func(*args, **kwargs)
 
 
 def reset() -> None:

@@ -3,7 +3,9 @@
 :func:`virtual_ddp` (lesson 04): ``DistributedDataParallel`` logs the
 ``device_ids`` it was given in :attr:`Placed.moves` as ``("DDP device_ids", "",
 "cuda:1")`` (``"None"`` when none) and wraps the CPU module without them. It goes
-inside :func:`.cuda.simulated_gpus`, which makes the GPUs visible.
+inside :func:`.cuda.simulated_gpus`, which makes the GPUs visible. :func:`simulated_nccl`
+(lessons 04, 05): ``torch.distributed.get_backend()`` says ``"nccl"`` while the collectives
+still run on gloo, so code that picks its tensors' device by the backend takes the GPU path.
 
 Example:
     >>> import torch.distributed as dist
@@ -43,3 +45,23 @@ def virtual_ddp():
         yield
     finally:
         DDP.__init__ = original
+
+
+@contextmanager
+def simulated_nccl():
+    """Inside the block ``torch.distributed.get_backend()`` is ``"nccl"`` (the collectives still run on gloo).
+
+    Example:
+        >>> import torch.distributed as dist
+        >>> with simulated_nccl():
+        ...     dist.get_backend()
+        'nccl'
+    """
+    import torch.distributed as tdist
+
+    original = tdist.get_backend
+    tdist.get_backend = lambda group=None: "nccl"
+    try:
+        yield
+    finally:
+        tdist.get_backend = original
