@@ -284,6 +284,33 @@ class PlacedLoss(nn.Module):
         return place(loss, "loss", input.vdev, tracked=input.tracked) if isinstance(input, Placed) else loss
 
 
+_FACTORIES = ("empty", "zeros", "ones", "full", "rand", "randn", "randint", "arange", "tensor", "empty_strided")
+
+
+class VirtualFactories(torch.overrides.TorchFunctionMode):
+    """While active, a tensor made by a factory (``torch.empty``, ``zeros``, ``ones``, ``full``, ``rand``,
+    ``randn``, ``randint``, ``arange``, ``tensor``, ``empty_strided``) with ``device=`` a GPU is made on the
+    CPU and returned as a tracked :class:`Placed` tensor on that device, tagged :data:`UNTAGGED`; one made
+    without ``device=`` stays a plain CPU tensor, as it would beside a GPU stage.
+
+    Example:
+        >>> with VirtualFactories():
+        ...     buf, cpu_buf = torch.empty(2, 3, device="cuda:1"), torch.zeros(2)
+        >>> buf.device, buf.shape, cpu_buf.device
+        (device(type='cuda', index=1), torch.Size([2, 3]), device(type='cpu'))
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        device = kwargs.get("device")
+        if name in _FACTORIES and device is not None and torch.device(
+                str(device) if not isinstance(device, int) else f"cuda:{device}").type == "cuda":
+            out = func(*args, **{**kwargs, "device": "cpu"})
+            return place(out, UNTAGGED, resolve(device if not isinstance(device, int) else f"cuda:{device}"))
+        return func(*args, **kwargs)
+
+
 def reset() -> None:
     """Empty every log (at the start of each run)."""
     Placed.moves, Placed.mixes, Placed.batches, PlacedModule.inputs, PlacedLoss.calls = [], [], [], [], []
