@@ -32,6 +32,16 @@ STAGE = ExerciseMutants("06.stage_step", NOTEBOOK, ("stage_step",), mutants=[
            "rank 0's stage (the first) never changed"),
     Mutant("the loss returned as a tensor", replace("return loss.item()", "return loss"),
            ("rank 1 returned a tensor", "python float")),
+    Mutant("the receive buffer made without device= (a CPU tensor beside a GPU stage)",
+           replace("h = torch.empty(act_shape, device=device)", "h = torch.empty(act_shape)"),
+           ("receive buffer made without device=", "received into a tensor on cpu")),
+    Mutant("rank 0's gradient buffer made without device=",
+           replace("grad = torch.empty_like(h)", "grad = torch.empty(h.shape)"),
+           ("receive buffer made without device=", "rank 0 (stage on cuda:0) received into a tensor on cpu")),
+    Mutant("the labels not moved to the stage's device", replace("target.to(device)", "target"),
+           ("labels must be where the output is", "the labels reached the loss on cpu")),
+    Mutant("x not moved to the stage's device", replace("h = stage(x.to(device))", "h = stage(x)"),
+           ("device of its parameters", "x on cpu")),
     Mutant("torch's PipelineStage", replace("    ### BEGIN SOLUTION\n", "    ### BEGIN SOLUTION\n"
                                              "    from torch.distributed.pipelining import PipelineStage\n"
                                              "    PipelineStage(stage, tdist.get_rank(), 2, torch.device('cpu'))\n"),
@@ -169,6 +179,23 @@ def bubble_fraction(forward, backward, n_micro, transfer=0.0):
     free, done = [0.0] * p, {}
     for phase, order, times in (("F", range(p), forward), ("B", range(p - 1, -1, -1), backward)):
         for i in range(n_micro):
+            for s in order:
+                before = (phase, s - 1 if phase == "F" else s + 1, i)
+                start = max(free[s], done[before] + transfer if before in done else 0.0)
+                done[phase, s, i] = free[s] = start + times[s]
+    step = max(free)
+    return sum(step - n_micro * (f + b) for f, b in zip(forward, backward)) / (p * step)
+'''),
+    Variant("the schedule simulated with backward in reverse micro-batch order: the same idle time", '''
+def bubble_fraction(forward, backward, n_micro, transfer=0.0):
+    # GPipe runs backward in micro-batch order; with equal micro-batches every order of a phase gives the same
+    # spans' lengths and the same step time, so this answer's value is GPipe's (the check accepts it)
+    p = len(forward)
+    if p == 0 or len(backward) != p or type(n_micro) is not int or n_micro < 1:
+        raise ValueError("one time per stage in forward and backward, and an int n_micro >= 1")
+    free, done = [0.0] * p, {}
+    for phase, order, times in (("F", range(p), forward), ("B", range(p - 1, -1, -1), backward)):
+        for i in (range(n_micro) if phase == "F" else range(n_micro - 1, -1, -1)):
             for s in order:
                 before = (phase, s - 1 if phase == "F" else s + 1, i)
                 start = max(free[s], done[before] + transfer if before in done else 0.0)

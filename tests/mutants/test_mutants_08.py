@@ -97,6 +97,24 @@ ADAM = ExerciseMutants("08.ShardedAdam", NB, ("ShardedAdam",), mutants=[
         "        me = dist.get_rank()\n",
         "        me = dist.get_rank()\n        for group in self.param_groups:\n            for p in group['params']:\n"
         "                dist.all_reduce(p.grad)\n                p.grad /= dist.get_world_size()\n"), "all-reduces"),
+    Mutant("zero_grad clears only the parameters this rank owns (stale gradients elsewhere)", replace(
+        "    @torch.no_grad()\n    def step(self, closure=None):\n",
+        "    def zero_grad(self, set_to_none=True):\n        for group in self.param_groups:\n"
+        "            for p in group['params']:\n                if self.owner[p] == dist.get_rank():\n"
+        "                    p.grad = None\n\n    @torch.no_grad()\n    def step(self, closure=None):\n"),
+        ("zero_grad left gradients", "gradients left after zero_grad")),
+    Mutant("the parameters split in halves (right on 2 ranks only)", replace(
+        GREEDY, "        for i, p in enumerate(every):\n            self.owner[p] = 2 * i // len(every)\n"),
+        "near 1/world_size of the elements"),
+    Mutant("the constructor's settings for every group", replace(
+        'beta1, beta2 = group["betas"]',
+        'group = {**group, **self.defaults}\n            beta1, beta2 = group["betas"]'),
+        "each parameter group's settings"),
+    Mutant("the parameter groups and owners kept on the class (a second optimizer takes them over)", (
+        replace("        self.owner = {}\n",
+                "        ShardedAdam.owner = {}\n        ShardedAdam.groups = self.param_groups\n"),
+        replace("for group in self.param_groups:", "for group in ShardedAdam.groups:", count=2)),
+        "belongs to the instance, not to the class"),
 ], variants=[
     Variant("a torch.optim.Adam over the owned parameters, owners cut in contiguous runs of elements", '''
 class ShardedAdam(torch.optim.Optimizer):
@@ -108,8 +126,8 @@ class ShardedAdam(torch.optim.Optimizer):
         for p in every:
             self.owner[p] = min(world - 1, (seen + p.numel() // 2) * world // total)
             seen += p.numel()
-        mine = [p for p in every if self.owner[p] == me]
-        self.local = torch.optim.Adam(mine, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        mine = [{**g, "params": [p for p in g["params"] if self.owner[p] == me]} for g in self.param_groups]
+        self.local = torch.optim.Adam([g for g in mine if g["params"]], lr=lr)
         self.state = self.local.state
 
     def step(self, closure=None):
@@ -162,10 +180,11 @@ class ShardedAdam(torch.optim.Optimizer):
 # -- build_sharded -----------------------------------------------------------------------------
 INIT = '''    with torch.random.fork_rng(devices=[]):
         torch.set_rng_state(drawn)
-        for name, layer in twin.named_modules():  # the order model_fn made them: the order it drew
+        names = {id(layer): name for name, layer in twin.named_modules()}
+        for layer in made:  # the order model_fn made them, not the order the model lists them
 '''
 BUILD = ExerciseMutants("08.build_sharded", NB, ("build_sharded",), mutants=[
-    Mutant("built on the CPU, then sharded", replace('with torch.device("meta"):', 'with torch.device("cpu"):'),
+    Mutant("built on the CPU, then sharded", replace('with torch.device("meta"):', 'with torch.device("cpu"):', count=0),
            "model_fn() ran"),
     Mutant("materialised and never initialised", replace("    with torch.random.fork_rng(devices=[]):\n",
                                                          "    return model\n    if True:\n"), "to_empty"),
@@ -173,7 +192,7 @@ BUILD = ExerciseMutants("08.build_sharded", NB, ("build_sharded",), mutants=[
         INIT, '''    with torch.random.fork_rng(devices=[]):
         torch.set_rng_state(drawn)
         model.apply(lambda m: m.reset_parameters() if isinstance(m, nn.Linear) else None)
-        for name, layer in []:
+        for layer in []:
 '''), "draws other numbers"),
     Mutant("the whole twin materialised at once", (
         replace("    sharded = dict(model.named_modules())\n",
@@ -182,9 +201,11 @@ BUILD = ExerciseMutants("08.build_sharded", NB, ("build_sharded",), mutants=[
         "held the whole model"),
     Mutant("only the root sharded", drop_statement("fully_shard(block"), "whole model"),
     Mutant("fully_shard's default mesh", replace(", mesh=mesh)", ")", count=0), "mesh passed in"),
-    Mutant("layers drawn in reverse order", replace("for name, layer in twin.named_modules():",
-                                                     "for name, layer in reversed(list(twin.named_modules())):"),
+    Mutant("layers drawn in reverse order", replace("for layer in made:", "for layer in reversed(made):"),
            "in the order model_fn() made them"),
+    Mutant("layers drawn in the order the model registers them, not the order model_fn makes them", replace(
+        "for layer in made:", "for layer in [m for m in twin.modules() if any(m is x for x in made)]:"),
+        ("registers it last", "need not be the order the model lists them")),
 ], variants=[
     Variant("a block at a time, each rank copying its chunk into its local shard", '''
 def build_sharded(model_fn, mesh):
@@ -196,29 +217,44 @@ def build_sharded(model_fn, mesh):
     fully_shard(model, mesh=mesh)
     model.to_empty(device=mesh.device_type)
     world, rank = dist.get_world_size(), dist.get_rank()
-    with torch.device("meta"):
-        plan = model_fn()
+    order, original = [], nn.Linear.reset_parameters
+
+    def noting(layer):  # on meta, each Linear's constructor calls it: the order model_fn makes them
+        order.append(layer)
+        original(layer)
+
+    nn.Linear.reset_parameters = noting
+    try:
+        with torch.device("meta"):
+            plan = model_fn()
+    finally:
+        nn.Linear.reset_parameters = original
     torch.random.set_rng_state(state)
-    groups = [plan.inp] + list(plan.blocks) + [plan.head]
-    names = ["inp"] + [f"blocks.{i}" for i in range(len(plan.blocks))] + ["head"]
-    for prefix, group in zip(names, groups):
-        group.to_empty(device="cpu")
-        for m in group.modules():
-            if isinstance(m, nn.Linear):
-                m.reset_parameters()
-        for key, full in group.named_parameters():
+    names = {id(m): n for n, m in plan.named_modules()}
+    for layer in order:
+        prefix = names[id(layer)]
+        layer.to_empty(device="cpu")
+        layer.reset_parameters()
+        for key, full in layer.named_parameters():
             target = model.get_parameter(f"{prefix}.{key}")
             pieces = full.detach().chunk(world)
             with torch.no_grad():
                 if rank < len(pieces):
                     target.to_local().copy_(pieces[rank])
-        group.to_empty(device="meta")
+        layer.to_empty(device="meta")
     return model
 '''),
     Variant("each layer's full weights handed to set_model_state_dict", '''
 def build_sharded(model_fn, mesh):
-    with torch.device("meta"):
-        model, plan = model_fn(), model_fn()
+    made = []  # each Linear when its weight is registered, in its constructor: the order model_fn makes them
+    handle = nn.modules.module.register_module_parameter_registration_hook(
+        lambda module, key, param: made.append(module) if key == "weight" else None)
+    try:
+        with torch.device("meta"):
+            model, plan = model_fn(), model_fn()
+    finally:
+        handle.remove()
+    made = made[len(made) // 2:]  # the second call's: plan's layers
     seeded = torch.get_rng_state()
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
@@ -227,7 +263,8 @@ def build_sharded(model_fn, mesh):
     options = StateDictOptions(full_state_dict=True, strict=False)
     with torch.random.fork_rng(devices=[]):
         torch.set_rng_state(seeded)
-        for name, layer in plan.named_modules():
+        names = {id(m): n for n, m in plan.named_modules()}
+        for name, layer in ((names[id(m)], m) for m in made):
             if isinstance(layer, nn.Linear):
                 layer.to_empty(device="cpu", recurse=False)
                 layer.reset_parameters()

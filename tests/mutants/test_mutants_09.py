@@ -42,6 +42,9 @@ RING = ExerciseMutants("09.ring_allreduce", NOTEBOOK, ("ring_allreduce",), mutan
            expect=("input's device", "on meta")),
     Mutant("returns the flat tensor, not the input's shape",
            replace("return flat.view_as(tensor)", "return flat"), expect=("input's shape", "[3, 5]")),
+    Mutant("sums into the caller's tensor instead of a new one",
+           replace("flat = tensor.reshape(-1).clone()", "flat = tensor.reshape(-1)"),
+           expect=("new tensor", "the input holds the sum")),
 ], variants=[
     Variant("blocking send/recv ordered by rank parity, chunks copied and concatenated", '''
 def ring_allreduce(tensor):
@@ -118,6 +121,26 @@ MINI = ExerciseMutants("09.MiniDDP", NOTEBOOK, ("MiniDDP",), mutants=[
     Mutant("no broadcast: every rank keeps its own initial weights",
            replace("                dist.broadcast(tensor, src=0)  # every rank starts from rank 0's weights",
                    "                pass"), expect="rank 0's parameters"),
+    Mutant("starts each bucket's all-reduce asynchronously and waits on it at once, in the hook",
+           replace("self._pending.append((i, flat, dist.all_reduce(flat, async_op=True)))",
+                   "work = dist.all_reduce(flat, async_op=True)\n            work.wait()\n"
+                   "            self._pending.append((i, flat, work))"),
+           expect=("waited on at once", "before all-reduce 1 started")),
+    Mutant("a blocking all-reduce per parameter: the blocking named beside the count",
+           (replace("dist.all_reduce(flat, async_op=True)", "dist.all_reduce(flat)"), replace("work.wait()", "pass"),
+            replace("if size >= bucket_cap_bytes:", "if True:")),
+           expect=("one all-reduce per parameter", "blocking")),
+    Mutant("divides by a hard-coded 2 (right on 2 ranks only)",
+           replace(".div_(dist.get_world_size())", ".div_(2)"), expect="divided by 2"),
+    Mutant("broadcasts the parameters but not the buffers",
+           replace("for tensor in [*module.parameters(), *module.buffers()]:", "for tensor in module.parameters():"),
+           expect=("buffers", "buffer 0 differs")),
+    Mutant("refuses a parameter larger than the cap",
+           replace("            bucket.append(p)\n",
+                   "            if p.numel() * p.element_size() > bucket_cap_bytes:\n"
+                   "                raise ValueError('parameter larger than the bucket cap')\n"
+                   "            bucket.append(p)\n"),
+           expect=("larger than the cap is no error", "parameter larger than the bucket cap")),
     Mutant("puts parameters that require no gradient in a bucket",
            replace("params = [p for p in module.parameters() if p.requires_grad]",
                    "params = list(module.parameters())"),

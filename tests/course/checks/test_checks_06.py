@@ -63,7 +63,7 @@ def whole_batch(stage1, stage2, x, y, loss_fn, n_micro):  # no micro-batches at 
 
 
 def test_the_lesson_registers_three_exercises_with_one_point_per_case():
-    assert {e.id: e.points for e in exercises("06")} == {"06.stage_step": 4, "06.pipelined_step": 8,
+    assert {e.id: e.points for e in exercises("06")} == {"06.stage_step": 5, "06.pipelined_step": 8,
                                                         "06.bubble_fraction": 6}
 
 
@@ -82,10 +82,10 @@ def test_the_solution_gets_full_marks(exercise_id):
 
 def test_trivial_stage_steps_pass_no_case_naming_a_behaviour_they_lack():
     result = check("06.stage_step", returns_nothing)  # completes, but sends nothing, returns no loss, trains nothing
-    assert [c.passed for c in result.cases] == [False, False, False, False], str(result)
+    assert [c.passed for c in result.cases] == [False, False, False, False, False], str(result)
     assert "rank 0 sent 0 tensor(s) and rank 1 sent 0" in result.cases[0].hint, str(result)
     result = check("06.stage_step", forward_only)  # a loss on rank 1, but no gradient goes back and nothing trains
-    assert [c.passed for c in result.cases] == [False, True, False, False], str(result)
+    assert [c.passed for c in result.cases] == [False, True, False, False, False], str(result)
     assert "rank 1 sent 0 tensor(s)" in result.cases[0].hint, str(result)
     assert "never changed" in case_starting(result, "two ranks train").hint, str(result)
 

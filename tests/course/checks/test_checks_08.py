@@ -15,7 +15,6 @@ import torch
 from mgpu_lab.course.checks import check, exercises
 from mgpu_lab.course.checks._core import CaseFailed, Exercise, Tester
 from mgpu_lab.course.checks.l08 import judges
-from mgpu_lab.course.checks.l08.ranks import BUILD_STEPS
 
 pytestmark = pytest.mark.timeout(400)
 NOTEBOOK = Path(__file__).resolve().parents[3] / "solutions" / "08_sharding.ipynb"
@@ -24,7 +23,7 @@ NOTEBOOK = Path(__file__).resolve().parents[3] / "solutions" / "08_sharding.ipyn
 # every rank then imports that test module, nbformat and all (seconds of CPU per rank).
 _STUBS: dict = {}
 exec("def stub(*args, **kwargs):\n    raise NotImplementedError('write this function')\n", _STUBS)
-POINTS = {"08.sharded_sgd_step": 7, "08.ShardedAdam": 5, "08.build_sharded": 5, "08.load_full_into_sharded": 4}
+POINTS = {"08.sharded_sgd_step": 7, "08.ShardedAdam": 6, "08.build_sharded": 5, "08.load_full_into_sharded": 4}
 ANSWERS = {"08.sharded_sgd_step": ("sharded_sgd_step",), "08.ShardedAdam": ("ShardedAdam",),
            "08.build_sharded": ("build_sharded",), "08.load_full_into_sharded": ("load_full_into_sharded",)}
 
@@ -126,9 +125,11 @@ exec("import torch\n"
      "    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))\n", _TRIVIAL)
 PASSES = {  # the cases each trivially wrong answer has the behaviour of
     "08.sharded_sgd_step": [],
-    "08.ShardedAdam": ["2 ranks, DDP, 5 steps", "betas=(0.8, 0.95)", "the replicas stay equal"],
-    "08.build_sharded": ["returns the model sharded", "the weights, gathered", "a forward all-gathers",
-                         f"{BUILD_STEPS} SGD steps"],
+    "08.ShardedAdam": ["3 ranks, DDP, 5 steps", "betas=(0.8, 0.95)", "two ShardedAdams alive at once",
+                       "the replicas stay equal"],
+    # the whole model built, then sharded: section 4's demo; its sharding, gathers and training are not evidence
+    # of the exercise (a model no rank held whole), so only the weights' case passes
+    "08.build_sharded": ["the weights, gathered"],
     "08.load_full_into_sharded": ["2 ranks: after loading", "every rank ends with exactly its shards"],
 }
 

@@ -69,6 +69,27 @@ class torch_buckets(nn.Module):
     def finish_gradient_sync(self):
         pass
 """, "torch_buckets")
+ANSWERS["torch_buckets_imported"] = by_value("""
+import torch
+from torch import nn
+from torch.distributed import _compute_bucket_assignment_by_size as buckets_of
+
+
+class torch_buckets_imported(nn.Module):
+    \"\"\"MiniDDP whose buckets come from DDP's C++ bucketing, imported by name before the ranks start.\"\"\"
+
+    def __init__(self, module, bucket_cap_bytes):
+        super().__init__()
+        self.module = module
+        params = [p for p in module.parameters() if p.requires_grad][::-1]
+        self.buckets, _ = buckets_of(params, [bucket_cap_bytes])
+
+    def forward(self, *args):
+        return self.module(*args)
+
+    def finish_gradient_sync(self):
+        pass
+""", "torch_buckets_imported")
 ANSWERS["torch_hook"] = by_value('''
 def torch_hook(state, bucket):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -80,6 +101,7 @@ def torch_hook(state, bucket):
     ("09.ring_allreduce", "library_ring", "mgpu_lab.comm.ring.all_reduce"),
     ("09.MiniDDP", "ddp_inside", "torch.nn.parallel.DistributedDataParallel"),
     ("09.MiniDDP", "torch_buckets", "torch.distributed._compute_bucket_assignment_by_size"),
+    ("09.MiniDDP", "torch_buckets_imported", "torch.distributed._compute_bucket_assignment_by_size"),
     ("09.error_feedback_hook", "torch_hook", "default_hooks.bf16_compress_hook"),
 ])
 def test_an_answer_that_calls_a_reference_fails_every_case_naming_it(exercise, answer, says):
@@ -210,12 +232,13 @@ from torch import nn
 
 
 class mini_sync_at_end(nn.Module):
-    """Rank 0's weights at the start, then one blocking all-reduce per gradient after backward: no buckets."""
+    """Rank 0's weights and buffers at the start, then one blocking all-reduce per gradient after backward: no
+    buckets."""
 
     def __init__(self, module, bucket_cap_bytes):
         super().__init__()
         self.module = module
-        for p in module.parameters():
+        for p in [*module.parameters(), *module.buffers()]:
             dist.broadcast(p.data, 0)
 
     def forward(self, *args):

@@ -157,3 +157,24 @@ def test_training_without_snapshots_passes_only_the_fresh_start():
     result = check("10.resumable_train", train_without_snapshots)
     assert [c.passed for c in result.cases] == [True] + [False] * 6, result
     assert "steps" in case_starting(result, "rank 1 SIGKILLed as step 10").hint
+
+
+# -- dist.monitored_barrier as a guard's absent-rank half: allowed, not enough (the lesson's decision) ------------------
+def test_a_guard_whose_absent_half_is_monitored_barrier_fails_the_absent_case_saying_it_tells_rank_0_only():
+    """What a guard built on ``dist.monitored_barrier`` (gloo) leaves when rank 2 never comes, as run by hand on
+    3 ranks: rank 0 raises with the barrier's report, which names no call, and rank 1, which arrived, waits for
+    rank 0's answer that never comes."""
+    from mgpu_lab.course.checks._core import CaseFailed, Exercise, Tester
+
+    got = [{"raised": ("RuntimeError", "Rank 2 failed to pass monitoredBarrier in 2000 ms"), "ran": ["all_reduce"],
+            "seconds": 2.1, "waiting": None},
+           {"raised": None, "ran": ["all_reduce"], "seconds": None, "waiting": 6.5},
+           {"raised": None, "ran": ["all_reduce"], "seconds": 0.0, "waiting": None}]
+    hint = judges.absent_hint(got, "a right guard waits up to a deadline")
+    assert "monitored_barrier names the ranks that did not arrive on rank 0 only" in hint
+    t = Tester(Exercise("10.x", 1, "", None))
+    with pytest.raises(CaseFailed) as failed:
+        judges.judge_guard(t, got, 2, (0, 1), "rank 2 never makes a second call", hint)
+    assert "monitored_barrier" in failed.value.hint and "rank 0" in failed.value.got, failed.value.got
+    plain = [dict(g, raised=("RuntimeError", "call 1: rank 2 did not make it")) for g in got]
+    assert "monitored_barrier" not in judges.absent_hint(plain, "a right guard waits up to a deadline")

@@ -16,7 +16,8 @@ import torch
 from .._core import exercise
 from ..sim.scenarios import launch_scenarios
 from .judges import (judge_bubble, judge_grads, judge_loss, judge_raises, require_ran, Results,
-                     placement_problem, stage_diagnosis, stage_returns_problem, STEP_HINT)
+                     placement_problem, stage_diagnosis, stage_placement_problem, stage_returns_problem,
+                     STEP_HINT)
 from .ranks import evaluate, probe_stage, run_pipelined, STAGE_SCENARIOS
 
 
@@ -32,7 +33,7 @@ STAGE_HINT = ("every send needs its receive on the other rank, with a tensor of 
               "tensor that requires grad")
 
 
-@exercise("06.stage_step", points=4, description="stage_step(stage, x, target, loss_fn, optimizer, act_shape) -> "
+@exercise("06.stage_step", points=5, description="stage_step(stage, x, target, loss_fn, optimizer, act_shape) -> "
           "float | None: one training step of one of two pipeline stages, each in its own rank; activations "
           "forward, their gradient back; two ranks train like one process", references=STAGE_REFERENCES)
 def _stage_step(t, stage_step):
@@ -67,6 +68,17 @@ def _stage_step(t, stage_step):
             t.fail("not judged: the earlier cases did not pass")
         hint, got = stage_diagnosis(res, STAGE_SCENARIOS[0])
         if hint:
+            t.fail(hint, "the losses and weights of one process", got)
+    with t.case("stages on cuda:0 and cuda:1 (GPUs the check simulates), x and the labels on the CPU: x moved to "
+                "stage 0's device, the labels to stage 1's, every receive buffer made on its stage's device; the "
+                "same losses and weights as one process"):
+        placed = evidence.get(t, 2)
+        hint, got = stage_placement_problem(placed)
+        if hint:
+            t.fail(hint, "every tensor on the device of the stage that uses it", got)
+        problem = stage_returns_problem(placed)
+        hint, got = stage_diagnosis(placed, STAGE_SCENARIOS[2]) if not problem else ("", problem)
+        if problem or hint:
             t.fail(hint, "the losses and weights of one process", got)
     with t.case("regression stages (MSELoss), batch 5, 4 steps: the same as one process", hidden=True):
         got_res = evidence.get(t, 1)

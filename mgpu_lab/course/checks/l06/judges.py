@@ -193,6 +193,35 @@ def stage_diagnosis(res, scenario) -> tuple[str, str]:
             "the whole model's loss, and each rank steps once"), "different weights"
 
 
+def stage_placement_problem(res) -> tuple[str, str]:
+    """``(hint, got)`` for the first tensor of the placed scenario that was on another device than the stage
+    using it, or ``("", "")``; ``res``: both ranks' evidence (stages on cuda:0 and cuda:1, x and labels on cpu)."""
+    for r, ev in enumerate(res):
+        device = ev["device"]
+        moved = [rest[0] for _, event, *rest in ev["stage_log"] if event == "to"]
+        if moved:
+            return ("the stage is already on its device: move the tensors to it, not the stage",
+                    f"rank {r} moved its stage to {moved[0]}")
+        wrong = [d for d in ev["received"] if d != device]
+        if wrong:
+            return ("a receive buffer made without device= is a CPU tensor: beside a GPU stage NCCL refuses it "
+                    "(and the stage could not compute with it); make it on the stage's device, as the parameters "
+                    "say it is", f"rank {r} (stage on {device}) received into a tensor on {wrong[0]}")
+        for _, event, *rest in ev["stage_log"]:
+            if event == "input" and rest[1] != rest[2]:
+                what = "x" if rest[0] == "inputs" else "the received activations"
+                return (f"{what} reached the stage on {rest[1]}, the stage is on {rest[2]}: {SAME_DEVICE}; every "
+                        "tensor a stage uses must be on the device of its parameters",
+                        f"rank {r}: {what} on {rest[1]}")
+        for out_dev, labels_dev, _ in ev["loss_log"]:
+            if out_dev != labels_dev:
+                return ("the labels must be where the output is: on the last stage's device",
+                        f"rank {r}: the labels reached the loss on {labels_dev}, the output is on {out_dev}")
+    if not any(ev["stage_log"] for ev in res):
+        return "not judged: no stage ran on any tensor", "no forward"
+    return "", ""
+
+
 # -- pipelined_step -----------------------------------------------------------------
 def placement_problem(run) -> str:
     """What went to the wrong device in one run, in words ("" if nothing)."""

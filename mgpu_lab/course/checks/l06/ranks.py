@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import torch
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 from torch import nn
 
@@ -51,13 +52,14 @@ def _logs() -> dict:
 
 
 # -- stage_step ---------------------------------------------------------------------
-STAGE_SCENARIOS = [("mlp", 8, 3, 1), ("regression", 5, 4, 2)]  # (model, batch, steps, seed)
+# (model, batch, steps, seed); "placed": the stages on cuda:0 and cuda:1 (simulated), x and the labels on the CPU
+STAGE_SCENARIOS = [("mlp", 8, 3, 1), ("regression", 5, 4, 2), ("mlp placed", 6, 2, 3)]
 
 
 def stage_setup(kind: str, batch: int, steps: int, seed: int):
     """The two stages, loss, optimizer factory, batches and activation shape of one scenario."""
     torch.manual_seed(seed)
-    if kind == "mlp":
+    if kind.startswith("mlp"):
         stages = [nn.Sequential(nn.Linear(6, 16), nn.Tanh()), nn.Sequential(nn.Linear(16, 16), nn.ReLU(),
                                                                             nn.Linear(16, 3))]
         loss_fn, width = nn.CrossEntropyLoss(), 16
@@ -96,21 +98,43 @@ def probe_stage(stage_step, scenarios: list, log_dir: str) -> list:
 
     def one(scenario):
         stages, loss_fn, make_optimizer, data, act_shape = stage_setup(*scenario)
-        stage = stages[rank]
+        placed = scenario[0].endswith("placed")
+        stage = _stage(stages[rank], f"stage{rank + 1}", "activations" if rank == 0 else "output", f"cuda:{rank}") \
+            if placed else stages[rank]
+        loss_fn = PlacedLoss(loss_fn) if placed else loss_fn
         optimizer = make_optimizer(stage.parameters())
         returns, first = [], None
-        with record() as log:
+        reset()
+        with record() as log, _placed(placed):
             for x, target in data:
+                if placed:
+                    x, target = place(x, "inputs"), place(target, "labels")
                 got = stage_step(stage, x if rank == 0 else None, None if rank == 0 else target, loss_fn, optimizer,
                                  act_shape)
                 returns.append(_returned(got))
                 first = first or [p.detach().clone() for p in stage.parameters()]  # after the first step
         sent = sum(e["op"] == "send" for e in log)
         tdist.barrier()
-        return {"returns": returns, "params": [p.detach().clone() for p in stage.parameters()], "first": first,
-                "sent": sent}
+        out = {"returns": returns, "params": [p.detach().clone() for p in stage.parameters()], "first": first,
+               "sent": sent}
+        if placed:
+            out.update(_logs(), received=[e["device"] for e in log if e["op"] == "recv"], device=f"cuda:{rank}")
+        return out
 
     return run_scenarios(log_dir, one, scenarios)
+
+
+@contextmanager
+def _placed(on: bool):
+    """Two GPUs in name and factories that honour ``device=`` on them (:mod:`..sim`), when ``on``."""
+    from ..sim.cuda import simulated_gpus
+    from ..sim.devices import GpuFactories
+
+    if not on:
+        yield
+        return
+    with simulated_gpus(2), GpuFactories():
+        yield
 
 
 # -- pipelined_step -----------------------------------------------------------------

@@ -12,10 +12,12 @@ judges, in the kernel.
 from __future__ import annotations
 
 from .._core import exercise
-from .judges import (judge_adam, judge_adam_state, judge_adam_traffic, judge_collectives, judge_gathers, judge_init,
-                     judge_live, judge_loaded, judge_not_full, judge_opened, judge_own_shard, judge_own_shards,
-                     judge_replicas, judge_result, judge_sharding, need, SGD_CASES, SGD_LR)
-from .ranks import BUILD_STEPS, run_build_sharded, run_load_full, run_sgd_cases, run_sharded_adam
+from .judges import (judge_adam, judge_adam_state, judge_adam_traffic, judge_built_sharded, judge_collectives,
+                     judge_gathers, judge_init, judge_live, judge_loaded, judge_not_full, judge_opened,
+                     judge_own_shard, judge_own_shards, judge_pair, judge_replicas, judge_result, judge_sharding, need,
+                     SGD_CASES, SGD_LR)
+from .ranks import (ADAM_WORLD, BUILD_STEPS, run_adam_state, run_build_sharded, run_load_full, run_sgd_cases,
+                    run_sharded_adam)
 
 FLAT = ("mgpu_lab.sharding.flat:FlatZero", "mgpu_lab.sharding.flat:FlatZero.step")
 
@@ -56,21 +58,26 @@ def _sharded_sgd_step(t, sharded_sgd_step):
 
 
 # -- ShardedAdam ---------------------------------------------------------------------------
-@exercise("08.ShardedAdam", points=5, references=(
+@exercise("08.ShardedAdam", points=6, references=(
     "torch.distributed.optim:ZeroRedundancyOptimizer", "mgpu_lab.sharding.flat:FlatZero",
     "mgpu_lab.sharding.flat:FlatZero.step"),
     description="ShardedAdam(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0): ZeRO-1 after DDP, "
                 "each rank keeping Adam state for the parameters it owns only and sharing the updated ones")
 def _sharded_adam(t, ShardedAdam):
     ranks = None
-    with t.case("2 ranks, DDP, 5 steps at lr=1e-2: every rank's weights equal DDP + torch.optim.Adam's (to 1e-6)"):
-        ranks = t.ranks(run_sharded_adam, 2, ShardedAdam, timeout=120)
+    with t.case(f"{ADAM_WORLD} ranks, DDP, 5 steps at lr=1e-2: every rank's weights equal DDP + torch.optim.Adam's "
+                "(to 1e-6)"):
+        ranks = t.ranks(run_sharded_adam, ADAM_WORLD, ShardedAdam, timeout=120)
         judge_adam(t, ranks, 0)
-    with t.case("betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1: equal to torch.optim.Adam's with them (to 1e-6)",
-                hint="the default settings passed: a setting given to the constructor is not used as "
-                     "torch.optim.Adam uses it"):
+    first_passed = t.cases[-1].passed
+    with t.case("betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1: equal to torch.optim.Adam's with them (to 1e-6)"):
         need(t, ranks)
-        judge_adam(t, ranks, 1)
+        judge_adam(t, ranks, 1, hint="the default settings passed: a setting given to the constructor is not used "
+                   "as torch.optim.Adam uses it" if first_passed else "")
+    with t.case("two ShardedAdams alive at once, stepped in turn, the second over two parameter groups with their "
+                "own lr, betas and weight_decay: each equal to torch.optim.Adam's (to 1e-6)"):
+        need(t, ranks)
+        judge_pair(t, ranks)
     with t.case("the replicas stay equal: after the steps every rank holds the same weights"):
         need(t, ranks)
         judge_replicas(t, ranks)
@@ -78,6 +85,7 @@ def _sharded_adam(t, ShardedAdam):
                 "plus one parameter, each parameter's state on one rank"):
         need(t, ranks)
         judge_adam_state(t, ranks)
+        judge_adam_state(t, t.ranks(run_adam_state, 2, ShardedAdam, timeout=120))
     with t.case("a step moves only the updated parameters, once: no all-reduce (DDP has averaged the gradients)"):
         need(t, ranks)
         judge_adam_traffic(t, ranks)
@@ -93,11 +101,13 @@ def _build_sharded(t, build_sharded):
                 "modules, every parameter a DTensor Shard(dim=0) on that mesh"):
         ranks = t.ranks(run_build_sharded, 2, build_sharded, timeout=120)
         judge_sharding(t, ranks[0], ["(root)"] + [f"blocks.{i}" for i in range(ranks[0]["sizes"]["blocks"])])
+        judge_built_sharded(t, ranks)
     with t.case("no rank ever holds the whole model: the parameter storage live on each rank peaks at its shards "
                 "plus room for three blocks"):
         need(t, ranks)
         judge_live(t, ranks)
-    with t.case("the weights, gathered, equal model_fn()'s on one process (to 1e-6)"):
+    with t.case("the weights, gathered, equal model_fn()'s on one process (to 1e-6), also for a model that makes "
+                "its head first and registers it last"):
         need(t, ranks)
         if "diff" not in ranks[0]:
             t.fail("", "a model", ranks[0]["returned"])
@@ -108,6 +118,7 @@ def _build_sharded(t, build_sharded):
         if "forward" not in ranks[0]:
             t.fail("", "a model", ranks[0]["returned"])
         judge_gathers(t, ranks[0]["forward"], "all_gather", ranks[0]["sizes"])
+        judge_built_sharded(t, ranks)
     with t.case(f"{BUILD_STEPS} SGD steps on 2 ranks x 4 samples end with the weights of 1 process x 8 samples "
                 "from model_fn() (to 1e-5)",
                 hint="the sharded model does not train like the one process: parameters registered after "
@@ -118,6 +129,7 @@ def _build_sharded(t, build_sharded):
         worst = max(ev["trained"] for ev in ranks)
         if worst > 1e-5:
             t.fail("", "max difference <= 1e-05", f"max difference {worst:.3g}")
+        judge_built_sharded(t, ranks)
 
 
 # -- load_full_into_sharded ----------------------------------------------------------------

@@ -110,8 +110,14 @@ def _worst(got, want) -> float:
     return max((g.double() - w.double()).abs().max().item() for g, w in zip(got, want))
 
 
-def judge_adam(t, ranks, k, tol: float = 1e-6):
-    """Config ``k``: every rank's weights equal DDP + Adam's; names AdamW's decay and parameters never shared."""
+STALE_HINT = ("zero_grad left gradients in place (on parameters this rank does not own): DDP's next backward adds "
+              "to them and its all-reduce spreads the stale sum to their owners; zero_grad clears every parameter's "
+              "gradient, as torch.optim's does")
+
+
+def judge_adam(t, ranks, k, tol: float = 1e-6, hint: str = ""):
+    """Config ``k``: every rank's weights equal DDP + Adam's; names AdamW's decay, stale gradients left by
+    zero_grad and parameters never shared; ``hint`` when none of these is recognised."""
     for r, ev in enumerate(ranks):
         entry = ev["configs"][k]
         if "error" in entry:
@@ -128,8 +134,40 @@ def judge_adam(t, ranks, k, tol: float = 1e-6):
                    "so the moments see it", f"max difference <= {tol}", f"{worst:.3g} (AdamW's weights)")
         moved = [i for i, (w, a0) in enumerate(zip(entry["weights"], ranks[0]["configs"][k]["adam"]))
                  if (w.double() - a0.double()).abs().max().item() <= tol]
-        t.fail("", f"max difference <= {tol} on every rank", f"{worst:.3g} on rank {r}; parameters right there: "
-               f"{moved} of {len(entry['weights'])}")
+        stale = sorted({i for e in ranks for i in e["configs"][k].get("stale", [])})
+        said = f"{worst:.3g} on rank {r}; parameters right there: {moved} of {len(entry['weights'])}"
+        if stale:
+            t.fail(STALE_HINT, f"max difference <= {tol} on every rank",
+                   f"{said}; gradients left after zero_grad: parameters {stale}")
+        t.fail(hint or "each owner applies torch.optim.Adam's update to its parameters (moments, bias correction, "
+               "L2 weight decay) and every rank receives the updated values after the step",
+               f"max difference <= {tol} on every rank", said)
+
+
+def judge_pair(t, ranks, tol: float = 1e-6):
+    """Two ShardedAdams alive at once, the second over two parameter groups: each equals torch.optim.Adam's."""
+    for r, ev in enumerate(ranks):
+        pair = ev["pair"]
+        if "error" in pair:
+            t.fail("two optimizers alive at once, one with two parameter groups, must both train: each keeps "
+                   "what it needs on itself and reads each group's settings from its group",
+                   "5 steps of each", f"rank {r} raised {pair['error']}")
+        first = _worst(pair["first"], pair["adam_first"])
+        second = _worst(pair["second"], pair["adam_second"])
+        alone = _worst(pair["second_alone"], pair["adam_second"])
+        if first > tol:
+            t.fail("the first ShardedAdam no longer trains right once a second one exists: what an optimizer "
+                   "keeps (its parameters, their owners, its state) belongs to the instance, not to the class, "
+                   "so that two of them never share it", f"max difference <= {tol}",
+                   f"the first optimizer's weights differ by {first:.3g} on rank {r}")
+        if second > tol:
+            hint = ("each parameter group's settings (here lr, betas and weight_decay) apply to that group's "
+                    "parameters, as in torch.optim.Adam: an optimizer reads them from the group it steps, "
+                    "falling back to the constructor's for what a group leaves out" if alone > tol else
+                    "the second ShardedAdam is right alone but not beside the first: two optimizers must not "
+                    "share what each keeps")
+            t.fail(hint, f"max difference <= {tol}", f"the grouped optimizer's weights differ by {second:.3g} "
+                   f"on rank {r}" + (" (and by as much with no other optimizer alive)" if alone > tol else ""))
 
 
 def judge_replicas(t, ranks):
@@ -169,7 +207,7 @@ def judge_adam_state(t, ranks):
                    else f"parameters of {sum(sizes[i] for i in owned[r])} elements of {total}: share the "
                    "parameters so that each rank's part is near 1/world_size of the elements, not of the count"),
                    f"at most {limit} bytes (a share of {-(-total // world)} elements plus one parameter of "
-                   f"{max(sizes)}, 8 bytes each)", f"rank {r}: {e['state']['bytes']} bytes")
+                   f"{max(sizes)}, 8 bytes each)", f"rank {r} of {world}: {e['state']['bytes']} bytes")
     both = set.intersection(*owned)
     if both or set.union(*owned) != set(range(len(sizes))):
         t.fail("every parameter has its Adam state on exactly one rank, its owner",
@@ -235,7 +273,8 @@ def judge_live(t, ranks):
 
 
 def judge_init(t, ev):
-    """The gathered weights equal model_fn()'s on one process."""
+    """The gathered weights equal model_fn()'s on one process, for BlockNet and for a model whose head is made
+    first and registered last."""
     bad = {k: v for k, v in ev["diff"].items() if v is None or v > 1e-6}
     if bad:
         zeros = all(v is not None for v in bad.values())
@@ -244,6 +283,29 @@ def judge_init(t, ev):
                "numbers than one process drawing whole tensors, in the order model_fn() made them"
                if zeros else "some parameters changed shape", "every parameter within 1e-6",
                f"{len(bad)} of {len(ev['diff'])} differ, e.g. {sorted(bad)[:3]}")
+    other = ev.get("head_first")
+    if not isinstance(other, dict):
+        t.fail("build_sharded works for any model_fn shaped like BlockNet", "a sharded model of the second "
+               "model_fn", f"{other}")
+    bad = sorted(k for k, v in other.items() if v is None or v > 1e-6)
+    if bad:
+        t.fail("right for BlockNet, wrong for a model that makes its head first and registers it last: one process "
+               "draws the layers' weights in the order model_fn() makes them, which need not be the order the model "
+               "lists them in (named_modules, parameters)", "every parameter within 1e-6",
+               f"second model: {len(bad)} of {len(other)} differ, e.g. {bad[:3]}")
+
+
+def judge_built_sharded(t, ranks):
+    """Cases that judge the sharded model count for a model built without any rank holding it whole: a model
+    built whole and sharded afterwards is the lesson's demo, with nothing of the exercise in it."""
+    for r, ev in enumerate(ranks):
+        real = [c for c in ev.get("calls", []) if c != "meta"]
+        limit = ev["end"] + 3 * ev["sizes"]["block_bytes"] if "end" in ev else 0
+        if real or ("peak" in ev and (ev["peak"] > limit or ev["peak"] >= ev["sizes"]["whole_bytes"])):
+            t.fail("not judged: rank {r} built the whole model and sharded it afterwards, as section 4's demo "
+                   "does; this case counts for a model built without any rank holding it whole (see the case "
+                   "about the parameter storage)".format(r=r), "a model built shard by shard",
+                   f"rank {r}: model_fn() ran on the {real[0]}" if real else f"rank {r}: a peak of {ev['peak']} bytes")
 
 
 def judge_gathers(t, calls, op, sizes):

@@ -123,7 +123,9 @@ def run_sgd_cases(sharded_sgd_step, cases, lr: float):
 
 # -- ShardedAdam ---------------------------------------------------------------------------
 ADAM_CONFIGS = [{"lr": 1e-2}, {"lr": 3e-3, "betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.1}]
+ADAM_GROUPS = ({"lr": 1e-2, "weight_decay": 0.1}, {"lr": 3e-3, "betas": (0.8, 0.95)})  # weights, then biases
 ADAM_STEPS = 5
+ADAM_WORLD = 3  # ranks: an answer that assumes 2 (parameters split in halves) fails
 
 
 def adam_net() -> nn.Module:
@@ -134,25 +136,50 @@ def adam_net() -> nn.Module:
         return nn.Sequential(*[m for layer in layers for m in (layer, nn.Tanh())][:-1])
 
 
+def adam_groups(model: nn.Module) -> list:
+    """Two parameter groups of ``model`` with their own settings (:data:`ADAM_GROUPS`): weights, biases."""
+    named = list(model.named_parameters())
+    return [{"params": [p for n, p in named if n.endswith(kind)], **settings}
+            for kind, settings in zip(("weight", "bias"), ADAM_GROUPS)]
+
+
+class _Trainer:
+    """DDP over adam_net with an optimizer, stepped on this rank's part of a fixed batch; notes the parameters
+    whose gradient ``zero_grad`` left in place (a stale gradient DDP's next all-reduce spreads)."""
+
+    def __init__(self, make_opt, config: dict, groups: bool = False):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        self.model = DDP(adam_net())
+        self.opt = make_opt(adam_groups(self.model.module) if groups else self.model.parameters(), **config)
+        x, y = fsdp.batch(8, 8, classes=4, seed=2)
+        rank, world = tdist.get_rank(), tdist.get_world_size()
+        self.xs, self.ys, self.stale = x.chunk(world)[rank], y.chunk(world)[rank], set()
+
+    def step(self, log_it: bool = False):
+        self.opt.zero_grad()
+        params = list(self.model.parameters())
+        self.stale |= {i for i, p in enumerate(params) if p.grad is not None and bool(p.grad.any())}
+        nn.functional.cross_entropy(self.model(self.xs), self.ys).backward()
+        if not log_it:
+            self.opt.step()
+            return None
+        with record() as log:
+            self.opt.step()
+        return log
+
+    def weights(self) -> list:
+        return [p.detach().clone() for p in self.model.module.parameters()]
+
+
 def _train_adam(make_opt, config: dict, log_step: bool = False):
     """DDP over adam_net, the optimizer ``make_opt(params, **config)``, ADAM_STEPS steps on this rank's part."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    model = DDP(adam_net())
-    opt = make_opt(model.parameters(), **config)
-    x, y = fsdp.batch(8, 8, classes=4, seed=2)
-    rank, world = tdist.get_rank(), tdist.get_world_size()
-    xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
+    run = _Trainer(make_opt, config)
     log = None
     for step in range(ADAM_STEPS):
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(xs), ys).backward()
-        if log_step and step == 1:
-            with record() as log:
-                opt.step()
-        else:
-            opt.step()
-    return model.module, opt, log
+        said = run.step(log_it=log_step and step == 1)
+        log = said if said is not None else log
+    return run.model.module, run.opt, log, sorted(run.stale)
 
 
 def _state_of(opt, params) -> dict:
@@ -171,13 +198,53 @@ def _state_of(opt, params) -> dict:
     return {"bytes": nbytes, "owned": sorted(owned)}
 
 
+def _train_pair(make_opt) -> tuple:
+    """Two optimizers alive at once, stepped in turn: one as config 0, one over :func:`adam_groups`."""
+    one, two = _Trainer(make_opt, ADAM_CONFIGS[0]), _Trainer(make_opt, {"lr": 1e-3}, groups=True)
+    for _ in range(ADAM_STEPS):
+        one.step()
+        two.step()
+    return one.weights(), two.weights()
+
+
+def _pair_evidence(ShardedAdam) -> dict:
+    try:
+        first, second = _train_pair(ShardedAdam)
+    except NotImplementedError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - judged as evidence
+        return {"error": _said(exc)}
+    adam_first, adam_second = _train_pair(torch.optim.Adam)
+    alone = _Trainer(ShardedAdam, {"lr": 1e-3}, groups=True)  # the grouped one with no other alive
+    for _ in range(ADAM_STEPS):
+        alone.step()
+    return {"first": first, "second": second, "adam_first": adam_first, "adam_second": adam_second,
+            "second_alone": alone.weights()}
+
+
+def run_adam_state(ShardedAdam) -> dict:
+    """Probe (2 ranks): the Adam state each rank keeps after ADAM_STEPS steps of config 0 (a split by count can
+    look balanced on 3 ranks and not on 2)."""
+    out = {"configs": [], "sizes": [p.numel() for p in adam_net().parameters()]}
+    try:
+        model, opt, _, _ = _train_adam(ShardedAdam, ADAM_CONFIGS[0])
+    except NotImplementedError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - judged as evidence
+        out["configs"].append({"error": _said(exc)})
+        return out
+    out["configs"].append({"state": _state_of(opt, list(model.parameters()))})
+    return out
+
+
 def run_sharded_adam(ShardedAdam) -> dict:
-    """Probe (2 ranks): per config, the learner's weights beside DDP + Adam's and AdamW's; state; a step's traffic."""
+    """Probe (3 ranks): per config, the learner's weights beside DDP + Adam's and AdamW's; state; a step's traffic;
+    then two ShardedAdams alive at once, the second with two parameter groups."""
     out = {"configs": [], "sizes": [p.numel() for p in adam_net().parameters()]}
     for k, config in enumerate(ADAM_CONFIGS):
         entry = {}
         try:
-            model, opt, log = _train_adam(ShardedAdam, config, log_step=k == 0)
+            model, opt, log, stale = _train_adam(ShardedAdam, config, log_step=k == 0)
         except NotImplementedError:
             raise
         except Exception as exc:  # noqa: BLE001 - judged as evidence
@@ -189,9 +256,11 @@ def run_sharded_adam(ShardedAdam) -> dict:
         entry["adam"] = [p.detach().clone() for p in _train_adam(torch.optim.Adam, config)[0].parameters()]
         entry["adamw"] = [p.detach().clone() for p in _train_adam(torch.optim.AdamW, config)[0].parameters()]
         entry["state"] = _state_of(opt, list(model.parameters()))
+        entry["stale"] = stale
         if log is not None:
             entry["step_ops"] = [(c["op"], c["numel"]) for c in log if c["op"] != "wait"]
         out["configs"].append(entry)
+    out["pair"] = _pair_evidence(ShardedAdam)
     return out
 
 
@@ -209,9 +278,39 @@ def model_fn():
     return fsdp.BlockNet(**BUILD_DIMS, seed=None)
 
 
-def _reference_model() -> nn.Module:
+class HeadFirstNet(nn.Module):
+    """BlockNet's layers, its head made (and drawn) first but registered last: the order the layers are made
+    and the order the model lists them differ."""
+
+    forward = fsdp.BlockNet.forward
+
+    def __init__(self, features: int, width: int, depth: int, classes: int):
+        super().__init__()
+        head = nn.Linear(width, classes)
+        self.inp = nn.Linear(features, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth))
+        self.head = head
+
+
+def head_first_fn():
+    """A second model for build_sharded: seeds torch's generator, then makes a :class:`HeadFirstNet`."""
+    _CALLS.append(torch.empty(0).device.type)
+    torch.manual_seed(12)
+    return HeadFirstNet(**BUILD_DIMS)
+
+
+def _reference_model(fn=model_fn) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
-        return model_fn()
+        return fn()
+
+
+def _init_diff(model: nn.Module, fn) -> dict:
+    """Per parameter: the largest difference of the gathered weights from ``fn()``'s on one process (None:
+    missing or of another shape)."""
+    ref = dict(_reference_model(fn).named_parameters())
+    full = fsdp.full_params(model)
+    return {k: (full[k] - ref[k]).abs().max().item() if k in full and full[k].shape == ref[k].shape else None
+            for k in ref}
 
 
 def _describe(p, mesh) -> dict:
@@ -249,7 +348,8 @@ def _one_process(model: nn.Module, x, y) -> dict:
 
 
 def run_build_sharded(build_sharded) -> dict:
-    """Probe (2 ranks): build with the learner's function, storage tracked; sharding, weights, traffic, training."""
+    """Probe (2 ranks): build with the learner's function, storage tracked; sharding, weights, traffic, training;
+    then the weights of a second model (:func:`head_first_fn`) it builds."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule
 
@@ -265,10 +365,7 @@ def run_build_sharded(build_sharded) -> dict:
     model = got
     out["fsdp"] = sorted(name or "(root)" for name, m in model.named_modules() if isinstance(m, FSDPModule))
     out["params"] = {name: _describe(p, mesh) for name, p in model.named_parameters()}
-    ref = dict(_reference_model().named_parameters())
-    full = fsdp.full_params(model)
-    out["diff"] = {k: (full[k] - ref[k]).abs().max().item() if k in full and full[k].shape == ref[k].shape
-                   else None for k in ref}
+    out["diff"] = _init_diff(model, model_fn)
     x, y = fsdp.batch(8, BUILD_DIMS["features"])
     xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
     opt = torch.optim.SGD(model.parameters(), lr=BUILD_LR)
@@ -281,6 +378,11 @@ def run_build_sharded(build_sharded) -> dict:
     trained = fsdp.full_params(model)
     single = _one_process(_reference_model(), x, y)
     out["trained"] = max((trained[k] - v).abs().max().item() for k, v in single.items())
+    try:
+        other = build_sharded(head_first_fn, mesh)
+        out["head_first"] = _init_diff(other, head_first_fn) if isinstance(other, nn.Module) else type(other).__name__
+    except Exception as exc:  # noqa: BLE001 - judged by the weights' case
+        out["head_first"] = f"raised {_said(exc)}"
     return out
 
 

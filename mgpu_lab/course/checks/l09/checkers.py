@@ -15,7 +15,7 @@ from mgpu_lab.comm.record import P2P
 from .._core import CaseFailed, exercise
 from . import judges
 from .judges import ring_events, ring_device, ring_result, ring_traffic
-from .ranks import CAP, run_feedback, run_mini_both, run_ring
+from .ranks import CAP, SMALL_CAP, WORLD, run_feedback, run_mini_all, run_ring
 
 HOOKS = "torch.distributed.algorithms.ddp_comm_hooks."
 
@@ -43,23 +43,23 @@ def _ring_allreduce(t, ring_allreduce):
             "finished chunks on); check which chunk index each rank sends and receives at each step")
     cases = [
         (2, [0, 1], "2 ranks, float32 tensors of 7 and 2 elements: every rank gets the sum, as dist.all_reduce "
-                    "gives it", hint),
-        (2, [2, 3], "2 ranks, a 3x5 float64 tensor and an int64 tensor: the sum, in the input's shape and dtype",
-         hint),
+                    "gives it", hint, False),
+        (2, [2, 3], "2 ranks, a 3x5 float64 tensor and an int64 tensor: the sum, a new tensor in the input's shape "
+                    "and dtype, the input left as it was", hint, True),
         (3, [0, 1], "3 ranks, 10 elements and 2 (fewer elements than ranks): the sum on every rank",
-         f"{hint}; {SPLIT_HINT}"),
-        (4, [0, 1], "4 ranks, 1001 elements and 5: the sum on every rank", f"{hint}; {SPLIT_HINT}"),
+         f"{hint}; {SPLIT_HINT}", False),
+        (4, [0, 1], "4 ranks, 1001 elements and 5: the sum on every rank", f"{hint}; {SPLIT_HINT}", False),
     ]
     runs = _run_worlds(t, ring_allreduce)
     said: set = set()  # a deadlock is said in full once, with every world size it happened at
-    for world, picks, name, case_hint in cases:
+    for world, picks, name, case_hint, fresh in cases:
         with t.case(name):
             if isinstance(runs.get(world), BaseException):
                 failed, runs[world] = runs[world], None
                 raise failed
             if runs.get(world) is None:
                 t.fail("the ranks did not finish")
-            ring_result(t, runs, world, picks, case_hint, said)
+            ring_result(t, runs, world, picks, case_hint, said, fresh=fresh)
     stuck = judges.deadlocked_worlds(runs)  # a ring that deadlocked proves nothing about its messages
     done = {w: r for w, r in runs.items() if r is not None and not isinstance(r, BaseException) and w not in stuck}
     with t.case("only point-to-point calls (send/recv, isend/irecv): no collective",
@@ -111,20 +111,27 @@ def _run_worlds(t, ring_allreduce) -> dict:
                       "mgpu_lab.comm.bucketing:torch_bucket_assignment"))
 def _mini_ddp(t, MiniDDP):
     runs = None
-    with t.case("ranks that start from different weights hold rank 0's after MiniDDP(model, cap), as under DDP"):
-        runs = t.ranks(run_mini_both, 2, MiniDDP, timeout=90)
+    with t.case(f"{WORLD} ranks that start from different weights and buffers hold rank 0's after "
+                "MiniDDP(model, cap), as under DDP"):
+        runs = t.ranks(run_mini_all, WORLD, MiniDDP, timeout=90)
         judges.same_start(t, runs)
-    with t.case("after finish_gradient_sync, 3 SGD steps of 2 ranks: every gradient equals DDP's (the average)"):
+    with t.case(f"after finish_gradient_sync, 3 SGD steps of {WORLD} ranks: every gradient equals DDP's (the "
+                "average)"):
         judges.grads_equal(t, runs)
-    with t.case(f"one asynchronous all-reduce per bucket in every step: 3 for a cap of {CAP} bytes"):
+    with t.case(f"one asynchronous all-reduce per bucket in every step: 3 for a cap of {CAP} bytes, none waited "
+                "on before the next bucket's has started"):
         judges.one_per_bucket(t, runs, CAP)
-    with t.case(f"DDP's buckets for a cap of {CAP} bytes: all-reduces of 1360, 1088 and 576 bytes, in this order"):
-        judges.bucket_sizes(t, runs, CAP)
+    with t.case(f"DDP's buckets for a cap of {CAP} bytes: all-reduces of 1360, 1088 and 576 bytes, in this order; "
+                f"for {SMALL_CAP} bytes, below the largest parameter: 272, 1088, 1088 and 576"):
+        judges.bucket_sizes(t, runs)
+        judges.bucket_sizes(t, runs, "small_cap")
     with t.case("all-reduces start during backward: bucket 0's before backward reaches the first layer, the "
                 "last one before backward returns"):
         judges.during_backward(t, runs)
-    with t.case("a parameter with requires_grad=False is in no bucket: DDP's gradients, 2 steps"):
+    with t.case(f"a parameter with requires_grad=False is in no bucket, and parameters larger than a cap of "
+                f"{SMALL_CAP} bytes are all-reduced all the same: DDP's gradients"):
         judges.grads_equal(t, runs, "frozen")
+        judges.grads_equal(t, runs, "small_cap")
 
 
 @exercise("09.error_feedback_hook", points=6, description="error_feedback_hook(state, bucket): a DDP communication "

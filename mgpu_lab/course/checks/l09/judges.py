@@ -7,7 +7,8 @@ import torch
 from mgpu_lab.comm.bucketing import torch_bucket_assignment
 
 
-def ring_result(t, runs, world, picks, hint, said: set | None = None):
+def ring_result(t, runs, world, picks, hint, said: set | None = None, fresh: bool = False):
+    """The sums of trials ``picks`` at ``world`` ranks; ``fresh``: the input tensor was also left as it was."""
     for k in picks:
         for rank, trials in enumerate(runs[world]):
             if k >= len(trials):
@@ -29,6 +30,11 @@ def ring_result(t, runs, world, picks, hint, said: set | None = None):
             if got["values"] != trial["expected"]:
                 wrong = sum(a != b for a, b in zip(got["values"], trial["expected"]))
                 t.fail(f"{call}: {hint}", trial["expected"], f"{got['values']} ({wrong} elements differ)")
+            if fresh and trial.get("input_changed"):
+                t.fail(f"{call}: the sum is right, but it was written into the caller's tensor: ring_allreduce "
+                       "returns a new tensor and leaves its input as it was (the caller may still need its own "
+                       "values, and dist.all_reduce's in-place way is not what this function promises)",
+                       "the input unchanged", "the input holds the sum after the call")
 
 
 def deadlocked_worlds(runs: dict) -> list:
@@ -127,11 +133,13 @@ def mini_ran(t, runs, scenario: str = "plain") -> list:
     """The runs of one scenario, or the case fails with the first error."""
     if runs is None:
         t.fail("the ranks did not finish")
+    hints = {"frozen": "a parameter that requires no gradient never gets one, so a bucket that holds it is never "
+                       "complete: DDP leaves such parameters out of its buckets",
+             "small_cap": "a parameter larger than the cap is no error: the bucket it falls in is full once it is "
+                          "added, as DDP does"}
     for rank, run in enumerate(r[scenario] for r in runs):
         if run["error"]:
-            hint = ("a parameter that requires no gradient never gets one, so a bucket that holds it is never "
-                    "complete: DDP leaves such parameters out of its buckets" if scenario == "frozen" else "")
-            t.fail(hint, "MiniDDP trains", f"rank {rank}: {run['error']}")
+            t.fail(hints.get(scenario, ""), "MiniDDP trains", f"rank {rank}: {run['error']}")
     return [r[scenario] for r in runs]
 
 
@@ -139,10 +147,12 @@ def same_start(t, runs) -> None:
     for rank, run in enumerate(mini_ran(t, runs)):
         for i, (mine, want) in enumerate(zip(run["start"], run["rank0"])):
             if not torch.equal(mine, want):
-                t.fail("the ranks started from different weights and still differ after MiniDDP(...): DDP makes "
-                       "every rank start from rank 0's parameters when it wraps the model, or the ranks train "
-                       "different models", f"rank {rank} holds rank 0's weights",
-                       f"rank {rank}, parameter {i} differs from rank 0's by {float((mine - want).abs().max()):.3g}")
+                what = (f"parameter {i}" if i < run["n_params"] else f"buffer {i - run['n_params']}")
+                t.fail(f"the ranks started from different {'weights' if i < run['n_params'] else 'buffers'} and "
+                       "still differ after MiniDDP(...): DDP makes every rank start from rank 0's parameters and "
+                       "buffers when it wraps the model, or the ranks train different models",
+                       f"rank {rank} holds rank 0's weights and buffers",
+                       f"rank {rank}, {what} differs from rank 0's by {float((mine - want).abs().max()):.3g}")
 
 
 def _grad_hint(mine, ref, local, step: int, world: int) -> str:
@@ -155,6 +165,9 @@ def _grad_hint(mine, ref, local, step: int, world: int) -> str:
                 "into the parameters' .grad (a bucket put together from the gradients is a copy of them)")
     if abs(ratio - world) < 0.05:
         return "the gradients are world_size times DDP's: the all-reduce sums, DDP averages over the ranks"
+    if world != 2 and abs(ratio - world / 2) < 0.05:
+        return (f"the gradients are {world}/2 times DDP's on {world} ranks: divided by 2, not by the number of "
+                "ranks (dist.get_world_size())")
     return "after finish_gradient_sync every parameter's gradient is the average over the ranks, as DDP's"
 
 
@@ -181,7 +194,26 @@ def _reductions(entry) -> list:
     return [e for e in entry["events"] if e["op"] == "all_reduce"]
 
 
+def _overlap_problem(entry, step: int, rank: int) -> tuple | None:
+    """(hint, got) when an all-reduce was blocking or waited on before the next bucket's started, else None."""
+    if not all(entry["async"]):
+        return ("an all-reduce was blocking: each bucket's all-reduce is started asynchronously, so that backward "
+                "goes on computing while it runs, and finish_gradient_sync waits for them",
+                f"blocking ones in step {step} (rank {rank})")
+    starts = [i for i, e in enumerate(entry["events"]) if e["op"] == "all_reduce"]
+    for e_at, e in enumerate(entry["events"]):
+        k = e.get("index")
+        if e["op"] == "wait" and k is not None and k + 1 < len(starts) and e_at < starts[k + 1]:
+            return ("an all-reduce was waited on at once, inside backward, before the next bucket's all-reduce "
+                    "started: started asynchronously and then waited for, it blocks backward all the same, and "
+                    "nothing overlaps; finish_gradient_sync is where the all-reduces are waited for",
+                    f"all-reduce {k} waited on before all-reduce {k + 1} started (step {step}, rank {rank})")
+    return None
+
+
 def one_per_bucket(t, runs, cap: int) -> None:
+    """One all-reduce per bucket and step, each asynchronous and left running while backward goes on; a
+    failure says both what the count and what the overlap got wrong."""
     for rank, run in enumerate(mini_ran(t, runs)):
         want = expected_buckets(run["sizes"], cap)
         for step, entry in enumerate(run["steps"]):
@@ -189,22 +221,26 @@ def one_per_bucket(t, runs, cap: int) -> None:
             if other:
                 t.fail("DDP communicates gradients with all-reduces only", "all_reduce", ", ".join(other))
             got = len(_reductions(entry))
+            overlap = _overlap_problem(entry, step, rank)
+            hint, said = "", []
             if got != len(want):
                 hint = ("one all-reduce per parameter: DDP groups the gradients into buckets, so that it pays a "
                         "message's latency once per bucket" if got == len(run["sizes"]) else
                         "one all-reduce for all the gradients: it cannot start before the last gradient exists"
                         if got == 1 else f"the cap of {cap} bytes makes {len(want)} buckets; each is all-reduced "
                         "once per step")
-                t.fail(hint, f"{len(want)} all-reduces in step {step}", f"{got} (rank {rank})")
-            if not all(entry["async"]):
-                t.fail("an all-reduce was blocking: each bucket's all-reduce is started asynchronously, so that "
-                       "backward goes on computing while it runs, and finish_gradient_sync waits for them",
-                       "asynchronous all-reduces", f"blocking ones in step {step}")
+                said.append(f"{got} all-reduces (rank {rank}, step {step})")
+            if overlap:
+                hint = f"{hint}; also, {overlap[0]}" if hint else overlap[0]
+                said.append(overlap[1])
+            if said:
+                t.fail(hint, f"{len(want)} asynchronous all-reduces in step {step}, each waited on in "
+                       "finish_gradient_sync", "; ".join(said))
 
 
-def bucket_sizes(t, runs, cap: int) -> None:
-    for rank, run in enumerate(mini_ran(t, runs)):
-        sizes = run["sizes"]
+def bucket_sizes(t, runs, scenario: str = "plain") -> None:
+    for rank, run in enumerate(mini_ran(t, runs, scenario)):
+        sizes, cap = run["sizes"], run["cap"]
         want = expected_buckets(sizes, cap)
         forward = expected_buckets(sizes[::-1], cap)
         for step, entry in enumerate(run["steps"]):
@@ -215,7 +251,7 @@ def bucket_sizes(t, runs, cap: int) -> None:
                         "DDP's rule: walk the parameters from the last to the first, add each to the open bucket, "
                         "close the bucket once its bytes reach the cap (a bucket exactly at the cap is full); "
                         "the all-reduces start in bucket order")
-                t.fail(hint, f"all-reduces of {want} bytes", f"{got} (rank {rank}, step {step})")
+                t.fail(hint, f"all-reduces of {want} bytes for a cap of {cap}", f"{got} (rank {rank}, step {step})")
 
 
 def during_backward(t, runs) -> None:

@@ -62,11 +62,13 @@ def run_ring(ring_allreduce, trials: list) -> list:
                 if meta:
                     torch.set_default_device("meta")
                 try:
-                    got = ring_allreduce(x.clone())
+                    given = x.clone()
+                    got = ring_allreduce(given)
                 finally:
                     if meta:
                         torch.set_default_device(None)
             entry["result"] = _describe(got)
+            entry["input_changed"] = given.device.type != "meta" and not torch.equal(given, x)
         except NotImplementedError:
             raise
         except Exception as exc:  # noqa: BLE001 - the checker judges it; later trials would see stray messages
@@ -79,6 +81,8 @@ def run_ring(ring_allreduce, trials: list) -> list:
 
 # -- MiniDDP ------------------------------------------------------------------------------
 CAP = 1088  # bytes: Net's buckets are 1360, 1088 (exactly at the cap) and 576 bytes
+SMALL_CAP = 256  # bytes: smaller than Net's largest parameters (1024): buckets of 272, 1088, 1088 and 576
+WORLD = 3  # ranks: an answer that assumes 2 (a hard-coded divisor, halves) fails
 
 
 class _Mark(torch.autograd.Function):
@@ -98,20 +102,23 @@ class _Mark(torch.autograd.Function):
 
 
 class Net(nn.Module):
-    """Four Linear layers of unequal sizes; optionally a frozen parameter registered last.
+    """Four Linear layers of unequal sizes, a buffer that differs per seed; optionally a frozen parameter last.
 
-    Parameter bytes in registration order: 512, 64, 1024, 64, 1024, 64, 256, 16.
+    Parameter bytes in registration order: 512, 64, 1024, 64, 1024, 64, 256, 16. The buffer
+    ``shift`` (16 values, ``seed / 10``) is added after the first layer, so a rank that
+    keeps its own buffer computes other gradients than DDP, which broadcasts rank 0's.
     """
 
     def __init__(self, seed: int, frozen: bool = False):
         super().__init__()
         torch.manual_seed(seed)
         self.l0, self.l1, self.l2, self.l3 = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+        self.register_buffer("shift", torch.full((16,), seed / 10))
         if frozen:
             self.scale = nn.Parameter(torch.full((4,), 0.5), requires_grad=False)
 
     def forward(self, x):
-        h = _Mark.apply(torch.tanh(self.l0(x)))
+        h = _Mark.apply(torch.tanh(self.l0(x) + self.shift))
         out = self.l3(torch.tanh(self.l2(torch.tanh(self.l1(h)))))
         return out * self.scale if hasattr(self, "scale") else out
 
@@ -124,14 +131,42 @@ def _grads(model) -> list:
     return [None if p.grad is None else p.grad.detach().clone() for p in model.parameters() if p.requires_grad]
 
 
+class _WatchedWork:
+    """An asynchronous all-reduce's Work that notes, in the recording, when ``wait()`` is called on it.
+
+    ``get_future()`` hands out the real future (``torch.futures.wait_all`` and ``then`` need it), so a
+    wait on the future goes unseen: such an answer is judged by when its all-reduces start only.
+    """
+
+    def __init__(self, work, note):
+        self._work, self._note = work, note
+
+    def wait(self, *args, **kwargs):
+        self._note()
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
 @contextmanager
-def _async_spy(flags: list):
-    """Note ``async_op`` of every ``dist.all_reduce`` call while the block runs (inside a recording)."""
+def _async_spy(flags: list, log):
+    """Note ``async_op`` of every ``dist.all_reduce`` call while the block runs (inside the recording ``log``),
+    and put ``{"op": "wait", "call": "Work.wait", "index": k}`` in ``log`` when the k-th all-reduce's Work
+    is waited on: a hook that waits at once overlaps nothing, whatever ``async_op`` says."""
     inner = tdist.all_reduce
 
     def spy(tensor, op=tdist.ReduceOp.SUM, group=None, async_op=False):
+        index = len(flags)
         flags.append(bool(async_op))
-        return inner(tensor, op=op, group=group, async_op=async_op)
+        work = inner(tensor, op=op, group=group, async_op=async_op)
+        if work is None:
+            return None
+
+        def note():
+            log.events.append({"op": "wait", "call": "Work.wait", "index": index})
+
+        return _WatchedWork(work, note)
 
     tdist.all_reduce = spy
     try:
@@ -159,7 +194,7 @@ def _mini_steps(mini, model, ref, steps: int, out: dict) -> None:
         out["steps"].append(entry)
         opt.zero_grad()
         loss = mini(x).square().mean()
-        with record() as log, _async_spy(entry["async"]):
+        with record() as log, _async_spy(entry["async"], log):
             _Mark.log = log
             try:
                 loss.backward()
@@ -173,45 +208,83 @@ def _mini_steps(mini, model, ref, steps: int, out: dict) -> None:
         ref_opt.step()
 
 
+_BUCKETING = "_compute_bucket_assignment_by_size"
+
+
+def _holds_bucketing(mini_cls) -> bool:
+    """Whether a method of the answer names torch's C++ bucketing function through a global that is it
+    (imported by name before the ranks started, so no attribute swap reaches it)."""
+    import types
+
+    original = getattr(tdist, _BUCKETING, None)
+    for value in vars(mini_cls).values():
+        fn = getattr(value, "__func__", value)
+        if not isinstance(fn, types.FunctionType):
+            continue
+        codes = [fn.__code__]
+        while codes:
+            code = codes.pop()
+            if any(fn.__globals__.get(n) is original for n in code.co_names):
+                return True
+            codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    return False
+
+
 @contextmanager
-def _no_torch_bucketing():
+def _no_torch_bucketing(mini_cls=None):
     """``torch.distributed._compute_bucket_assignment_by_size`` (C++, DDP's bucketing) as a tripwire meanwhile.
 
     A C++ function cannot carry the code-object tripwire of :mod:`.._references`, so the
-    attribute an answer would reach it by is swapped for one while the learner's code runs.
+    attributes an answer would reach it by (on ``torch.distributed`` and on the C extension
+    module it comes from) are swapped for one while the learner's code runs, and an answer
+    whose methods name it through a global that holds it trips at once.
     """
-    name = "torch.distributed:_compute_bucket_assignment_by_size"
-    original = getattr(tdist, "_compute_bucket_assignment_by_size", None)
+    import torch._C._distributed_c10d as c10d_ext
+
+    name = "torch.distributed:" + _BUCKETING
+    original = getattr(tdist, _BUCKETING, None)
+    if original is None:
+        yield
+        return
+    if mini_cls is not None and _holds_bucketing(mini_cls):
+        _references.called(name)
 
     def tripwire(*args, **kwargs):
         _references.called(name)
 
-    if original is not None:
-        tdist._compute_bucket_assignment_by_size = tripwire
+    modules = [m for m in (tdist, c10d_ext) if getattr(m, _BUCKETING, None) is original]
+    for module in modules:
+        setattr(module, _BUCKETING, tripwire)
     try:
         yield
     finally:
-        if original is not None:
-            tdist._compute_bucket_assignment_by_size = original
+        for module in modules:
+            setattr(module, _BUCKETING, original)
 
 
-def run_mini_ddp(mini_cls, frozen: bool = False, steps: int = 3) -> dict:
-    """Probe: ``mini_cls(Net(1 + rank), CAP)`` against ``DDP(Net(1 + rank), bucket_cap_mb=CAP / 2**20)``.
+def _state(model) -> list:
+    """A model's parameters and buffers, detached copies, in registration order."""
+    return [t.detach().clone() for t in [*model.parameters(), *model.buffers()]]
 
-    Both start from weights that differ between ranks (DDP broadcasts rank 0's); every step
-    feeds each rank its own batch. ``frozen`` adds a parameter that requires no gradient.
+
+def run_mini_ddp(mini_cls, frozen: bool = False, steps: int = 3, cap: int = CAP) -> dict:
+    """Probe: ``mini_cls(Net(1 + rank), cap)`` against ``DDP(Net(1 + rank), bucket_cap_mb=cap / 2**20)``.
+
+    Both start from weights and buffers that differ between ranks (DDP broadcasts rank 0's);
+    every step feeds each rank its own batch. ``frozen`` adds a parameter that requires no
+    gradient; a ``cap`` below the largest parameter's bytes puts that parameter alone over it.
     """
     rank = tdist.get_rank()
-    out = {"error": None, "start": None, "steps": [], "sizes": None}
+    out = {"error": None, "start": None, "steps": [], "sizes": None, "cap": cap}
     with _references.allowed():
-        ref = DDP(Net(1 + rank, frozen), bucket_cap_mb=CAP / 2**20)
+        ref = DDP(Net(1 + rank, frozen), bucket_cap_mb=cap / 2**20)
     model = Net(1 + rank, frozen)
     out["sizes"] = [p.numel() * p.element_size() for p in model.parameters() if p.requires_grad]
+    out["n_params"] = len(list(model.parameters()))
     try:
-        with _no_torch_bucketing():
-            mini = mini_cls(model, CAP)
-        out["start"] = [p.detach().clone() for p in model.parameters()]
-        out["rank0"] = [p.detach().clone() for p in Net(1, frozen).parameters()]
+        with _no_torch_bucketing(mini_cls):
+            mini = mini_cls(model, cap)
+        out["start"], out["rank0"] = _state(model), _state(Net(1, frozen))
         with _no_torch_bucketing():
             _mini_steps(mini, model, ref, steps, out)
     except NotImplementedError:
@@ -221,9 +294,11 @@ def run_mini_ddp(mini_cls, frozen: bool = False, steps: int = 3) -> dict:
     return out
 
 
-def run_mini_both(mini_cls) -> dict:
-    """Probe: :func:`run_mini_ddp` without and with a frozen parameter, in the same ranks."""
-    return {"plain": run_mini_ddp(mini_cls), "frozen": run_mini_ddp(mini_cls, frozen=True, steps=2)}
+def run_mini_all(mini_cls) -> dict:
+    """Probe: :func:`run_mini_ddp` as it is, with a frozen parameter, and with a cap below the largest
+    parameter, in the same ranks."""
+    return {"plain": run_mini_ddp(mini_cls), "frozen": run_mini_ddp(mini_cls, frozen=True, steps=2),
+            "small_cap": run_mini_ddp(mini_cls, steps=1, cap=SMALL_CAP)}
 
 
 # -- error_feedback_hook -------------------------------------------------------------------

@@ -20,7 +20,7 @@ import os
 from mgpu_lab.launcher import elastic
 from mgpu_lab.launcher.errors import LaunchError, LaunchTimeout
 from .._core import _error_text, CaseFailed, exercise
-from .judges import (agreed_results, count_saves, judge_durable, judge_guard, judge_run, judge_trials,
+from .judges import (absent_hint, agreed_results, count_saves, judge_durable, judge_guard, judge_run, judge_trials,
                      judge_written_beside, other_filesystem, outcome_words, CFG, read_logs, resumed_from,
                      RUN_TIMEOUT, STEPS, WITHIN, WORLD)
 from .ranks import atomic_probe, guard_probe, read_log, run_resumable
@@ -151,8 +151,8 @@ def _guarded(t, guarded):
               "by then is the odd rank, and the ranks that waited raise naming it")
     with t.case(f"rank 2 never makes call 1: ranks 0 and 1 raise within {WITHIN:.0f} s naming rank 2 and call 1",
                 hint=absent):
-        judge_guard(t, t.ranks(guard_probe, 3, guarded, "absent", BOUND, timeout=GUARD_TIMEOUT), 2, (0, 1),
-                    "rank 2 never makes a second call", absent)
+        got = t.ranks(guard_probe, 3, guarded, "absent", BOUND, timeout=GUARD_TIMEOUT)
+        judge_guard(t, got, 2, (0, 1), "rank 2 never makes a second call", absent_hint(got, absent))
 
 
 BOUND = WITHIN + 0.5  # seconds the probe lets a rank's guarded calls take before it reports the rank as waiting

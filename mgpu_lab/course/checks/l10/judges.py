@@ -270,6 +270,18 @@ def names(message: str, odd: int, call: int) -> bool:
     return bool(re.search(rf"\brank {odd}\b", text)) and bool(re.search(rf"\bcall {call}\b", text))
 
 
+MONITORED = ("dist.monitored_barrier names the ranks that did not arrive on rank 0 only: the ranks that did arrive "
+             "wait for rank 0's answer, which never comes, so they neither raise in time nor learn who is absent; "
+             "it is allowed, but on its own it is not the absent-rank half of a guard")
+
+
+def absent_hint(got: list, hint: str) -> str:
+    """``hint``, and what ``dist.monitored_barrier`` does when a rank's error is its report (the lesson's decision:
+    it may be used, but it tells rank 0 alone)."""
+    said = " ".join(g["raised"][1] for g in got if g.get("raised"))
+    return f"{hint}; {MONITORED}" if "monitoredBarrier" in said or "monitored_barrier" in said else hint
+
+
 def judge_guard(t, got: list, odd: int, ranks: tuple, what: str, hint: str = "") -> None:
     """Every rank of ``ranks`` raised at call 1, before its collective ran, naming ``odd`` and call 1."""
     try:
