@@ -16,6 +16,7 @@ __all__ = ["plot_column_row", "plot_block_flow"]
 
 COLLECTIVE_COLOURS = {"all-reduce": "tab:red", "all-gather": "tab:green", "reduce-scatter": "tab:purple"}
 WHOLE = "0.75"
+IDENTITY_ENTRY = "identity\n(all-reduce\nin backward)"
 
 
 def _rank_colour(r: int):
@@ -33,8 +34,8 @@ def _box(ax, x, y, w, h, face, text="", hatch=None, fontsize=8):
                 bbox={"facecolor": "white", "edgecolor": "none", "pad": 1} if hatch else None)
 
 
-def _arrow(ax, x0, x1, y, colour="black", text="", lw=1.2):
-    ax.annotate("", (x1, y), (x0, y), arrowprops={"arrowstyle": "->", "color": colour, "lw": lw})
+def _arrow(ax, x0, x1, y, colour="black", text="", lw=1.2, ls="-"):
+    ax.annotate("", (x1, y), (x0, y), arrowprops={"arrowstyle": "->", "color": colour, "lw": lw, "ls": ls})
     if text:
         ax.text((x0 + x1) / 2, y + 0.12, text, ha="center", va="bottom", fontsize=7 if len(text) < 12 else 6,
                 color=colour)
@@ -113,14 +114,16 @@ def _tensor(ax, x, y, kind: str, tp: int, text: str):
 
 
 def _flow(ax, y, steps, tp):
-    """Draw one row: ``steps`` alternates tensors ``(kind, text)`` and operators ``(label, colour)``."""
+    """Draw one row: ``steps`` alternates tensors ``(kind, text)`` and operators ``(label, colour)`` or
+    ``(label, colour, linestyle)``."""
     x = 0.0
     for i, step in enumerate(steps):
         if i % 2 == 0:
             _tensor(ax, x, y, step[0], tp, step[1])
             x += 0.7
         else:
-            _arrow(ax, x + 0.05, x + 1.2, y + 0.6, step[1], step[0], lw=2.0 if step[1] != "black" else 1.2)
+            label, colour, ls = (*step, "-") if len(step) == 2 else step
+            _arrow(ax, x + 0.05, x + 1.2, y + 0.6, colour, label, lw=2.0 if colour != "black" else 1.2, ls=ls)
             x += 1.25
     return x
 
@@ -151,10 +154,11 @@ def plot_block_flow(tp: int = 2, ax=None):
     if ax is None:
         _, ax = plt.subplots(figsize=(16, 4.4))
     k, ar, ag, rs = "black", *(COLLECTIVE_COLOURS[n] for n in ("all-reduce", "all-gather", "reduce-scatter"))
-    plain = [("whole", "x"), ("norm1", k), ("whole", "normed"), ("wq wk wv", k), ("feat", "heads/tp"),
-             ("wo", k), ("partial", "partial"), ("all-reduce", ar), ("whole", "+ x"), ("norm2", k),
-             ("whole", "normed"), ("fc1", k), ("feat", "hidden/tp"), ("fc2", k), ("partial", "partial"),
-             ("all-reduce", ar), ("whole", "+ h")]
+    entry = (IDENTITY_ENTRY, ar, "--")  # nothing forward; backward all-reduces the input's gradient
+    plain = [("whole", "x"), ("norm1", k), ("whole", "normed"), entry, ("whole", "normed"), ("wq wk wv", k),
+             ("feat", "heads/tp"), ("wo", k), ("partial", "partial"), ("all-reduce", ar), ("whole", "+ x"),
+             ("norm2", k), ("whole", "normed"), entry, ("whole", "normed"), ("fc1", k), ("feat", "hidden/tp"),
+             ("fc2", k), ("partial", "partial"), ("all-reduce", ar), ("whole", "+ h")]
     with_sp = [("seq", "x slice"), ("norm1", k), ("seq", "normed"), ("all-gather", ag), ("whole", "whole seq"),
                ("wq wk wv", k), ("feat", "heads/tp"), ("wo", k), ("partial", "partial"), ("reduce-scatter", rs),
                ("seq", "+ x slice"), ("norm2", k), ("seq", "normed"), ("all-gather", ag), ("whole", "whole seq"),
@@ -166,7 +170,8 @@ def plot_block_flow(tp: int = 2, ax=None):
     handles = [Patch(facecolor=_rank_colour(r), edgecolor="black", label=f"rank {r}'s slice") for r in range(tp)]
     handles += [Patch(facecolor=WHOLE, edgecolor="black", label="whole, on every rank"),
                 Patch(facecolor="white", edgecolor="black", hatch="//", label="partial sum"),
-                *(Line2D([], [], color=c, lw=2, label=n) for n, c in COLLECTIVE_COLOURS.items())]
+                *(Line2D([], [], color=c, lw=2, label=n) for n, c in COLLECTIVE_COLOURS.items()),
+                Line2D([], [], color=ar, lw=2, ls="--", label="identity (all-reduce in backward)")]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     ax.set_xlim(-1.6, width + 0.1)
     ax.set_ylim(-0.6, 3.9)

@@ -26,4 +26,11 @@ def test_the_block_flow_labels_each_collective_where_the_plan_places_it():
     arrows = [t.get_text() for t in ax.texts]
     assert arrows.count("all-reduce") == 2          # without SP: after attention and after the MLP
     assert arrows.count("all-gather") == 2 and arrows.count("reduce-scatter") == 2   # with SP
+    # without SP the entry of each sub-layer is drawn: an identity whose backward all-reduces, before wq/wk/wv and fc1
+    row = sorted((t.get_position()[0], t.get_text()) for t in ax.texts
+                 if t.get_position()[1] == next(u.get_position()[1] for u in ax.texts if u.get_text() == "all-reduce"))
+    labels = [text for _, text in row]
+    entries = [i for i, text in enumerate(labels) if text == "identity\n(all-reduce\nin backward)"]
+    assert [labels[i + 1] for i in entries] == ["wq wk wv", "fc1"]
+    assert "identity (all-reduce in backward)" in [t.get_text() for t in ax.get_legend().get_texts()]
     plt.close("all")
