@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 from mgpu_lab.core.shipped import course_dir
 
@@ -104,9 +104,9 @@ def lab_command(folder: Path | str, jupyter_args: list[str] = ()) -> list[str]:
             *jupyter_args]
 
 
-def start_lab(folder: Path | str, jupyter_args: list[str] = ()) -> int:
-    """Run JupyterLab on ``folder`` until it stops; returns its exit code (0 after Ctrl+C)."""
-    try:
-        return subprocess.run(lab_command(folder, list(jupyter_args)), cwd=folder).returncode
-    except KeyboardInterrupt:
-        return 0
+def start_lab(folder: Path | str, jupyter_args: list[str] = ()) -> NoReturn:
+    """Replace this process with JupyterLab on ``folder``: Ctrl+C and a signal to this process reach it, and
+    nothing is left running when it is stopped."""
+    command = lab_command(folder, list(jupyter_args))
+    os.chdir(folder)
+    os.execv(command[0], command)
