@@ -1,6 +1,6 @@
 # mgpu-lab: set up a virtual environment, start JupyterLab, run the tests.
 #
-#   make lab     create .venv if needed, install, start JupyterLab on notebooks/
+#   make lab     create .venv if needed, install, start JupyterLab on notebooks/ (TORCH=cpu: CPU-only torch)
 #   make test    create .venv if needed, install, run tests/ (+ solutions/*.ipynb under nbval)
 #   make bench   create .venv if needed, install, run bench/launch.py
 #   make clean   remove build and test junk (keeps .venv)
@@ -9,11 +9,17 @@
 #
 # The install step runs only when pyproject.toml or constraints.txt changed
 # since the last install (stamp file inside .venv); delete .venv to start over.
+#
+# TORCH=cpu installs torch and torchvision from PyTorch's CPU-only wheels first (TORCH_CPU_INDEX), for a
+# laptop without an NVIDIA GPU: the default wheels bring CUDA's libraries (a ~6 GB .venv); the package's
+# install then keeps the CPU build (constraints.txt's ==2.14.1 matches 2.14.1+cpu). Start from a new .venv.
 
 PYTHON3 ?= python3
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
 PINS    := constraints.txt
+TORCH   ?= default
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 STAMP   := $(VENV)/.mgpu-lab-installed
 
 # JupyterLab: `make lab LAB_IP=0.0.0.0 LAB_ARGS="--no-browser --port 8899"`.
@@ -52,7 +58,7 @@ VENV_T211  ?= .venv-torch2.11
 .PHONY: help install lab test test-torch2.11 bench clean chromium slurm gpu-check gpu-wheels
 
 help:
-	@echo "make lab     set up .venv and start JupyterLab on $(LAB_DIR)/ (LAB_IP=$(LAB_IP), LAB_ARGS=...)"
+	@echo "make lab     set up .venv and start JupyterLab on $(LAB_DIR)/ (LAB_IP=$(LAB_IP), LAB_ARGS=..., TORCH=cpu)"
 	@echo "make test    set up .venv and run the test suite (PYTEST_ARGS=...)"
 	@echo "make bench   set up .venv and run bench/launch.py"
 	@echo "make test-torch2.11  the no-root part of the suite on torch 2.11 (PYTHON312=...)"
@@ -64,6 +70,8 @@ $(PY):
 	$(PYTHON3) -m venv $(VENV)
 
 $(STAMP): pyproject.toml $(PINS) | $(PY)
+	@case "$(TORCH)" in default|cpu) ;; *) echo "make: TORCH=$(TORCH) must be default or cpu"; exit 2;; esac
+	$(if $(filter cpu,$(TORCH)),$(PY) -m pip install -c $(PINS) --index-url $(TORCH_CPU_INDEX) torch torchvision)
 	$(PY) -m pip install -c $(PINS) -e '.[dev]'
 	@touch $@
 

@@ -4,6 +4,7 @@ Each subcommand is a thin layer over a library function, so notebooks and
 tests call the same code the command line does.
 
 Example:
+    $ mgpu-lab lab                      # a learner: the notebooks into ./mgpu-lab-notebooks, JupyterLab there
     $ mgpu-lab doctor
     $ mgpu-lab doctor --backend gloo --nprocs 4 --timeout 60
     $ mgpu-lab doctor --nodes 2
@@ -91,6 +92,39 @@ def _assign(args) -> int:
     if not changed:
         print("student notebooks are up to date")
     return 1 if args.check and changed else 0
+
+
+def _add_lab(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "lab", help="copy the course's notebooks into DIR (once) and start JupyterLab there",
+        description="Copy every student notebook of the installed course into DIR that is not there yet "
+                    "(a copy you have edited is never overwritten: delete or rename it for a fresh one), "
+                    "then start JupyterLab on DIR. Options after `--` go to JupyterLab, "
+                    "e.g. `mgpu-lab lab DIR -- --ServerApp.token=...`.")
+    parser.add_argument("dir", nargs="?", type=Path, default=Path("mgpu-lab-notebooks"),
+                        help="your folder for the notebooks (default: ./mgpu-lab-notebooks)")
+    parser.add_argument("--ip", default=None, help="address JupyterLab listens on (JupyterLab's default: localhost)")
+    parser.add_argument("--port", type=int, default=None, help="port JupyterLab listens on")
+    parser.add_argument("--no-browser", action="store_true", help="do not open a browser (remote machines, CI)")
+    parser.add_argument("--no-start", action="store_true", help="copy the notebooks only; do not start JupyterLab")
+    parser.set_defaults(handler=_lab)
+
+
+def _lab(args) -> int:
+    from mgpu_lab.course.lab import copy_notebooks, start_lab
+
+    try:
+        report = copy_notebooks(args.dir)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"mgpu-lab lab: {err}", file=sys.stderr)
+        return 1
+    for line in report.lines():
+        print(f"mgpu-lab lab: {line}", flush=True)
+    if args.no_start:
+        return 0
+    options = [*([f"--ip={args.ip}"] if args.ip else []), *([f"--port={args.port}"] if args.port else []),
+               *(["--no-browser"] if args.no_browser else []), *args.passthrough]
+    return start_lab(args.dir, options)
 
 
 def _add_refresh(subparsers) -> None:
@@ -305,6 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_doctor(subparsers)
     _add_assign(subparsers)
+    _add_lab(subparsers)
     _add_refresh(subparsers)
     _add_grade(subparsers)
     _add_autograder(subparsers)
@@ -330,7 +365,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         0
     """
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cut = argv.index("--") if "--" in argv else len(argv)  # what follows `--` goes to the program started
+    args = parser.parse_args(argv[:cut])
+    args.passthrough = argv[cut + 1:]
+    if args.passthrough and args.command != "lab":
+        parser.error(f"only `mgpu-lab lab` passes options on (after --); got {' '.join(args.passthrough)}")
     if args.command is None:
         parser.print_help()
         return 2

@@ -279,3 +279,78 @@ def test_the_torch_floor_is_the_oldest_tested_torch(pyproject):
 def test_pytest_markers_are_declared(pyproject):
     markers = pyproject["tool"]["pytest"]["ini_options"]["markers"]
     assert {marker.split(":", 1)[0] for marker in markers} >= {"gpu", "slow", "root"}
+
+
+# -- what a learner installs: the wheel (setup.py's build hook, MANIFEST.in, .ci/wheel_check.py) ----------------
+import importlib.util  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import zipfile  # noqa: E402
+
+COURSE = "mgpu_lab/_course/"
+
+
+def _wheel_check():
+    spec = importlib.util.spec_from_file_location("wheel_check", ROOT / ".ci" / "wheel_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """The wheel built from a copy of this checkout (solutions/ and tests/ included: they must stay out)."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    source = tmp / "src"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", ".venv*", "build", "dist", "*.egg-info",
+                                                                "__pycache__", ".pytest_cache", "artifacts"))
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
+                           "--wheel-dir", str(tmp / "dist"), str(source)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (built,) = (tmp / "dist").glob("mgpu_lab-*.whl")
+    return built
+
+
+def test_the_wheel_holds_the_student_notebooks_and_scripts_and_no_answer(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    notebooks = sorted(n.removeprefix(COURSE + "notebooks/") for n in names if n.startswith(COURSE + "notebooks/"))
+    assert notebooks == sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb")) and len(notebooks) >= 13
+    assert COURSE + "scripts/ddp_train.py" in names and "mgpu_lab/course/checks/__init__.py" in names
+    assert not [n for n in names if "solution" in n.lower() or "mutant" in n.lower() or n.startswith("tests/")]
+    assert _wheel_check().problems(wheel, ROOT) == []
+
+
+def test_the_wheel_check_names_an_answer_a_test_and_a_missing_or_stale_notebook(wheel, tmp_path):
+    bad = tmp_path / wheel.name
+    with zipfile.ZipFile(wheel) as zin, zipfile.ZipFile(bad, "w") as zout:
+        for name in zin.namelist():
+            if name.endswith("/01_devices.ipynb"):
+                continue  # missing
+            data = zin.read(name)
+            zout.writestr(name, data + b" " if name.endswith("/02_data_loading.ipynb") else data)  # stale
+        zout.writestr(COURSE + "notebooks/99_extra.ipynb", (ROOT / "solutions" / "03_data_parallel.ipynb").read_bytes())
+        zout.writestr("tests/mutants/test_mutants_01.py", "")
+    found = "\n".join(_wheel_check().problems(bad, ROOT))
+    for expected in ("notebooks/01_devices.ipynb is missing", "notebooks/02_data_loading.ipynb differs",
+                     "99_extra.ipynb: holds answers (03_data_parallel.ipynb)", "tests/mutants/test_mutants_01.py: "
+                     "outside the package", "test_mutants_01.py: a solution, a test or a mutant"):
+        assert expected in found, found
+
+
+def test_the_sdist_keeps_the_answers_out_and_the_course_s_files_in():
+    manifest = (ROOT / "MANIFEST.in").read_text().split()
+    assert {"prune", "solutions", "tests", "graft", "notebooks", "scripts"} <= set(manifest)
+    assert "cmdclass" in (ROOT / "setup.py").read_text()
+
+
+@pytest.mark.parametrize("torch_kind", ["default", "cpu"])
+def test_make_install_with_torch_cpu_installs_the_cpu_wheels_before_the_package(torch_kind, tmp_path):
+    # `make lab TORCH=cpu` (README): PyTorch's CPU-only index first; the package's install then keeps that torch.
+    venv = tmp_path / "venv"
+    done = subprocess.run(["make", "-n", "install", f"TORCH={torch_kind}", f"VENV={venv}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    installs = [line for line in done.stdout.splitlines() if " -m pip install " in line]
+    cpu = f"{venv}/bin/python -m pip install -c constraints.txt --index-url https://download.pytorch.org/whl/cpu torch torchvision"
+    assert installs == ([cpu] if torch_kind == "cpu" else []) + [f"{venv}/bin/python -m pip install -c constraints.txt -e '.[dev]'"]

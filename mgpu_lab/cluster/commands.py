@@ -1,10 +1,8 @@
 """Every node's ``torchrun`` command for a job on :class:`~mgpu_lab.cluster.multinode.SimCluster`'s nodes.
 
-Lesson 07's reference for its exercise ``07.torchrun_command`` (static rendezvous), which is
-why it is no method of :class:`~mgpu_lab.cluster.multinode.SimCluster` and no module the
-lesson's notebook imports reaches it: the notebook runs the learner's own commands. The
-checks, the troubleshooting table (:mod:`mgpu_lab.cluster.troubleshoot`, which imports it
-when it runs), the doctor and the tests use it.
+Static rendezvous: every node's rank, the master's address and port given on the command
+line. The troubleshooting table (:mod:`mgpu_lab.cluster.troubleshoot`, which imports it
+when it runs), the doctor, the course's checks and the tests use it.
 
 Example:
     >>> from types import SimpleNamespace

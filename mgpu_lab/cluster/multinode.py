@@ -17,11 +17,9 @@ always removed, also when a run raises or times out; namespaces left by a
 killed process are removed by the next :class:`SimCluster`.
 
 Example:
-    >>> from mgpu_lab.cluster.commands import torchrun_commands
-    >>> from mgpu_lab.cluster.multinode import SimCluster, PROBE_SCRIPT
+    >>> from mgpu_lab.cluster.multinode import SimCluster
     >>> with SimCluster(2) as cluster:   # as root: network namespaces; else every node on 127.0.0.1
-    ...     result = cluster.run(torchrun_commands(cluster, PROBE_SCRIPT),
-    ...                          env={"GLOO_SOCKET_IFNAME": cluster.interface}, echo=False)
+    ...     result = cluster.run(lambda node: ["python", "-c", f"print('node {node.rank} up')"], echo=False)
     >>> result.ok, len(result.nodes)
     (True, 2)
 """
@@ -37,6 +35,8 @@ from pathlib import Path
 
 import psutil
 
+from mgpu_lab.core.shipped import course_dir
+
 from . import netns
 from .nodelogs import Node, NodeRun, RunResult, probe_reports  # noqa: F401 (re-exported)
 from .noderunner import parse_starts, run_nodes
@@ -44,8 +44,9 @@ from .noderunner import parse_starts, run_nodes
 __all__ = ["SimCluster", "Node", "NodeRun", "RunResult", "PROBE_SCRIPT", "probe_reports"]  # results: nodelogs
 
 MAX_NODES = 16
-#: The lesson's all_reduce smoke test, a plain torchrun script (runs on clusters unchanged).
-PROBE_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "allreduce_check.py"
+#: The lesson's all_reduce smoke test, a plain torchrun script (runs on clusters unchanged): the clone's
+#: ``scripts/``, or the copy an installed wheel carries.
+PROBE_SCRIPT = course_dir("scripts") / "allreduce_check.py"
 
 
 class _Owned:
@@ -171,9 +172,8 @@ class SimCluster:
     def torchrun(self, script, *script_args, rdzv: str = "c10d", **options) -> list[list[str]]:
         """Every node's torchrun command for one job with **c10d** rendezvous (lesson 10's elastic jobs).
 
-        Static rendezvous (``--node-rank``, ``--master-addr``) is lesson 07's exercise, so no
-        method of this class builds it; the library's own is
-        :func:`mgpu_lab.cluster.commands.torchrun_commands`, which takes the same options.
+        Commands with static rendezvous (``--node-rank``, ``--master-addr``) are built
+        elsewhere, by the code that runs them.
 
         Args:
             script, script_args: the training script and its arguments.

@@ -1,8 +1,7 @@
-"""PyTorch's own gradient bucketing, the reference of lesson 09's bucket rule, out of the lesson's reach.
+"""PyTorch's own gradient bucketing: which parameters DDP puts in which bucket, for given sizes and a cap.
 
-Lesson 09's ``09.MiniDDP`` forms DDP's buckets itself, so the notebook does not import
-this module and nothing it imports does; the lesson's check and the library's tests
-use it (``tests/comm/test_ddp_buckets.py`` holds it against the buckets a real DDP forms).
+The course's checks and the library's tests use it (``tests/comm/test_ddp_buckets.py``
+holds it against the buckets a real DDP forms).
 
 Example:
     >>> torch_bucket_assignment([400, 400, 400], cap_bytes=800)

@@ -3,10 +3,9 @@
 - :func:`show_all` runs broadcast, reduce, all_reduce, all_gather, reduce_scatter,
   all_to_all and a send/recv ring in every rank and returns each rank's tensor
   before and after; :func:`plot_collectives` draws them as grids.
-- :func:`ring_trace` runs a ring all-reduce built from send/recv (lesson 09's exercise:
-  the learner's, passed in; the library's reference, :mod:`mgpu_lab.comm.ring`, stays out
-  of the lesson's imports) on values ``(chunk + 1) * 10**rank`` and decodes every message
-  it sends: which chunk, summed over which ranks; :func:`plot_ring` draws the messages.
+- :func:`ring_trace` runs a ring all-reduce built from send/recv, the one passed in,
+  on values ``(chunk + 1) * 10**rank`` and decodes every message it sends: which chunk,
+  summed over which ranks; :func:`plot_ring` draws the messages.
 
 Example:
     >>> from mgpu_lab import launch
@@ -118,7 +117,7 @@ def ring_trace(ring, elements_per_chunk: int = 1) -> dict:
     their value the chunk (for up to 9 ranks). :func:`plot_ring` draws the messages.
 
     Args:
-        ring: a ring all-reduce ``fn(tensor) -> tensor`` (lesson 09's exercise: the learner's in the notebook).
+        ring: a ring all-reduce ``fn(tensor) -> tensor`` (in the notebook: the learner's own).
         elements_per_chunk: elements of each chunk.
 
     Returns:

@@ -11,9 +11,7 @@ gradient in it is ready, while backward goes on with the earlier layers.
 - :func:`step_time_probe`: the time of a training step for several bucket caps;
 - :func:`side_by_side_probe`: a DDP of your own (lesson 09's MiniDDP) trained next to DDP.
 
-PyTorch's own bucketing of parameters of given sizes is
-:func:`mgpu_lab.comm.bucketing.torch_bucket_assignment`, kept out of lesson 09's
-imports: the lesson's ``09.MiniDDP`` builds the buckets itself.
+Which bucket a parameter lands in, for given sizes and cap, is worked out in the lesson itself.
 """
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""A ring all-reduce built from isend/irecv: the reference of lesson 09's exercise, out of the lesson's reach.
+"""A ring all-reduce built from isend/irecv: reduce-scatter, then all-gather, one chunk per step.
 
-Lesson 09 asks the learner to build this (``09.ring_allreduce``), so the notebook does
-not import this module and nothing it imports does: ``bench/collectives.py`` times it
-against ``dist.all_reduce`` (through :func:`mgpu_lab.comm.cost_model.time_ops`), the
-library's tests check it. The notebook's demos run the learner's own ring.
+``bench/collectives.py`` times it against ``dist.all_reduce`` (through
+:func:`mgpu_lab.comm.cost_model.time_ops`); the course's checks and the library's tests use it.
 
 Example:
     >>> from mgpu_lab import launch

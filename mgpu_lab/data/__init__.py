@@ -2,6 +2,5 @@
 
 Lessons 02 (DataLoader tuning: :mod:`.images`, :mod:`.throughput`),
 04 (one shard per rank: :mod:`.datasets`, :mod:`.download`, :mod:`.per_node`, :mod:`.sampler_view`) and
-05 (equal work, not equal counts: :mod:`.workload`, :mod:`.samplers`, :mod:`.uneven`; the references of its
-exercises, which its notebook does not import: :mod:`.balanced`, :mod:`.join`).
+05 (equal work, not equal counts: :mod:`.workload`, :mod:`.samplers`, :mod:`.uneven`).
 """

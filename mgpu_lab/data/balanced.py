@@ -6,11 +6,9 @@ the ranks get different *work*, and every step waits for the slowest rank.
 :func:`plan_balanced` partitions one epoch's indices into equal-length per-rank
 lists of (nearly) equal total cost, the same plan on every rank from
 ``(costs, seed + epoch)``; :class:`CostBalancedSampler` serves one rank's
-list, in place of a ``DistributedSampler``. Lesson 05's learner writes this sampler
-themselves (exercise 05.BalancedDistributedSampler): the lesson's notebook does not
-import this module (its check does, naming both as references an answer may not
-call, and so does ``bench/samplers.py``). Making costs and measuring a partition's
-imbalance is :mod:`mgpu_lab.data.workload`.
+list, in place of a ``DistributedSampler``; ``bench/samplers.py`` times the plan on a
+million samples. Making costs and measuring a partition's imbalance is
+:mod:`mgpu_lab.data.workload`.
 
 Example:
     >>> from mgpu_lab.data.workload import heavy_tailed_lengths, imbalance

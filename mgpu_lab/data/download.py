@@ -4,9 +4,7 @@ The real download code path runs without internet: :func:`serve` starts a
 local HTTP server and :func:`fetch_archive` downloads through torchvision's
 utilities with an MD5 check, to a temporary name that is renamed only once the
 file is complete. :func:`simulate_nodes` lets the ranks of one machine play
-several nodes; :func:`mgpu_lab.data.per_node.run_once` (what lesson 04's
-exercise 04.download_once builds, kept apart from this module) makes one rank per
-node download. The archives are those of :func:`mgpu_lab.data.datasets.write_archive`.
+several nodes; ``scripts/ddp_train.py`` makes one rank per node download. The archives are those of :func:`mgpu_lab.data.datasets.write_archive`.
 
 Example:
     >>> import tempfile

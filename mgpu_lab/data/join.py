@@ -1,8 +1,7 @@
 """Ranks with unequal numbers of batches: DDP's ``Join`` (lesson 05).
 
-:func:`train_with_join` is a reference implementation of what lesson 05's
-``train_uneven`` exercise does by hand (its check rejects an answer that calls it,
-or torch's ``Join``); the lesson's notebook does not import this module.
+:func:`train_with_join` trains a DDP model on a rank's own list of batches, however many,
+under torch's ``Join`` context: a rank out of data shadows the others' collectives.
 
 Example:
     >>> from mgpu_lab import launch

@@ -3,9 +3,6 @@
 :func:`run_once` makes a function (a download: ``per_node.run_once(fetch_archive)``)
 run on local rank 0 of every node while the node's other ranks wait for its result;
 ``scripts/ddp_train.py`` uses it with :func:`mgpu_lab.data.download.fetch_archive`.
-Lesson 04's learner writes this themselves (exercise 04.download_once): its notebook
-does not import this module (nor does anything it imports), and its check fails an
-answer that calls :func:`run_once`.
 """
 from __future__ import annotations
 

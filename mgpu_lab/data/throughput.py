@@ -1,9 +1,8 @@
 """Measuring how well a DataLoader feeds the model.
 
-- :func:`measure` and :func:`sweep_workers`: samples per second of a loader
-  after its workers have started, for several ``num_workers``; :func:`knee`
-  and :func:`plot_sweep` read the result, and :func:`show_sweep` does all three
-  for lesson 02's demo.
+- :func:`show_sweep`: lesson 02's demo of a ``num_workers`` sweep: it prints
+  each rate, plots the curve (:func:`plot_sweep`) and hands back only its
+  :func:`knee`, the fewest workers within 90% of the best.
 - :func:`epoch_starts`: what each epoch pays before its first batch (worker
   start-up, which ``persistent_workers`` pays only once).
 - :func:`timed_loop`: a training loop with a progress bar that splits the time
@@ -13,10 +12,8 @@
   generators of each worker produce (the seeding bug, and its fix).
 
 Example:
-    >>> from mgpu_lab.data.images import EncodedImages
-    >>> rows = sweep_workers(EncodedImages(n=64), [0], batch_size=8, n_batches=2, progress=False)
-    >>> rows[0]["num_workers"], rows[0]["samples_per_s"] > 0
-    (0, True)
+    >>> knee([{"num_workers": 0, "samples_per_s": 100}, {"num_workers": 2, "samples_per_s": 195}])
+    2
 """
 from __future__ import annotations
 
@@ -28,74 +25,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
-__all__ = ["measure", "sweep_workers", "knee", "plot_sweep", "show_sweep", "epoch_starts", "LoopTiming", "timed_loop",
+from mgpu_lab.data.rates import _bar, batch_size_of
+
+__all__ = ["knee", "plot_sweep", "show_sweep", "epoch_starts", "LoopTiming", "timed_loop",
            "copy_timing", "RandomDraws", "draws_by_worker", "batch_size_of"]
-
-
-def _bar(iterable=None, **kwargs):
-    from tqdm.auto import tqdm
-
-    return tqdm(iterable, **kwargs)
-
-
-def batch_size_of(batch) -> int:
-    """Samples in a batch: the length of its first tensor (batches may be tuples, lists or dicts)."""
-    while isinstance(batch, (list, tuple, dict)):
-        if not batch:
-            return 0
-        batch = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
-    return len(batch) if isinstance(batch, torch.Tensor) and batch.dim() > 0 else 1
-
-
-def measure(loader, n_batches: int, warmup: int = 1) -> dict:
-    """Time ``n_batches`` of ``loader`` after ``warmup`` batches (worker start-up excluded).
-
-    Returns:
-        ``{"startup_s", "seconds", "samples", "samples_per_s"}``: start-up is the
-        time to create the iterator and draw the warm-up batches.
-
-    Raises:
-        ValueError: the loader has fewer than ``warmup + n_batches`` batches.
-    """
-    if n_batches < 1 or warmup < 0:
-        raise ValueError(f"n_batches={n_batches}, warmup={warmup}: time at least one batch, warmup >= 0")
-    try:
-        available = len(loader)
-    except TypeError:
-        available = None
-    if available is not None and available < warmup + n_batches:
-        raise ValueError(f"the loader has {available} batches but warmup={warmup} + n_batches={n_batches} "
-                         "were asked for; lower n_batches or use a larger data set")
-    start = time.perf_counter()
-    it = iter(loader)
-    for _ in range(warmup):
-        next(it)
-    timed = time.perf_counter()
-    samples = sum(batch_size_of(next(it)) for _ in range(n_batches))
-    end = time.perf_counter()
-    del it  # stops the workers of a non-persistent loader now
-    return {"startup_s": timed - start, "seconds": end - timed, "samples": samples,
-            "samples_per_s": samples / max(end - timed, 1e-9)}
-
-
-def sweep_workers(dataset: Dataset, workers, batch_size: int = 32, n_batches: int = 10,
-                  warmup: int = 1, progress: bool = True, **loader_kwargs) -> list[dict]:
-    """Throughput of ``DataLoader(dataset, num_workers=k, ...)`` for every ``k`` in ``workers``.
-
-    Each loader is timed after ``max(warmup, k)`` batches, so that every worker
-    has delivered its first batch (start-up is reported apart, as ``startup_s``).
-
-    Returns:
-        One dict per ``k``: ``num_workers`` plus the keys of :func:`measure`.
-    """
-    rows = []
-    bar = _bar(list(workers), desc="num_workers sweep", disable=not progress, leave=False)
-    for k in bar:
-        bar.set_postfix(num_workers=k)
-        loader = DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=k, **loader_kwargs)
-        rows.append({"num_workers": k, **measure(loader, n_batches, warmup=max(warmup, k))})
-    bar.close()
-    return rows
 
 
 def knee(rows: list[dict], fraction: float = 0.9) -> int:
@@ -146,7 +79,7 @@ def show_sweep(dataset: Dataset, workers, batch_size: int = 32, n_batches: int =
     Args:
         dataset: The data set to load.
         workers: The ``num_workers`` values to measure.
-        batch_size, n_batches: As in :func:`sweep_workers`.
+        batch_size, n_batches: Per candidate, batches of ``batch_size`` timed after the workers started.
         cores: The CPU cores to mark on the plot (default: this machine's).
         title: The plot's title.
         ax: A matplotlib axis to draw on (default: a new figure).
@@ -162,7 +95,9 @@ def show_sweep(dataset: Dataset, workers, batch_size: int = 32, n_batches: int =
         num_workers=0: ... samples/s  (start-up ... s)
         0
     """
-    rows = sweep_workers(dataset, workers, batch_size=batch_size, n_batches=n_batches, progress=False)
+    from mgpu_lab.data import rates  # the measurement; the notebook imports only this module
+
+    rows = rates.sweep_workers(dataset, workers, batch_size=batch_size, n_batches=n_batches, progress=False)
     for r in rows:
         print(f"num_workers={r['num_workers']}: {r['samples_per_s']:6.0f} samples/s  (start-up {r['startup_s']:.2f} s)")
     plot_sweep(rows, ax=ax, cores=cores, title=title)

@@ -2,9 +2,8 @@
 
 What can this process run on? Everything here answers that question without ever
 pretending a CPU is a GPU: with no CUDA GPU visible, the functions say so and why,
-and the lessons run their ranks on the CPU. Choosing the GPUs a *child* process sees is
-:mod:`mgpu_lab.devices.visible`; :mod:`mgpu_lab.devices.subset_jobs` starts one child
-per GPU subset and :mod:`mgpu_lab.devices.subset_train` is what such a child runs.
+and the lessons run their ranks on the CPU. :mod:`mgpu_lab.devices.subset_jobs` starts one
+child process per GPU subset and :mod:`mgpu_lab.devices.subset_train` is what such a child runs.
 
 Example:
     >>> from mgpu_lab import devices

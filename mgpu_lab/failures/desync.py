@@ -1,8 +1,7 @@
 """Where the ranks' collective logs part: the analysis of lesson 10's hung runs.
 
-The library's answer to a question lesson 10's exercise ``10.guarded`` must answer
-itself (which rank is the odd one at which call), used by the checks and tests; the
-lesson's notebook does not import this module.
+Which rank is the odd one, at which call: from every rank's log of the collectives it
+entered. The course's checks and the tests use it.
 
 Example:
     >>> first_desync([[("all_reduce", (3,)), ("barrier", ())], [("all_reduce", (3,)), ("all_reduce", (1,))]])

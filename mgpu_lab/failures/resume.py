@@ -1,8 +1,6 @@
 """Training that survives a crash: atomic snapshot files and exact resume of DDP training.
 
-What ``scripts/resumable_train.py`` trains with, and the run lesson 10's checks
-compare a learner's with; lesson 10's exercises build the same two things, so the
-lesson's notebook does not import this module (its learners write their own).
+What ``scripts/resumable_train.py`` trains with; the course's checks compare runs with it.
 
 A process can die at any instruction (SIGKILL, the out-of-memory killer, a
 node that loses power), so a snapshot written in place can be left half

@@ -3,9 +3,7 @@
 A snapshot that lets DDP training resume exactly holds the model, the optimizer,
 the step and every rank's random state (:func:`rng_state`, restored with
 :func:`set_rng_state`); :func:`load_snapshot` reads one with every tensor on the
-CPU. Writing one so that a crash never tears it, and training that resumes from
-it, are lesson 10's exercises: the library's versions live in
-:mod:`mgpu_lab.failures.resume` (``scripts/resumable_train.py`` uses them).
+CPU.
 
 Example:
     >>> import tempfile

@@ -1,16 +1,14 @@
 """What a DDP run is measured against: one process with the global batch, and each rank's share of an evaluation.
 
-Lesson 04 imports this module and not :mod:`mgpu_lab.parallel.ddp`, whose
-training loop and exact evaluation are the answers of its exercises; :mod:`.ddp`
-builds on what is here.
+DDP training (:mod:`mgpu_lab.parallel.ddp`, which ``scripts/`` run) builds on what is here.
 
 - :func:`reference_train`: one process, plain SGD, the global batch: the weights
   DDP must end with;
 - :func:`max_diff` and :func:`cpu_state`: compare two state_dicts, copy one off
   its device (the module inside DDP, without the ``module.`` prefix);
 - :func:`shard_sums`: the sums and the count of this rank's share of an
-  evaluation, for the three ways of splitting it (``exact``, ``padded``, ``drop_last``);
-  combining them over the ranks is lesson 04's exercise ``global_mean``.
+  evaluation, for the three ways of splitting it (``exact``, ``padded``, ``drop_last``),
+  to be combined over the ranks.
 
 Example:
     >>> import torch

@@ -1,8 +1,6 @@
-"""nn.DataParallel step by step, on whatever devices exist: the reference of lesson 03's exercises.
+"""nn.DataParallel step by step, on whatever devices exist.
 
-Lesson 03's learners build ``replicate`` and the forward themselves, so its notebook
-does not import this module (its helpers are in :mod:`mgpu_lab.parallel.dp_tools`);
-the checks, the tests, the benchmarks and later lessons may.
+The checks, the tests and the benchmarks use it.
 
 ``nn.DataParallel`` runs one training step in one process like this:
 

@@ -201,8 +201,7 @@ def train(model_fn, dataset, epochs: int, batch_size: int, lr: float, *, seed: i
     ``batch_size`` is per rank (global batch ``batch_size * world_size``), the
     optimizer is plain SGD with ``lr`` as given, the loss mean cross-entropy,
     and the sampler ``DistributedSampler(shuffle=True, seed=seed)`` with
-    ``set_epoch`` every epoch. This is the reference of lesson 04's exercise 04.ddp_train (its notebook
-    does not import this module).
+    ``set_epoch`` every epoch.
 
     Example:
         >>> from mgpu_lab import launch

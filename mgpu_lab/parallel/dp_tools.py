@@ -1,8 +1,7 @@
 """What lesson 03's notebook uses around DataParallel: devices, threads, a timeline of steps, timing.
 
-The steps of ``nn.DataParallel`` themselves (scatter, replicate, gather) are the
-lesson's exercises and live in :mod:`mgpu_lab.parallel.data_parallel`, which the
-notebook does not import. Here is what runs *around* them: the devices to spread
+Here is what runs *around* the steps of ``nn.DataParallel`` (scatter, replicate,
+gather), which the lesson builds: the devices to spread
 over, the threads that run replicas (:func:`parallel_apply`), a module that runs
 a DataParallel forward you pass it and draws its steps on a
 :class:`~mgpu_lab.parallel.timeline.Timeline` (:class:`TracedDataParallel`), and

@@ -1,12 +1,11 @@
-"""GPipe on one process, timed, and the bubble of a measured step (lesson 06); its notebook does not import this.
+"""GPipe on one process, timed, and the bubble of a measured step.
 
 :func:`timed_step` runs GPipe's micro-batched step on one process (every forward,
 then every backward) with every stage's work timed on a
 :class:`~mgpu_lab.parallel.timeline.Timeline`; :func:`fit_bubble` is the idle
 fraction of GPipe's schedule (:func:`mgpu_lab.parallel.schedule.gpipe_schedule`)
-replayed with a measured step's fit. Lesson 06's exercises (``06.pipelined_step``,
-``06.bubble_fraction``) name both as references an answer may not call. Scripts
-and later lessons may import them.
+replayed with a measured step's fit. Scripts, the course's checks and later lessons
+import them.
 
 Example:
     >>> from mgpu_lab.parallel.timeline import fit_gpipe

@@ -5,9 +5,7 @@ moves the activations between them. With two GPUs the stages sit on cuda:0
 and cuda:1; on a machine without GPUs the same code runs with both devices
 being the CPU (see :func:`stage_devices`). :class:`TwoStageNet`
 holds two stages on two devices (lesson 06's DDP over multi-device replicas uses it),
-and :func:`ideal_timeline` draws the schedule GPipe's formula assumes. The library's
-versions of what the lesson's exercises build (:mod:`mgpu_lab.parallel.gpipe`,
-:mod:`mgpu_lab.parallel.schedule`) are modules the lesson's notebook does not import.
+and :func:`ideal_timeline` draws the schedule GPipe's formula assumes.
 
 Example:
     >>> import torch

@@ -6,8 +6,7 @@ gradients back with asynchronous point-to-point calls) with every micro-batch's 
 and backward timed on each rank (:class:`TimedStage`), and returns one
 :class:`~mgpu_lab.parallel.timeline.Timeline` per configuration.
 :func:`torch_gpipe_rank` runs the same schedule untimed, and :func:`ddp_replica_rank`
-trains DDP over replicas that each span two devices. Lesson 06's learner writes one
-stage's step by hand (``06.stage_step``); no function here does that job for them.
+trains DDP over replicas that each span two devices.
 
 On a machine without GPUs every rank is pinned to its own CPU core with one
 thread (:func:`pin_to_core`): the stages then really run at the same time, as

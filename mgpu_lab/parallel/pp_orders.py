@@ -1,8 +1,6 @@
 """Each pipeline schedule's order of actions per rank, and the schedule replayed from action times (lesson 12).
 
-Lesson 12's notebook does not import this module: its exercises ask for the
-1F1B order and for a schedule's idle fraction, which :func:`orders` and
-:func:`simulate` give. :func:`orders` gives every rank's actions under GPipe, 1F1B,
+:func:`orders` gives every rank's actions under GPipe, 1F1B,
 interleaved 1F1B and ZBV as labels ``F3/s1`` (forward of micro-batch 3 on
 stage 1), ``B`` (whole backward), ``I`` (input gradient), ``W`` (weight
 gradient); interleaved and ZBV orders are torch's own, read from a built

@@ -1,4 +1,4 @@
-"""Training with ``torch.distributed.pipelining``'s schedules: lesson 12's reference, which its notebook does not import.
+"""Training with ``torch.distributed.pipelining``'s schedules, PP alone or PP x DP.
 
 :func:`train` trains an ``nn.Sequential`` cut into equal runs of layers
 (:func:`split_layers`), one stage per rank for GPipe and 1F1B, several per rank
@@ -9,8 +9,7 @@ form a ``(dp, pp)`` mesh: each pipeline trains on its share of every batch and
 the gradients are averaged across the replicas before the step (PP x DP).
 :func:`schedule_rank` runs a schedule on fixed-work layers with every action
 timed (:mod:`.pp_record`), for the lesson's drawings and :mod:`bench`.
-Lesson 12's exercise ``12.pipeline_train`` asks for what :func:`train` does; scripts
-(``scripts/pp_train.py``, as ``pp_train.train``) and later lessons may import it.
+Scripts (``scripts/pp_train.py``, as ``pp_train.train``) and later lessons import it.
 
 Example:
     >>> from mgpu_lab import launch

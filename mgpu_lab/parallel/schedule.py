@@ -1,7 +1,6 @@
 """GPipe's schedule replayed from stage times, a transfer time and an overhead (lesson 06).
 
-Lesson 06's notebook does not import this module: its ``bubble_fraction`` exercise
-asks for this schedule's idle fraction. :func:`mgpu_lab.parallel.model_parallel.ideal_timeline`
+:func:`mgpu_lab.parallel.model_parallel.ideal_timeline`
 draws it for equal stages, and :func:`mgpu_lab.parallel.gpipe.fit_bubble` replays a measured step.
 """
 from __future__ import annotations

@@ -6,6 +6,5 @@ draws a trace's compute and communication lanes per rank and tabulates its opera
 :mod:`.blocks` holds the transformer blocks whose activation memory the lesson counts,
 the formula for a block's activation bytes and a selective-checkpointing policy;
 :mod:`.runs` the lesson's profiled DDP and FSDP2 steps and its measurements of
-checkpointing and compilation. The references of the lesson's exercises live with its
-checks, where the notebook cannot reach them.
+checkpointing and compilation.
 """

@@ -1,7 +1,5 @@
 """ZeRO by hand on a flat parameter: stages 0-2 with any optimizer.
 
-Lesson 08's reference implementation, which its notebook does not import (its
-exercises 08.sharded_sgd_step and 08.ShardedAdam build their own):
 :class:`FlatZero`, ZeRO stages 0, 1 and 2 with any optimizer on one flat parameter,
 which :mod:`mgpu_lab.sharding.side_by_side` measures beside DDP and FSDP2.
 """

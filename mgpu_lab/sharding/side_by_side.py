@@ -9,10 +9,7 @@ DDP's all-reduce is made visible by registering PyTorch's own ``allreduce_hook``
 the time per step, measured in steps that are not recorded.
 :func:`compare` launches it; its ZeRO-1 row runs the optimizer it is given after DDP (the notebook
 gives the learner's ``ShardedAdam``). The lesson's demos that run ZeRO by hand and FSDP2
-before its exercises show their results only (:func:`one_step_collectives`,
-:func:`zero_by_hand`, :func:`pitfalls`): the implementations they run,
-:mod:`mgpu_lab.sharding.flat` and :mod:`mgpu_lab.sharding.wrap`, are imported inside
-the functions, so that the notebook, which imports this module, cannot reach them.
+show their results only (:func:`one_step_collectives`, :func:`zero_by_hand`, :func:`pitfalls`).
 
 Example:
     >>> rows = compare(2, width=64, depth=2)   # the lesson runs 4 ranks and a wider model

@@ -1,9 +1,7 @@
 """FSDP2 applied to a model: ``fully_shard`` on every block, then the root (lesson 08).
 
 :func:`shard_model` is what ``scripts/fsdp_train.py`` and lesson 08's measurements
-(:mod:`mgpu_lab.sharding.side_by_side`) shard with. It lives apart from
-:mod:`mgpu_lab.sharding.fsdp` because lesson 08's notebook imports that module and
-its exercise 08.build_sharded asks the learner to shard a model themselves.
+(:mod:`mgpu_lab.sharding.side_by_side`) shard with.
 
 Example:
     >>> from mgpu_lab import launch

@@ -2,9 +2,7 @@
 
 Lesson 08's library: the memory formula of ZeRO stages 0-3 (:func:`zero_memory`)
 and the bytes a rank really holds, counted from the storages of its tensors
-(:func:`held_bytes`). ZeRO's sharded updates by hand are in :mod:`mgpu_lab.sharding.flat`
-(which lesson 08's notebook does not import: its exercises build them), FSDP2 (stage 3)
-in :mod:`mgpu_lab.sharding.fsdp`.
+(:func:`held_bytes`). FSDP2 (stage 3) is in :mod:`mgpu_lab.sharding.fsdp`.
 
 Example:
     >>> zero_memory(1_000_000, 4, stage=0) / 2**20     # DDP: 16 bytes a parameter, on every rank

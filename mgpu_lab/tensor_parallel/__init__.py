@@ -4,7 +4,5 @@
 mesh) and :mod:`.measure` (what a TP step costs: bytes handed to collectives per step and per
 mesh dimension, activation bytes autograd saves per module, the table of DP, FSDP, TP, TP+SP
 and 2D) are what the lesson's notebook uses, with :mod:`.figures` (diagrams of the column/row
-split and of sequence parallelism). :mod:`.plans` (the block's plan, the 2D wrap)
-holds the references of two of the lesson's exercises: the notebook never imports it,
-``scripts/tp_train.py`` uses it.
+split and of sequence parallelism).
 """

@@ -1,8 +1,6 @@
 """Tensor-parallel plans for lesson 11's :class:`~mgpu_lab.tensor_parallel.block.Block` and the 2D wrap.
 
-These are the references of lesson 11's exercises ``11.tp_plan`` and ``11.parallelize_2d``:
-the lesson's notebook does not import this module, its checks name these functions as
-answers an exercise must not call, and ``scripts/tp_train.py`` uses them.
+``scripts/tp_train.py`` trains with them; the course's checks and the tests use them.
 
 - :func:`block_plan`: ``wq``, ``wk``, ``wv`` and ``fc1`` split by columns, ``wo`` and
   ``fc2`` by rows; ``PrepareModuleInput`` on ``attn`` and ``mlp`` makes each take one

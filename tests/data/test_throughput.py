@@ -1,4 +1,4 @@
-"""mgpu_lab.data.throughput: throughput sweeps, epoch start-up, wait-vs-compute timing, worker RNG draws."""
+"""mgpu_lab.data.throughput and .rates: throughput sweeps, epoch start-up, wait-vs-compute timing, worker RNG draws."""
 from __future__ import annotations
 
 import time
@@ -8,8 +8,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from mgpu_lab.data.rates import measure, sweep_workers
 from mgpu_lab.data.throughput import (LoopTiming, RandomDraws, batch_size_of, copy_timing, draws_by_worker,
-                                      epoch_starts, knee, measure, plot_sweep, sweep_workers, timed_loop)
+                                      epoch_starts, knee, plot_sweep, timed_loop)
 
 matplotlib.use("Agg")
 pytestmark = pytest.mark.timeout(120)

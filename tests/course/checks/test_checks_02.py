@@ -93,7 +93,7 @@ def test_a_trivially_wrong_answer_passes_no_case(exercise_id, answer):
 
 
 def sweep_of_the_demo(dataset, candidates, batch_size, n_batches):
-    from mgpu_lab.data.throughput import show_sweep, sweep_workers  # noqa: F401 - the demo's measurement
+    from mgpu_lab.data.rates import sweep_workers  # the measurement behind the demo's show_sweep
 
     rows = sweep_workers(dataset, candidates, batch_size=batch_size, n_batches=n_batches, progress=False)
     return max(rows, key=lambda r: r["samples_per_s"])["num_workers"]
@@ -102,7 +102,7 @@ def sweep_of_the_demo(dataset, candidates, batch_size, n_batches):
 def test_the_demo_s_sweep_is_a_reference():
     result = check("02.best_num_workers", sweep_of_the_demo)
     assert result.points == 0, str(result)
-    assert "your code calls mgpu_lab.data.throughput.sweep_workers" in result.cases[0].got, str(result)
+    assert "your code calls mgpu_lab.data.rates.sweep_workers" in result.cases[0].got, str(result)
 
 
 @pytest.mark.parametrize("exercise_id", list(POINTS))

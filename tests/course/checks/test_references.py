@@ -236,3 +236,100 @@ def test_the_package_defines_no_exercise_answer_under_the_learner_s_name():
             found += [f"{path.relative_to(ROOT)}:{node.lineno} {name} (the answer to {answers[name]})"
                       for name in defined if name in answers]
     assert not found, "mgpu_lab defines exercise answers under the learner's names:\n" + "\n".join(found)
+
+
+# -- no signposts: docstrings name modules by their role; a notebook names a file that answers an exercise only
+# after that exercise's check cell (GUIDE, convention 7) ------------------------------------------------------
+import ast  # noqa: E402
+import re  # noqa: E402
+
+SIGNPOST = re.compile(r"\bexercises?\b|\breferences? (?:of|for)\b|\breference implementation|"
+                      r"\blibrary's (?:own )?(?:versions?|answers?)\b", re.IGNORECASE)
+
+
+def signposts(text: str, ids=frozenset()) -> list[str]:
+    """The phrases of ``text`` that point at an exercise's answer: "the reference of", "exercise", an exercise id."""
+    found = [m.group(0) for m in SIGNPOST.finditer(text)]
+    return found + sorted(i for i in ids if i in text)
+
+
+def _docstrings(path: Path):
+    tree = ast.parse(path.read_text())
+    for node in [tree, *ast.walk(tree)]:
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            text = ast.get_docstring(node, clean=False)
+            if text:
+                yield getattr(node, "name", "module"), node.lineno if hasattr(node, "lineno") else 1, text
+
+
+def test_the_signpost_scan_finds_the_phrases_it_exists_for():
+    ids = {"07.torchrun_command"}
+    assert signposts("Lessons 03 (:mod:`.data_parallel`, the reference of its exercises)") == ["reference of",
+                                                                                             "exercises"]
+    assert signposts("Lesson 07's reference for 07.torchrun_command", ids) == ["reference for", "07.torchrun_command"]
+    assert signposts("The library's versions of lesson 10's work; a reference implementation") == [
+        "library's versions", "reference implementation"]
+    assert signposts("reference_train: one process with the global batch; scripts/ddp_train.py runs it", ids) == []
+
+
+def test_no_docstring_of_the_library_points_at_an_exercise_s_answer():
+    """The modules a notebook imports (everything but the course's own machinery: checks, grading) describe
+    themselves by their role: never "the reference of exercise N", "the library's version of", an exercise id."""
+    ids = frozenset(e.id for lesson in {p.name[:2] for p in NOTEBOOKS} for e in exercises(lesson))
+    assert len(ids) >= 30, ids
+    found = []
+    for path in sorted((ROOT / "mgpu_lab").rglob("*.py")):
+        if "course" in path.relative_to(ROOT / "mgpu_lab").parts:
+            continue
+        for name, line, text in _docstrings(path):
+            found += [f"{path.relative_to(ROOT)}:{line} ({name}): {hit!r}" for hit in signposts(text, ids)]
+    assert not found, "docstrings that signpost an exercise's answer:\n" + "\n".join(found)
+
+
+def _answer_files(exercise) -> set[str]:
+    """How a text names a file that answers ``exercise``: its references' modules (dotted and as paths) and
+    the scripts that import one of them."""
+    modules = {r.split(":")[0] for r in exercise.references if r.startswith("mgpu_lab.") and ".course." not in r}
+    names = set(modules) | {m.replace(".", "/") + ".py" for m in modules}
+    for script in sorted((ROOT / "scripts").glob("*.py")):
+        imported = set()
+        for node in ast.walk(ast.parse(script.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                imported |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+            elif isinstance(node, ast.Import):
+                imported |= {a.name for a in node.names}
+        if imported & modules:
+            names.add(f"scripts/{script.name}")
+    return names
+
+
+def _before_its_check(notebook: Path):
+    """(exercise, markdown cells before its check cell) for every exercise of the notebook."""
+    import nbformat
+
+    cells = nbformat.read(notebook, as_version=4).cells
+    for exercise in exercises(notebook.name[:2]):
+        call = re.compile(r'\bcheck\(\s*"%s"' % re.escape(exercise.id))
+        at = next((i for i, c in enumerate(cells) if c.cell_type == "code" and call.search(c.source)), None)
+        assert at is not None, f"{notebook.name} has no check cell for {exercise.id}"
+        yield exercise, [(i, c.source) for i, c in enumerate(cells[:at]) if c.cell_type == "markdown"]
+
+
+def test_the_answer_files_of_an_exercise_are_its_modules_and_the_scripts_that_import_them():
+    ddp_train = next(e for e in exercises("04") if e.id == "04.ddp_train")
+    assert {"mgpu_lab.parallel.ddp", "mgpu_lab/parallel/ddp.py", "scripts/ddp_train.py"} <= _answer_files(ddp_train)
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.stem)
+def test_no_markdown_names_a_file_that_answers_an_exercise_before_its_check(notebook):
+    """A notebook names a script or module that answers an exercise only after the exercise's check cell (and
+    says so: "the script does what you wrote in exercise 2"); the docstring scan above covers the modules."""
+    found = []
+    for exercise, cells in _before_its_check(notebook):
+        names = _answer_files(exercise)
+        found += [f"cell {i} names {name} before the check of {exercise.id}"
+                  for i, text in cells for name in sorted(names) if name in text]
+        found += [f"cell {i}: {hit!r} before the check of {exercise.id}"
+                  for i, text in cells for hit in re.findall(r"\breferences? (?:of|for)\b|\blibrary's versions?\b",
+                                                             text, re.IGNORECASE)]
+    assert not found, f"{notebook.name}:\n" + "\n".join(found)

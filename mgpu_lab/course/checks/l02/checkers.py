@@ -2,7 +2,7 @@
 
 Every answer runs in a fresh process or in real ranks (:mod:`.ranks`), with real
 DataLoaders and real workers (an answer to ``best_num_workers`` that calls the
-library's own sweep of worker counts, in :mod:`mgpu_lab.data.throughput`, fails):
+library's own sweep of worker counts, in :mod:`mgpu_lab.data.rates`, fails):
 
 - ``make_loader`` is judged from the loaders it builds (sampler, drop_last,
   pin_memory, persistent_workers, the batches), so "pin_memory exactly when the
@@ -222,7 +222,7 @@ BATCH, N_BATCHES, SAMPLES = 2, 4, 32  # a whole epoch (16 batches) is more than 
 
 @exercise("02.best_num_workers", points=5, description="best_num_workers(dataset, candidates, batch_size, "
           "n_batches): the num_workers with the most samples per second, measured after a warm-up",
-          references=("mgpu_lab.data.throughput:sweep_workers", "mgpu_lab.data.throughput:measure"))
+          references=("mgpu_lab.data.rates:sweep_workers", "mgpu_lab.data.rates:measure"))
 def _best(t, best_num_workers):
     """Catches: the index returned instead of the candidate, the largest or the slowest candidate, a best
     rate never updated, no warm-up (or one without workers only: their start-up timed), num_workers not passed to the DataLoader, n_batches ignored, whole
