@@ -74,6 +74,7 @@ class NotebookGrade:
     completed: bool = True
     reason: str = ""
     notes: list[str] = field(default_factory=list)
+    graded: bool = True  # False: nothing of it was judged (e.g. its SLURM task never ran): no points, not 0
 
     @property
     def points(self) -> int:
@@ -267,6 +268,21 @@ def _failed(path, reason: str) -> NotebookGrade:
                                      if lesson is None or e.lesson == lesson], completed=False, reason=reason)
 
 
+def not_graded(path, reason: str) -> NotebookGrade:
+    """The grade of a notebook that was not graded at all (``reason`` says why): no points, not 0.
+
+    Example:
+        >>> g = not_graded("01_ann.ipynb", "its SLURM task was cancelled")
+        >>> g.graded, g.points, {e.status for e in g.exercises}
+        (False, 0, {'not graded'})
+    """
+    g = _failed(path, reason)
+    for e in g.exercises:
+        e.status = "not graded"
+    g.graded = False
+    return g
+
+
 def _to_dict(g: NotebookGrade) -> dict:
     return asdict(g)
 
@@ -274,13 +290,16 @@ def _to_dict(g: NotebookGrade) -> dict:
 def _from_dict(data: dict, path: Path) -> NotebookGrade:
     """A kept grade, for the notebook now at ``path`` (the same content may have had another name)."""
     return NotebookGrade(str(path), [ExerciseGrade(**e) for e in data["exercises"]], data["completed"],
-                         data["reason"], data["notes"])
+                         data["reason"], data["notes"], data.get("graded", True))
 
 
 def report(grades: list[NotebookGrade], limits: Limits | None = None) -> str:
     """A plain-text table: what the sandbox gave (once), then a line per notebook, then per exercise."""
     lines = [protections().describe(limits)]
     for g in grades:
+        if not g.graded:
+            lines.append(f"{g.path}: not graded (of {g.max_points})  [{g.reason}]")
+            continue
         lines.append(f"{g.path}: {g.points}/{g.max_points}" + ("" if g.completed else f"  [{g.reason}]"))
         lines += [f"  note: {n}" for n in g.notes]
         for e in g.exercises:
@@ -290,11 +309,13 @@ def report(grades: list[NotebookGrade], limits: Limits | None = None) -> str:
 
 
 def write_json(grades: list[NotebookGrade], path: Path | str) -> None:
-    data = [dict(asdict(g), points=g.points, max_points=g.max_points) for g in grades]
+    """Every grade as JSON; a notebook that was not graded has ``"points": null`` (not 0) and its reason."""
+    data = [dict(asdict(g), points=g.points if g.graded else None, max_points=g.max_points) for g in grades]
     Path(path).write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
 
 
 def write_csv(grades: list[NotebookGrade], path: Path | str) -> None:
+    """A row per exercise and a TOTAL per notebook; one that was not graded has empty points, "not graded"."""
     import csv
 
     with open(path, "w", newline="", encoding="utf-8") as f:
@@ -302,5 +323,7 @@ def write_csv(grades: list[NotebookGrade], path: Path | str) -> None:
         w.writerow(["notebook", "exercise", "points", "max_points", "status", "completed", "reason"])
         for g in grades:
             for e in g.exercises:
-                w.writerow([g.path, e.exercise, e.points, e.max_points, e.status, g.completed, g.reason])
-            w.writerow([g.path, "TOTAL", g.points, g.max_points, "", g.completed, g.reason])
+                w.writerow([g.path, e.exercise, e.points if g.graded else "", e.max_points, e.status, g.completed,
+                            g.reason])
+            w.writerow([g.path, "TOTAL", g.points if g.graded else "", g.max_points, "" if g.graded else
+                        "not graded", g.completed, g.reason])
