@@ -255,6 +255,9 @@ def _add_autograder(subparsers) -> None:
                     "submission as `mgpu-lab grade` does (a sandbox per notebook) and writes results.json.")
     parser.add_argument("lessons", nargs="*", metavar="LESSON", help="the assignment's lessons, e.g. 04 (default: all)")
     parser.add_argument("--out", type=Path, default=Path("autograder.zip"), help="default: autograder.zip")
+    parser.add_argument("--budget", type=_seconds, default=540.0, metavar="SECONDS",
+                        help="seconds run_autograder may take for a submission, a minute below the autograder "
+                             "timeout set on Gradescope (default: 540, for its default of 10 minutes)")
     parser.set_defaults(handler=_autograder)
 
 
@@ -262,12 +265,13 @@ def _autograder(args) -> int:
     from mgpu_lab.course.autograder import build
 
     try:
-        out = build(args.out, args.lessons)
+        out = build(args.out, args.lessons, budget=args.budget)
     except ValueError as err:
         print(f"mgpu-lab autograder: {err}", file=sys.stderr)
         return 2
     print(f"{out}: upload it as the autograder of a Gradescope programming assignment "
-          f"(lessons {', '.join(args.lessons) or 'all'}; students upload their NN_*.ipynb notebooks)")
+          f"(lessons {', '.join(args.lessons) or 'all'}; students upload their NN_*.ipynb notebooks); on "
+          f"Gradescope set the autograder's memory to 2 GB at least and its timeout above {args.budget:g} s")
     return 0
 
 

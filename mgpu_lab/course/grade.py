@@ -54,6 +54,7 @@ JUDGE_MIN = 300.0  # seconds judging may take at least (the sandbox's runner sta
 NOTEBOOK_LIMIT = 256 << 20  # bytes: larger files are not run
 PROGRESS_LIMIT = 1 << 20
 NAME = "submission.ipynb"
+LEAN_ENV = "MGPU_LAB_GRADE_LEAN"  # "1": the judge starts once the notebook has ended (less memory at once, slower)
 SKIPS = "skippable.json"
 
 
@@ -208,7 +209,8 @@ def _grade(path: Path, timeout: float, limits: Limits | None, expected, slot: in
         raise ValueError(f"the file has {size} bytes, more than the {NOTEBOOK_LIMIT} a notebook may have")
     with Sandbox(limits, slot=slot) as box, Session(box, deadline=math.inf) as session:
         box.put(NAME, path.read_bytes())
-        session.start()  # in its own namespaces, beside the notebook: it imports torch while the notebook runs
+        if os.environ.get(LEAN_ENV) != "1":  # else it starts at the first request, once the notebook has ended
+            session.start()  # in its own namespaces, beside the notebook: it imports torch while the notebook runs
         reason = _run_notebook(box, timeout, skips)
         # Judging starts once nothing of the notebook runs any more, with a runner that still answers.
         session.deadline = time.monotonic() + max(timeout, JUDGE_MIN)
