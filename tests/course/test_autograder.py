@@ -14,6 +14,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -215,9 +216,9 @@ def test_under_gradescope_s_default_768_mb_the_bundle_still_writes_results_namin
                 group.rmdir()
                 break
             except OSError:
-                import time
                 time.sleep(0.2)
     assert (root / "results" / "results.json").is_file(), f"no results.json: {proc.returncode} {proc.stderr[-2000:]}"
+    assert proc.returncode == 0, proc.stderr[-2000:]  # the process Gradescope started was not the one killed
     results = json.loads((root / "results" / "results.json").read_text())
     _not_graded_named(results)
     if results["score"] < LESSON_01:  # what did not fit says so, and what to set on Gradescope
@@ -261,3 +262,30 @@ exec {sys.executable} "$@"
     wheels = f"CUDA {torch.version.cuda} wheels" if torch.version.cuda else "CPU-only wheels"
     assert f"torch {torch.__version__} ({wheels})" in proc.stdout, proc.stdout
     assert "--extra-index-url" not in (tmp_path / "pip.log").read_text()
+
+
+@pytest.mark.slow
+def test_a_grader_killed_as_the_oom_killer_kills_leaves_results_saying_not_graded_and_why(tmp_path):
+    import psutil
+
+    root = _layout(tmp_path, ["01", "02"], {"01_devices.ipynb": ROOT / "solutions" / "01_devices.ipynb"})
+    env = {**os.environ, "AUTOGRADER_ROOT": str(root), "MGPU_LAB_VENV": THIS_VENV}
+    proc = subprocess.Popen([str(root / "run_autograder")], cwd=root, env=env, stdout=subprocess.PIPE, text=True)
+    killed, deadline = [], time.monotonic() + 60
+    while not killed and time.monotonic() < deadline and proc.poll() is None:
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            try:
+                if "grade-one" in child.cmdline():
+                    child.kill()  # what the OOM killer does to the biggest process of a full cgroup
+                    killed.append(child.pid)
+            except psutil.Error:
+                pass
+        time.sleep(0.05)
+    proc.communicate(timeout=120)
+    assert killed, "the notebook was not graded in a child process of its own"
+    results = json.loads((root / "results" / "results.json").read_text())
+    _not_graded_named(results)
+    ungraded = [t for t in results["tests"] if t["name"].startswith("01.")]
+    assert ungraded and all(t["name"].endswith("not graded") and "killed (SIGKILL), most likely out of memory"
+                            in t["output"] for t in ungraded), ungraded
+    assert "lesson 02: no notebook submitted" in results["output"]
