@@ -114,8 +114,21 @@ def _events(data: bytes) -> list[dict]:
         if cell is not None and not (isinstance(cell, int) and not isinstance(cell, bool) and 0 <= cell < 10**6):
             continue
         out.append({"cell": cell, "ended": e.get("ended") if e.get("ended") in ("ok", "died", "error") else None,
-                    "why": clean(e.get("why", ""), 300)})
+                    "why": clean(e.get("why", ""), 300), "syntax": _syntax(e.get("syntax"))})
     return out
+
+
+def _syntax(found) -> str:
+    """The runner's syntax errors in words ("" where there are none or they make no sense)."""
+    if not isinstance(found, list):
+        return ""
+    said = []
+    for f in found[:5]:
+        if isinstance(f, dict) and isinstance(f.get("cell"), int) and not isinstance(f.get("cell"), bool):
+            line = f.get("line") if isinstance(f.get("line"), int) else None
+            said.append(f"cell {f['cell']} did not run: {clean(f.get('what', ''), 200)}"
+                        + (f" at line {line}" if line else ""))
+    return "; ".join(said)
 
 
 def _run_notebook(box: Sandbox, timeout: float, skips: set[str]) -> str:
@@ -154,6 +167,7 @@ def _run_notebook(box: Sandbox, timeout: float, skips: set[str]) -> str:
         err.seek(0)
         stderr = err.read(1 << 16).decode(errors="replace")
     events = _events(data)
+    box.syntax = next((e["syntax"] for e in events if e["syntax"]), "")  # where the code did not compile
     cells = [e["cell"] for e in events if e["cell"] is not None]
     ended = next((e for e in events if e["ended"]), None)
     where = f" (it was running cell {cells[-1]})" if cells else ""
@@ -220,11 +234,18 @@ def _grade(path: Path, timeout: float, limits: Limits | None, expected, slot: in
     for ex in expected:
         r = results.get(ex.id)
         if r is None:
-            grades.append(ExerciseGrade(ex.id, 0, ex.points, "not checked"))
+            grades.append(ExerciseGrade(ex.id, 0, ex.points, "not checked", _unchecked(getattr(box, "syntax", ""))))
         else:
             grades.append(ExerciseGrade(ex.id, r.points, ex.points, r.status, r.note,
                                         [asdict(c) for c in r.cases]))
     return NotebookGrade(str(path), grades, completed=not reason, reason=reason, notes=notes)
+
+
+def _unchecked(syntax: str) -> str:
+    """Why an exercise was not checked, where the notebook says: the cells that did not compile."""
+    if not syntax:
+        return ""
+    return f"no check cell of it ran to the end; {syntax} (nothing that cell defines exists)"
 
 
 def grade(paths, timeout: float = DEFAULT_TIMEOUT, limits: Limits | None = None, *, jobs: int = 1,

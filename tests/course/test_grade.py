@@ -218,3 +218,13 @@ def test_cli_grades_the_notebooks_in_a_folder_and_says_when_a_folder_holds_none(
     (tmp_path / "empty").mkdir()
     assert main(["grade", str(tmp_path / "empty"), "--results", str(tmp_path / "kept")]) == 2
     assert f"{tmp_path / 'empty'} is a folder that holds no notebook (.ipynb)" in capsys.readouterr().err
+
+
+def test_an_exercise_not_checked_because_its_cell_did_not_compile_says_which_cell_and_line(tmp_path):
+    from mgpu_lab.course.grade import grade
+
+    path = _nb(tmp_path, "01_syntax.ipynb", HEADER, "import math\ndef pick_device(index=None)\n    return 0", CHECK)
+    (g,) = grade([path], timeout=HANG_TIMEOUT)
+    e = _by_id(g)["01.pick_device"]
+    assert e.status == "not checked" and e.points == 0
+    assert "cell 1 did not run: SyntaxError" in e.note and "at line 2" in e.note, e.note
