@@ -134,7 +134,7 @@ _SYNTAX = ("SyntaxError", "IndentationError", "TabError")
 
 
 def syntax_errors(nb, index: list[int]) -> list[dict]:
-    """The cells of the executed ``nb`` that did not compile: original cell index, line, and the error.
+    r"""The cells of the executed ``nb`` that did not compile: original cell index, line, and the error.
 
     Example:
         >>> from nbformat.v4 import new_code_cell, new_notebook, new_output
