@@ -161,7 +161,8 @@ def _add_grade(subparsers) -> None:
         description="Each notebook runs in its own sandbox (a user, a directory, an allow-listed environment, "
                     "resource limits, no network, a PID namespace) under a timeout; the grader then judges "
                     "every check itself. Prints points per exercise and a total per notebook.")
-    parser.add_argument("paths", nargs="+", type=Path, help="notebooks to grade")
+    parser.add_argument("paths", nargs="+", type=Path,
+                        help="notebooks to grade, or folders: every notebook in them (below too) is graded")
     parser.add_argument("--json", type=Path, help="also write the grades as JSON")
     parser.add_argument("--csv", type=Path, help="also write the grades as CSV")
     parser.add_argument("--gradescope", type=Path, metavar="OUT",
@@ -184,7 +185,10 @@ def _add_grade(subparsers) -> None:
                                       "--chunk), on the nodes; --results must be on a file system they all see")
     slurm.add_argument("--slurm", action="store_true", help="grade as a SLURM job array (run on the login node)")
     slurm.add_argument("--partition", help="the partition to submit to (default: the cluster's)")
-    slurm.add_argument("--nodes", type=_jobs, metavar="N", help="tasks grading at once (default: as many as fit)")
+    slurm.add_argument("--parallel", type=_jobs, metavar="N",
+                       help="array tasks grading at once, whatever the nodes they land on (default: as many as fit)")
+    slurm.add_argument("--nodes", type=_jobs, metavar="N", dest="nodes_deprecated",
+                       help="deprecated: the old name of --parallel (it never counted nodes)")
     slurm.add_argument("--chunk", type=_jobs, default=1, metavar="K", help="submissions per task (default: 1)")
     parser.set_defaults(handler=_grade)
 
@@ -198,13 +202,30 @@ def _jobs(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r}: {err}") from None
 
 
+def _notebooks(paths: list[Path]) -> tuple[list[Path], list[str]]:
+    """The notebooks ``paths`` name (a folder: the notebooks in it and below, checkpoints left out), and
+    what is wrong with the others, in words."""
+    out, wrong = [], []
+    for p in paths:
+        if p.is_dir():
+            found = sorted(q for q in p.rglob("*.ipynb") if ".ipynb_checkpoints" not in q.parts and q.is_file())
+            out += found
+            if not found:
+                wrong.append(f"{p} is a folder that holds no notebook (.ipynb)")
+        elif p.is_file():
+            out.append(p)
+        else:
+            wrong.append(f"no such notebook or folder: {p}")
+    return out, wrong
+
+
 def _grade(args) -> int:
     from mgpu_lab.course.batch import default_jobs
     from mgpu_lab.course.grade import grade
 
-    missing = [str(p) for p in args.paths if not p.is_file()]
-    if missing:
-        print(f"mgpu-lab grade: no such notebook: {', '.join(missing)}", file=sys.stderr)
+    args.paths, wrong = _notebooks(args.paths)
+    if wrong:
+        print("mgpu-lab grade: " + "; ".join(wrong), file=sys.stderr)
         return 2
     if args.slurm:
         grades = _grade_on_slurm(args)
@@ -227,9 +248,13 @@ def _grade(args) -> int:
 def _grade_on_slurm(args):
     from mgpu_lab.course.slurm_grade import grade_on_slurm
 
+    if args.nodes_deprecated is not None:
+        print("mgpu-lab grade: --nodes is deprecated: it sets how many array tasks grade at once, not nodes; "
+              "use --parallel", file=sys.stderr)
+        args.parallel = args.parallel or args.nodes_deprecated
     try:
         return grade_on_slurm(args.paths, timeout=args.timeout, store=args.results, force=args.force,
-                              all_cells=args.all_cells, partition=args.partition, parallel=args.nodes,
+                              all_cells=args.all_cells, partition=args.partition, parallel=args.parallel,
                               chunk=args.chunk, progress=True)
     except RuntimeError as err:
         print(f"mgpu-lab grade --slurm: {err}", file=sys.stderr)
@@ -264,6 +289,9 @@ def _add_autograder(subparsers) -> None:
                     "submission as `mgpu-lab grade` does (a sandbox per notebook) and writes results.json.")
     parser.add_argument("lessons", nargs="*", metavar="LESSON", help="the assignment's lessons, e.g. 04 (default: all)")
     parser.add_argument("--out", type=Path, default=Path("autograder.zip"), help="default: autograder.zip")
+    parser.add_argument("--budget", type=_seconds, default=540.0, metavar="SECONDS",
+                        help="seconds run_autograder may take for a submission, a minute below the autograder "
+                             "timeout set on Gradescope (default: 540, for its default of 10 minutes)")
     parser.set_defaults(handler=_autograder)
 
 
@@ -271,12 +299,13 @@ def _autograder(args) -> int:
     from mgpu_lab.course.autograder import build
 
     try:
-        out = build(args.out, args.lessons)
+        out = build(args.out, args.lessons, budget=args.budget)
     except ValueError as err:
         print(f"mgpu-lab autograder: {err}", file=sys.stderr)
         return 2
     print(f"{out}: upload it as the autograder of a Gradescope programming assignment "
-          f"(lessons {', '.join(args.lessons) or 'all'}; students upload their NN_*.ipynb notebooks)")
+          f"(lessons {', '.join(args.lessons) or 'all'}; students upload their NN_*.ipynb notebooks); on "
+          f"Gradescope set the autograder's memory to 2 GB at least and its timeout above {args.budget:g} s")
     return 0
 
 

@@ -17,6 +17,18 @@ image, and ``run_autograder`` for every submission, which calls :func:`run`:
 - whatever goes wrong (no notebook, not a notebook, a crash, a hang, an error of
   the grader itself), a results file is written, with 0 and the reason.
 
+Within Gradescope's limits (by default 768 MB of memory and 10 minutes), the
+process Gradescope starts stays small (it imports neither torch nor the checks)
+and never grades: each notebook is graded in a child process of its own, one
+after the other (the judge starting once the notebook has ended), so that only
+one notebook's kernel or judge holds memory at a time. The supervising process
+writes a valid ``results.json`` before anything is graded and again after each
+notebook, so that whatever kills the grading (memory, time) leaves results that
+name what was not graded and why; it asks the kernel's OOM killer to take a
+child before itself. The whole submission gets a time budget (:data:`BUDGET`,
+below Gradescope's default limit; ``mgpu-lab autograder --budget``): a notebook
+still grading when its share of it runs out is stopped and reported not graded.
+
 Example:
     >>> import tempfile, zipfile
     >>> out = build(os.path.join(tempfile.mkdtemp(), "autograder.zip"), ["01"])
@@ -27,11 +39,14 @@ Example:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
 import shutil
+import signal
 import stat
+import subprocess
 import sys
 import tempfile
 import time
@@ -41,6 +56,10 @@ from pathlib import Path
 __all__ = ["build", "run", "results_for"]
 
 LESSONS_FILE = "lessons.txt"
+BUDGET = 540.0  # seconds for a whole submission: below Gradescope's default limit of 10 minutes
+RESERVE = 15.0  # seconds of the budget kept for writing the results
+OOM_HINT = ("most likely out of memory: give the autograder more memory in Gradescope's settings (2 GB at "
+            "least; see the course README)")
 SOURCE_FILES = ("pyproject.toml", "constraints.txt", "README.md")
 
 SETUP_SH = r"""#!/usr/bin/env bash
@@ -60,16 +79,24 @@ fi
 "$VENV/bin/python" -m pip install --quiet --upgrade pip
 INDEX="${MGPU_LAB_TORCH_INDEX-https://download.pytorch.org/whl/cpu}"
 REACHABLE="import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)"
-if [ -n "$INDEX" ] && [ "$(uname -m)" = x86_64 ] && "$VENV/bin/python" -c "$REACHABLE" "$INDEX/torch/" 2>/dev/null
-then
+if [ -z "$INDEX" ]; then
+    echo "setup.sh: torch from the default index (PyPI), as MGPU_LAB_TORCH_INDEX is empty: on x86_64 Linux" \
+         "these are the CUDA wheels (about 5.8 GB)"
+elif [ "$(uname -m)" != x86_64 ]; then
+    echo "setup.sh: torch from the default index (PyPI): $(uname -m) has CPU-only wheels there"
+elif "$VENV/bin/python" -c "$REACHABLE" "$INDEX/torch/" 2>/dev/null; then
     echo "setup.sh: CPU-only torch from $INDEX"
     "$VENV/bin/python" -m pip install --quiet --extra-index-url "$INDEX" -c "$SRC/constraints.txt" torch torchvision
 else
-    echo "setup.sh: torch from the default index"
+    echo "setup.sh: WARNING: the CPU-only torch index $INDEX is not reachable from here: torch comes from" \
+         "the default index (PyPI) instead, with its CUDA wheels (about 5.8 GB, several minutes; the grader" \
+         "needs none of it). Set MGPU_LAB_TORCH_INDEX to a CPU-only index this image reaches, or to nothing" \
+         "to take PyPI's on purpose." | tee /dev/stderr
 fi
 "$VENV/bin/python" -m pip install --quiet -c "$SRC/constraints.txt" -e "$SRC"
-cd / && "$VENV/bin/python" -c \
-    "import mgpu_lab, torch; print('setup.sh: mgpu_lab', mgpu_lab.__file__, 'torch', torch.__version__)"
+cd / && "$VENV/bin/python" -c "import mgpu_lab, torch
+wheels = f'CUDA {torch.version.cuda} wheels' if torch.version.cuda else 'CPU-only wheels'
+print('setup.sh: mgpu_lab', mgpu_lab.__file__, 'torch', torch.__version__, f'({wheels})')"
 """
 
 RUN_AUTOGRADER = r"""#!/usr/bin/env bash
@@ -77,7 +104,7 @@ RUN_AUTOGRADER = r"""#!/usr/bin/env bash
 # /autograder/results/results.json (always: a failure gives 0 points and says why).
 ROOT="${AUTOGRADER_ROOT:-/autograder}"
 cd "$ROOT" || exit 1
-exec "${MGPU_LAB_VENV:-$ROOT/venv}/bin/python" -m mgpu_lab.course.autograder run --root "$ROOT"
+exec "${MGPU_LAB_VENV:-$ROOT/venv}/bin/python" -m mgpu_lab.course.autograder run --root "$ROOT" --budget {budget}
 """
 
 
@@ -103,19 +130,26 @@ def _add(zf: zipfile.ZipFile, name: str, data: bytes, executable: bool = False) 
     zf.writestr(info, data)
 
 
-def build(out: str | os.PathLike, lessons=None) -> Path:
+def build(out: str | os.PathLike, lessons=None, budget: float = BUDGET) -> Path:
     """Write the autograder bundle for ``lessons`` (e.g. ``["04"]``; default every lesson) to ``out``.
 
+    ``budget``: the seconds ``run_autograder`` may take for a submission (keep it
+    a minute below the autograder timeout set on Gradescope; 10 minutes by default).
+
     Raises:
-        ValueError: a lesson this course does not have.
+        ValueError: a lesson this course does not have, or a budget under a minute.
     """
+    from .grade import check_timeout
+
+    if check_timeout(budget) < 60:
+        raise ValueError(f"budget={budget!r}: give at least 60 seconds (a notebook's kernel and torch start first)")
     root = _project_root()
     chosen = _lessons(lessons, root)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with zipfile.ZipFile(out, "w") as zf:
         _add(zf, "setup.sh", SETUP_SH.encode(), executable=True)
-        _add(zf, "run_autograder", RUN_AUTOGRADER.encode(), executable=True)
+        _add(zf, "run_autograder", RUN_AUTOGRADER.replace("{budget}", f"{budget:g}").encode(), executable=True)
         _add(zf, LESSONS_FILE, ("\n".join(chosen) + "\n").encode())
         for name in SOURCE_FILES:
             _add(zf, name, (root / name).read_bytes())
@@ -173,6 +207,11 @@ def results_for(grades: dict, lessons: list[str], notes: list[str], student: str
                               "output": f"no notebook of lesson {lesson} was submitted", "visibility": "visible"})
             lines.append(f"lesson {lesson}: no notebook submitted")
             continue
+        if not g.graded:
+            tests += [{"name": f"{e.exercise}: not graded", "score": 0, "max_score": e.max_points,
+                       "output": g.reason, "visibility": "visible"} for e in g.exercises]
+            lines.append(f"lesson {lesson} ({Path(g.path).name}): {g.reason}")
+            continue
         result = results_json(g)
         tests += result["tests"]
         score += result["score"]
@@ -191,26 +230,45 @@ def _failed(lessons: list[str], why: str, student: str) -> dict:
     return out
 
 
-def run(root: str | os.PathLike = "/autograder", timeout: float = 600.0, jobs: int | None = None) -> dict:
-    """Grade ``ROOT/submission`` with the lessons of ``ROOT/source``; write and return ``ROOT/results/results.json``."""
+def run(root: str | os.PathLike = "/autograder", timeout: float = 600.0, budget: float = BUDGET) -> dict:
+    """Grade ``ROOT/submission`` with the lessons of ``ROOT/source`` within ``budget`` seconds; write and return
+    ``ROOT/results/results.json`` (written first as "not graded", then after each notebook)."""
     root = Path(root)
-    started = time.monotonic()
+    deadline = time.monotonic() + budget
+    _oom_score(-1000)  # the OOM killer takes a grading child, never the process that writes the results
     lessons = (root / "source" / LESSONS_FILE).read_text().split()
     student = _student(root / "submission_metadata.json")
+    out = root / "results" / "results.json"
+    save = functools.partial(_save, out, deadline - budget)
+    save(_failed(lessons, "not graded: the grading was stopped before it ended (killed: out of memory, or past "
+                          "the platform's time limit)", student))
     try:
-        results = _grade_submission(root / "submission", lessons, student, timeout, jobs)
+        results = _grade_submission(root / "submission", lessons, student, timeout, deadline, save)
     except Exception as exc:  # noqa: BLE001 - Gradescope must always get results
         results = _failed(lessons, f"the grader failed ({type(exc).__name__}: {str(exc)[:300]})", student)
+    return save(results)
+
+
+def _save(out: Path, started: float, results: dict) -> dict:
     results["execution_time"] = round(time.monotonic() - started, 1)
-    out = root / "results" / "results.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1))
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(json.dumps(results, indent=1))
+    os.replace(tmp, out)  # whole, whenever the process is killed
     return results
 
 
-def _grade_submission(folder: Path, lessons: list[str], student: str, timeout: float, jobs) -> dict:
-    from .batch import default_jobs
-    from .grade import grade
+def _oom_score(value: int) -> None:
+    """Set this process's OOM score adjustment (lowering it needs root: elsewhere it stays as it is)."""
+    try:
+        Path("/proc/self/oom_score_adj").write_text(str(value))
+    except OSError:
+        pass
+
+
+def _grade_submission(folder: Path, lessons: list[str], student: str, timeout: float, deadline: float,
+                      save) -> dict:
+    from .grade import not_graded
 
     notebooks = sorted(p for p in folder.rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts) \
         if folder.is_dir() else []
@@ -219,11 +277,58 @@ def _grade_submission(folder: Path, lessons: list[str], student: str, timeout: f
                        f"e.g. {lessons[0]}_....ipynb", student)
     with tempfile.TemporaryDirectory(prefix="mgpu-lab-autograder-") as work:
         chosen, notes = _match(notebooks, lessons, Path(work))
-        paths = [chosen[lesson] for lesson in lessons if lesson in chosen]
-        grades = grade(paths, timeout=timeout, jobs=jobs or min(default_jobs(), max(len(paths), 1))) if paths \
-            else []
-    by_lesson = {lesson: g for lesson, g in zip([x for x in lessons if x in chosen], grades)}
-    return results_for(by_lesson, lessons, notes, student)
+        todo = [lesson for lesson in lessons if lesson in chosen]
+        grades = {x: not_graded(chosen[x], "not graded: the grading was stopped before it reached this notebook "
+                                           "(killed: out of memory, or past the platform's time limit)")
+                  for x in todo}
+        for n, lesson in enumerate(todo):
+            grades[lesson] = not_graded(chosen[lesson], "not graded: the grading was stopped while it graded this "
+                                        "notebook (killed: out of memory, or past the platform's time limit)")
+            save(results_for(grades, lessons, notes, student))
+            share = (deadline - RESERVE - time.monotonic()) / (len(todo) - n)
+            grades[lesson] = _grade_in_child(chosen[lesson], min(timeout, max(10.0, 0.6 * share)), share,
+                                             Path(work) / f"{lesson}.json")
+    return results_for(grades, lessons, notes, student)
+
+
+def _grade_in_child(path: Path, timeout: float, seconds: float, out: Path):
+    """Grade one notebook in a child process, for at most ``seconds``; its grade, or "not graded" and why."""
+    from .grade import _from_dict, not_graded
+
+    if seconds < 10:
+        return not_graded(path, "not graded: the time budget of this submission ran out before this notebook")
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen([sys.executable, "-m", "mgpu_lab.course.autograder", "grade-one", str(path),
+                                 str(out), f"{timeout:g}"], stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            code = proc.wait(seconds)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # its sandboxes die with it (parent-death signal)
+            proc.wait()
+            return not_graded(path, f"not graded: its grading was stopped when its share of the time budget "
+                                    f"ran out ({seconds:.0f} s; the notebook may run {timeout:.0f} s)")
+        log.seek(0)
+        tail = log.read()[-400:].decode(errors="replace").strip()
+    try:
+        return _from_dict(json.loads(out.read_text()), path)
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    if code == -signal.SIGKILL:
+        return not_graded(path, f"not graded: its grader was killed (SIGKILL), {OOM_HINT}")
+    return not_graded(path, f"not graded: its grader failed (exit {code}): {tail[-300:]}")
+
+
+def _grade_one(path: str, out: str, timeout: float) -> int:
+    """What the child of :func:`_grade_in_child` runs: grade one notebook, write its grade as JSON."""
+    _oom_score(1000)  # taken before the process that writes the results
+    from .grade import LEAN_ENV, _to_dict, grade
+
+    os.environ[LEAN_ENV] = "1"  # the judge starts once the notebook has ended
+
+    (g,) = grade([path], timeout=timeout)
+    Path(out).write_text(json.dumps(_to_dict(g)))
+    return 0
 
 
 def main(argv=None) -> int:
@@ -232,9 +337,16 @@ def main(argv=None) -> int:
     actions = parser.add_subparsers(dest="action", required=True)
     runner = actions.add_parser("run", help="grade ROOT/submission, write ROOT/results/results.json")
     runner.add_argument("--root", default="/autograder")
-    runner.add_argument("--timeout", type=float, default=600.0)
+    runner.add_argument("--timeout", type=float, default=600.0, help="seconds a notebook may run at most")
+    runner.add_argument("--budget", type=float, default=BUDGET, help="seconds for the whole submission")
+    one = actions.add_parser("grade-one", help="grade one notebook, write its grade as JSON (what run starts)")
+    one.add_argument("notebook")
+    one.add_argument("out")
+    one.add_argument("timeout", type=float)
     args = parser.parse_args(argv)
-    results = run(args.root, args.timeout)
+    if args.action == "grade-one":
+        return _grade_one(args.notebook, args.out, args.timeout)
+    results = run(args.root, args.timeout, args.budget)
     print(results["output"])
     return 0
 

@@ -8,7 +8,9 @@
   sandbox slot, so that no two sandboxes share a user and its process limit);
   :func:`default_jobs` fits the machine's cores and memory;
 - a :class:`Progress` line on stderr: submissions done, how many did not
-  complete, how many run, and the time left;
+  complete, how many run, the time left, and which run long (a submission
+  still running after :attr:`Progress.LONG` seconds, or twice the mean, is
+  named, with how long it has run, and again each minute);
 - a :class:`Store` of results, one JSON file per submission under a key made of
   its content, its lesson and what grades it (the grader's code, reference
   notebooks, timeout and limits): a re-run grades only what is new or changed,
@@ -26,6 +28,7 @@ import json
 import multiprocessing
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -116,11 +119,38 @@ class Progress:
     line is printed per submission done.
     """
 
+    LONG = 120.0  # seconds after which a running submission is named (or twice the mean, if longer)
+    TICK = 5.0  # seconds between two looks at what runs long
+
     def __init__(self, total: int, jobs: int, stream=None):
         self.total, self.jobs, self.stream = total, jobs, stream or sys.stderr
         self.done = self.incomplete = self.cached = self.running = 0
         self.seconds: list[float] = []
         self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.since: dict = {}  # key -> (name, when it started), of what runs now
+        self._lock, self._long = threading.Lock(), ""
+
+    def start(self, key, name: str) -> None:
+        """``name`` (key ``key``) started now."""
+        self.since[key] = (name, time.monotonic())
+
+    def stop(self, key) -> None:
+        self.since.pop(key, None)
+
+    def long(self) -> str:
+        """``running long: 03_x.ipynb (4 min)``: what has run longer than :attr:`LONG` s or twice the mean."""
+        limit = max(self.LONG, 2 * sum(self.seconds) / len(self.seconds) if self.seconds else 0.0)
+        now = time.monotonic()
+        slow = sorted(((now - t, name) for name, t in list(self.since.values()) if now - t > limit), reverse=True)
+        return ("running long: " + ", ".join(f"{name} ({_duration(s)})" for s, name in slow)) if slow else ""
+
+    def tick(self) -> None:
+        """Show the line again when what runs long has changed (names, or minutes)."""
+        long = self.long()
+        if long != self._long:
+            self._long = long
+            if long:
+                self.show()
 
     def line(self) -> str:
         text = f"grading: {self.done}/{self.total} done"
@@ -135,14 +165,16 @@ class Progress:
             each = sum(self.seconds) / len(self.seconds)
             eta = each * left / max(1, min(self.jobs, left))
             text += f", {each:.0f} s each, about {_duration(eta)} left"
-        return text
+        long = self.long()
+        return text + (f"; {long}" if long else "")
 
     def show(self, final: bool = False) -> None:
-        if self.tty:
-            self.stream.write("\r\x1b[2K" + self.line() + ("\n" if final else ""))
-        else:
-            self.stream.write(self.line() + "\n")
-        self.stream.flush()
+        with self._lock:
+            if self.tty:
+                self.stream.write("\r\x1b[2K" + self.line() + ("\n" if final else ""))
+            else:
+                self.stream.write(self.line() + "\n")
+            self.stream.flush()
 
     def finished(self, seconds: float | None, complete: bool) -> None:
         self.done += 1
@@ -158,16 +190,23 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
 
 
-_SLOT = {"value": 0}
+_SLOT = {"value": 0, "started": None}
 
 
-def _init_worker(slots) -> None:
-    _SLOT["value"] = slots.get()
+def _init_worker(slots, started=None) -> None:
+    _SLOT["value"], _SLOT["started"] = slots.get(), started
 
 
-def _work(fn, path):
+def _work(fn, path, key=None):
+    if _SLOT["started"] is not None:
+        _SLOT["started"].put(key)  # for the progress line: which submissions run, since when
     start = time.monotonic()
     return fn(path, slot=_SLOT["value"]), time.monotonic() - start
+
+
+def _ticking(bar, stop: threading.Event) -> None:
+    while not stop.wait(bar.TICK):
+        bar.tick()
 
 
 def run_batch(paths, fn, *, jobs: int = 1, store: Store | None = None, force: bool = False,
@@ -224,43 +263,70 @@ class _Batch:
             todo.append(i)
         return todo
 
-    def done(self, i: int, result, seconds: float) -> None:
+    def done(self, i: int, result, seconds: float, running: int = 0) -> None:
+        """Keep submission ``i``'s result; ``running``: how many still run now."""
         self.results[i] = result
         if self.store is not None and self.keys[i] is not None:
             self.store.put(self.keys[i], self.to_dict(result))
         if self.bar:
-            self.bar.running = max(0, self.bar.running - 1)
+            self.bar.stop(i)
+            self.bar.running = running
             self.bar.finished(seconds, self.complete(result))
 
     def one_by_one(self, indices: list[int]) -> None:
-        for i in indices:
-            if self.bar:
-                self.bar.running = 1
-            start = time.monotonic()
-            self.done(i, self.fn(self.paths[i], slot=0), time.monotonic() - start)
+        stop = threading.Event()
+        if self.bar:
+            threading.Thread(target=_ticking, args=(self.bar, stop), daemon=True).start()
+        try:
+            for i in indices:
+                if self.bar:
+                    self.bar.running = 1
+                    self.bar.start(i, self.paths[i].name)
+                start = time.monotonic()
+                self.done(i, self.fn(self.paths[i], slot=0), time.monotonic() - start)
+        finally:
+            stop.set()
 
     def pool_round(self, indices: list[int], workers: int) -> list[int]:
         """Grade ``indices`` in a pool of ``workers``; those whose worker pool broke."""
         context = multiprocessing.get_context("spawn")  # the grader's own start method is left as it is
-        slots = context.Queue()
+        slots, started = context.Queue(), context.Queue()
         for k in range(workers):
             slots.put(k)
-        broken = []
+        broken, ended = [], set()
         with cf.ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
-                                    initargs=(slots,)) as pool:
-            futures = {pool.submit(_work, self.fn, self.paths[i]): i for i in indices}
+                                    initargs=(slots, started)) as pool:
+            futures = {pool.submit(_work, self.fn, self.paths[i], i): i for i in indices}
+            pending = set(futures)
             if self.bar:
                 self.bar.running = min(workers, len(indices))
                 self.bar.show()
-            for future in cf.as_completed(futures):
-                i = futures[future]
-                try:
-                    result, seconds = future.result()
-                except cf.process.BrokenProcessPool:
-                    broken.append(i)
-                    continue
-                except Exception as exc:  # noqa: BLE001 - one submission must never stop the batch
-                    result = self.failed(self.paths[i], f"the grader failed ({type(exc).__name__}: {exc})")
-                    seconds = 0.0
-                self.done(i, result, seconds)
+            while pending:
+                finished, pending = cf.wait(pending, timeout=self.bar.TICK if self.bar else None,
+                                            return_when=cf.FIRST_COMPLETED)
+                self._started(started, ended)
+                for future in finished:
+                    i = futures[future]
+                    ended.add(i)
+                    try:
+                        result, seconds = future.result()
+                    except cf.process.BrokenProcessPool:
+                        broken.append(i)
+                        continue
+                    except Exception as exc:  # noqa: BLE001 - one submission must never stop the batch
+                        result = self.failed(self.paths[i], f"the grader failed ({type(exc).__name__}: {exc})")
+                        seconds = 0.0
+                    self.done(i, result, seconds, running=min(workers, len(pending)))
+                if self.bar:
+                    self.bar.tick()
         return sorted(broken)
+
+    def _started(self, started, ended: set) -> None:
+        """Tell the progress line which submissions the workers have started (those not ended already)."""
+        while True:
+            try:
+                i = started.get_nowait()
+            except Exception:  # noqa: BLE001 - queue.Empty: nothing more for now
+                return
+            if self.bar and i not in ended:
+                self.bar.start(i, self.paths[i].name)

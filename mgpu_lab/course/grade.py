@@ -54,6 +54,7 @@ JUDGE_MIN = 300.0  # seconds judging may take at least (the sandbox's runner sta
 NOTEBOOK_LIMIT = 256 << 20  # bytes: larger files are not run
 PROGRESS_LIMIT = 1 << 20
 NAME = "submission.ipynb"
+LEAN_ENV = "MGPU_LAB_GRADE_LEAN"  # "1": the judge starts once the notebook has ended (less memory at once, slower)
 SKIPS = "skippable.json"
 
 
@@ -74,6 +75,7 @@ class NotebookGrade:
     completed: bool = True
     reason: str = ""
     notes: list[str] = field(default_factory=list)
+    graded: bool = True  # False: nothing of it was judged (e.g. its SLURM task never ran): no points, not 0
 
     @property
     def points(self) -> int:
@@ -112,8 +114,21 @@ def _events(data: bytes) -> list[dict]:
         if cell is not None and not (isinstance(cell, int) and not isinstance(cell, bool) and 0 <= cell < 10**6):
             continue
         out.append({"cell": cell, "ended": e.get("ended") if e.get("ended") in ("ok", "died", "error") else None,
-                    "why": clean(e.get("why", ""), 300)})
+                    "why": clean(e.get("why", ""), 300), "syntax": _syntax(e.get("syntax"))})
     return out
+
+
+def _syntax(found) -> str:
+    """The runner's syntax errors in words ("" where there are none or they make no sense)."""
+    if not isinstance(found, list):
+        return ""
+    said = []
+    for f in found[:5]:
+        if isinstance(f, dict) and isinstance(f.get("cell"), int) and not isinstance(f.get("cell"), bool):
+            line = f.get("line") if isinstance(f.get("line"), int) else None
+            said.append(f"cell {f['cell']} did not run: {clean(f.get('what', ''), 200)}"
+                        + (f" at line {line}" if line else ""))
+    return "; ".join(said)
 
 
 def _run_notebook(box: Sandbox, timeout: float, skips: set[str]) -> str:
@@ -152,6 +167,7 @@ def _run_notebook(box: Sandbox, timeout: float, skips: set[str]) -> str:
         err.seek(0)
         stderr = err.read(1 << 16).decode(errors="replace")
     events = _events(data)
+    box.syntax = next((e["syntax"] for e in events if e["syntax"]), "")  # where the code did not compile
     cells = [e["cell"] for e in events if e["cell"] is not None]
     ended = next((e for e in events if e["ended"]), None)
     where = f" (it was running cell {cells[-1]})" if cells else ""
@@ -207,7 +223,8 @@ def _grade(path: Path, timeout: float, limits: Limits | None, expected, slot: in
         raise ValueError(f"the file has {size} bytes, more than the {NOTEBOOK_LIMIT} a notebook may have")
     with Sandbox(limits, slot=slot) as box, Session(box, deadline=math.inf) as session:
         box.put(NAME, path.read_bytes())
-        session.start()  # in its own namespaces, beside the notebook: it imports torch while the notebook runs
+        if os.environ.get(LEAN_ENV) != "1":  # else it starts at the first request, once the notebook has ended
+            session.start()  # in its own namespaces, beside the notebook: it imports torch while the notebook runs
         reason = _run_notebook(box, timeout, skips)
         # Judging starts once nothing of the notebook runs any more, with a runner that still answers.
         session.deadline = time.monotonic() + max(timeout, JUDGE_MIN)
@@ -217,11 +234,18 @@ def _grade(path: Path, timeout: float, limits: Limits | None, expected, slot: in
     for ex in expected:
         r = results.get(ex.id)
         if r is None:
-            grades.append(ExerciseGrade(ex.id, 0, ex.points, "not checked"))
+            grades.append(ExerciseGrade(ex.id, 0, ex.points, "not checked", _unchecked(getattr(box, "syntax", ""))))
         else:
             grades.append(ExerciseGrade(ex.id, r.points, ex.points, r.status, r.note,
                                         [asdict(c) for c in r.cases]))
     return NotebookGrade(str(path), grades, completed=not reason, reason=reason, notes=notes)
+
+
+def _unchecked(syntax: str) -> str:
+    """Why an exercise was not checked, where the notebook says: the cells that did not compile."""
+    if not syntax:
+        return ""
+    return f"no check cell of it ran to the end; {syntax} (nothing that cell defines exists)"
 
 
 def grade(paths, timeout: float = DEFAULT_TIMEOUT, limits: Limits | None = None, *, jobs: int = 1,
@@ -267,6 +291,21 @@ def _failed(path, reason: str) -> NotebookGrade:
                                      if lesson is None or e.lesson == lesson], completed=False, reason=reason)
 
 
+def not_graded(path, reason: str) -> NotebookGrade:
+    """The grade of a notebook that was not graded at all (``reason`` says why): no points, not 0.
+
+    Example:
+        >>> g = not_graded("01_ann.ipynb", "its SLURM task was cancelled")
+        >>> g.graded, g.points, {e.status for e in g.exercises}
+        (False, 0, {'not graded'})
+    """
+    g = _failed(path, reason)
+    for e in g.exercises:
+        e.status = "not graded"
+    g.graded = False
+    return g
+
+
 def _to_dict(g: NotebookGrade) -> dict:
     return asdict(g)
 
@@ -274,13 +313,16 @@ def _to_dict(g: NotebookGrade) -> dict:
 def _from_dict(data: dict, path: Path) -> NotebookGrade:
     """A kept grade, for the notebook now at ``path`` (the same content may have had another name)."""
     return NotebookGrade(str(path), [ExerciseGrade(**e) for e in data["exercises"]], data["completed"],
-                         data["reason"], data["notes"])
+                         data["reason"], data["notes"], data.get("graded", True))
 
 
 def report(grades: list[NotebookGrade], limits: Limits | None = None) -> str:
     """A plain-text table: what the sandbox gave (once), then a line per notebook, then per exercise."""
     lines = [protections().describe(limits)]
     for g in grades:
+        if not g.graded:
+            lines.append(f"{g.path}: not graded (of {g.max_points})  [{g.reason}]")
+            continue
         lines.append(f"{g.path}: {g.points}/{g.max_points}" + ("" if g.completed else f"  [{g.reason}]"))
         lines += [f"  note: {n}" for n in g.notes]
         for e in g.exercises:
@@ -290,11 +332,13 @@ def report(grades: list[NotebookGrade], limits: Limits | None = None) -> str:
 
 
 def write_json(grades: list[NotebookGrade], path: Path | str) -> None:
-    data = [dict(asdict(g), points=g.points, max_points=g.max_points) for g in grades]
+    """Every grade as JSON; a notebook that was not graded has ``"points": null`` (not 0) and its reason."""
+    data = [dict(asdict(g), points=g.points if g.graded else None, max_points=g.max_points) for g in grades]
     Path(path).write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
 
 
 def write_csv(grades: list[NotebookGrade], path: Path | str) -> None:
+    """A row per exercise and a TOTAL per notebook; one that was not graded has empty points, "not graded"."""
     import csv
 
     with open(path, "w", newline="", encoding="utf-8") as f:
@@ -302,5 +346,7 @@ def write_csv(grades: list[NotebookGrade], path: Path | str) -> None:
         w.writerow(["notebook", "exercise", "points", "max_points", "status", "completed", "reason"])
         for g in grades:
             for e in g.exercises:
-                w.writerow([g.path, e.exercise, e.points, e.max_points, e.status, g.completed, g.reason])
-            w.writerow([g.path, "TOTAL", g.points, g.max_points, "", g.completed, g.reason])
+                w.writerow([g.path, e.exercise, e.points if g.graded else "", e.max_points, e.status, g.completed,
+                            g.reason])
+            w.writerow([g.path, "TOTAL", g.points if g.graded else "", g.max_points, "" if g.graded else
+                        "not graded", g.completed, g.reason])

@@ -81,10 +81,13 @@ def _names(grades) -> list[str]:
 
 
 def write_gradescope(grades, out: Path | str) -> list[Path]:
-    """Write ``OUT/<submission>/results.json`` for every grade; the files written."""
+    """Write ``OUT/<submission>/results.json`` for every graded notebook (one that was not graded gets
+    none: it has no score yet); the files written."""
     out = Path(out)
     written = []
     for g, name in zip(grades, _names(grades)):
+        if not getattr(g, "graded", True):
+            continue
         target = out / name / "results.json"
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(json.dumps(results_json(g), indent=1) + "\n", encoding="utf-8")

@@ -9,7 +9,9 @@ Two modes, each a process the grader starts in the submission's
     lets it skip (``SKIPS``: a JSON list of the sources of the lesson's cells
     tagged for skipping), writing its progress to file descriptor ``FD`` as JSON lines:
     ``{"cell": i}`` when cell ``i`` starts, ``{"ended": "ok"}``,
-    ``{"ended": "died", "cell": i}`` or ``{"ended": "error", "why": ...}``.
+    ``{"ended": "died", "cell": i}`` or ``{"ended": "error", "why": ...}``, and before
+    the end ``{"syntax": [{"cell": i, "line": n, "what": ...}]}`` for cells that did not
+    compile (a syntax error defines nothing of the cell: the grader says where).
     ``MGPU_LAB_GRADE_ANSWERS`` is set, so every ``check(...)`` in the kernel
     judges nothing: it saves the learner's objects by value
     (:mod:`mgpu_lab.course.checks._answers`).
@@ -120,10 +122,38 @@ def run_notebook(name: str, fd: int, skips: str | None = None) -> int:
     try:
         client.execute()
     except DeadKernelError:
+        note(syntax=syntax_errors(nb, index))
         note(ended="died", cell=cell["index"])
         return 0
+    note(syntax=syntax_errors(nb, index))
     note(ended="ok")
     return 0
+
+
+_SYNTAX = ("SyntaxError", "IndentationError", "TabError")
+
+
+def syntax_errors(nb, index: list[int]) -> list[dict]:
+    r"""The cells of the executed ``nb`` that did not compile: original cell index, line, and the error.
+
+    Example:
+        >>> from nbformat.v4 import new_code_cell, new_notebook, new_output
+        >>> bad = new_code_cell("x = 1\ndef f(:", outputs=[new_output("error", ename="SyntaxError",
+        ...     evalue="invalid syntax", traceback=["  Cell In[2], line 2\n    def f(:\n          ^", "SyntaxError: invalid syntax"])])
+        >>> syntax_errors(new_notebook(cells=[new_code_cell("1"), bad]), [0, 3])
+        [{'cell': 3, 'line': 2, 'what': 'SyntaxError: invalid syntax'}]
+    """
+    import re
+
+    found = []
+    for k, c in enumerate(nb.cells):
+        for o in c.get("outputs", []) if c.cell_type == "code" else []:
+            if o.get("output_type") == "error" and o.get("ename") in _SYNTAX:
+                text = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(o.get("traceback") or []) + " " + str(o.get("evalue")))
+                line = re.search(r"line (\d+)", text)
+                found.append({"cell": index[k], "line": int(line.group(1)) if line else None,
+                              "what": f"{o['ename']}: {str(o.get('evalue', ''))[:200]}"})
+    return found
 
 
 # -- serve mode --------------------------------------------------------------------------

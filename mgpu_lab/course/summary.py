@@ -70,9 +70,12 @@ def _failure(e) -> str:
 
 
 def summarize(grades) -> list[ExerciseSummary]:
-    """One :class:`ExerciseSummary` per exercise the grades hold, in exercise order."""
+    """One :class:`ExerciseSummary` per exercise the grades hold, in exercise order (a notebook that was
+    not graded counts nowhere: it is not a submission that scored 0)."""
     rows: dict[str, ExerciseSummary] = {}
     for g in grades:
+        if not getattr(g, "graded", True):
+            continue
         for e in g.exercises:
             row = rows.setdefault(e.exercise, ExerciseSummary(e.exercise, e.max_points))
             row.graded += 1

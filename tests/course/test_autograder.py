@@ -14,6 +14,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -23,7 +24,7 @@ import pytest
 from mgpu_lab.course.autograder import build, results_for
 from mgpu_lab.course.checks import exercises
 from mgpu_lab.course.grade import ExerciseGrade, NotebookGrade
-from submissions import CHECK_PICK_DEVICE, notebook
+from submissions import CHECK_PICK_DEVICE, PICK_DEVICE, notebook
 
 ROOT = Path(__file__).resolve().parents[2]
 LESSON_01 = sum(e.points for e in exercises("01"))  # what lesson 01's solution scores
@@ -83,12 +84,13 @@ def test_results_follow_gradescope_s_specification_and_a_missing_lesson_scores_z
 
 
 # -- run_autograder, as Gradescope runs it -------------------------------------------------------------------
-def _layout(tmp_path: Path, lessons: list[str], files: dict[str, bytes | Path], name: str = "Ada Lovelace") -> Path:
+def _layout(tmp_path: Path, lessons: list[str], files: dict[str, bytes | Path], name: str = "Ada Lovelace",
+            **bundle) -> Path:
     """``tmp_path/autograder`` as Gradescope lays it out: source/ (the unzipped bundle), run_autograder,
     submission/ and submission_metadata.json."""
     root = tmp_path / "autograder"
     (root / "source").mkdir(parents=True)
-    with zipfile.ZipFile(build(tmp_path / "autograder.zip", lessons)) as zf:
+    with zipfile.ZipFile(build(tmp_path / "autograder.zip", lessons, **bundle)) as zf:
         zf.extractall(root / "source")
     for script in ("setup.sh", "run_autograder"):
         (root / "source" / script).chmod(0o755)
@@ -167,3 +169,123 @@ def test_setup_sh_makes_a_fresh_environment_in_which_run_autograder_gives_a_solu
     assert results["score"] == LESSON_01, results["output"]
     assert results["output"].startswith(f"Ada Lovelace: {LESSON_01}/{LESSON_01}"), results["output"]
     assert all(t["status"] == "passed" for t in results["tests"])
+
+
+# -- Gradescope's defaults: 768 MB of memory, a 10-minute limit ------------------------------------------------
+def _memory_cgroup(limit: int) -> tuple[Path, str]:
+    """A fresh memory cgroup limited to ``limit`` bytes, swap included (v2's memory.max where this machine
+    has the v2 memory controller, else v1's limit_in_bytes): its folder and the file a process joins by."""
+    v2 = Path("/sys/fs/cgroup")
+    if "memory" in (v2 / "cgroup.controllers").read_text().split() if (v2 / "cgroup.controllers").exists() else ():
+        group = v2 / f"mgpu-lab-test-{os.getpid()}"
+        group.mkdir()
+        (group / "memory.max").write_text(str(limit))
+        if (group / "memory.swap.max").exists():
+            (group / "memory.swap.max").write_text("0")
+        return group, "cgroup.procs"
+    group = Path("/sys/fs/cgroup/memory") / f"mgpu-lab-test-{os.getpid()}"
+    group.mkdir()
+    (group / "memory.limit_in_bytes").write_text(str(limit))
+    if (group / "memory.memsw.limit_in_bytes").exists():
+        (group / "memory.memsw.limit_in_bytes").write_text(str(limit))
+    return group, "cgroup.procs"
+
+
+def _not_graded_named(results: dict) -> None:
+    """Every exercise short of full marks says why in its own test; 'not graded' ones say what stopped them."""
+    jsonschema.validate(results, RESULTS_SCHEMA)
+    for t in results["tests"]:
+        if t["score"] < t["max_score"] and t["name"].endswith("not graded"):
+            assert "not graded:" in t["output"] and len(t["output"]) > 40, t
+
+
+@pytest.mark.root
+@pytest.mark.slow
+def test_under_gradescope_s_default_768_mb_the_bundle_still_writes_results_naming_what_was_not_graded(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("a memory cgroup needs root")
+    root = _layout(tmp_path, ["01"], {"01_devices.ipynb": ROOT / "solutions" / "01_devices.ipynb"})
+    group, procs = _memory_cgroup(768 << 20)
+    try:
+        env = {**os.environ, "AUTOGRADER_ROOT": str(root), "MGPU_LAB_VENV": THIS_VENV}
+        proc = subprocess.run(["sh", "-c", f'echo $$ > {group / procs} && exec "$0"', str(root / "run_autograder")],
+                              cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    finally:
+        for _ in range(50):  # its processes are gone once run_autograder has returned; the folder follows
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                time.sleep(0.2)
+    assert (root / "results" / "results.json").is_file(), f"no results.json: {proc.returncode} {proc.stderr[-2000:]}"
+    assert proc.returncode == 0, proc.stderr[-2000:]  # the process Gradescope started was not the one killed
+    results = json.loads((root / "results" / "results.json").read_text())
+    _not_graded_named(results)
+    if results["score"] < LESSON_01:  # what did not fit says so, and what to set on Gradescope
+        assert "out of memory" in results["output"] or "kernel died" in results["output"], results["output"]
+
+
+@pytest.mark.slow
+def test_a_hanging_notebook_ends_within_the_time_budget_with_results_naming_what_was_not_graded(tmp_path):
+    hang = notebook(tmp_path, "01_devices.ipynb", PICK_DEVICE, CHECK_PICK_DEVICE, "while True:\n    pass")
+    root = _layout(tmp_path, ["01"], {"01_devices.ipynb": hang}, budget=60)
+    assert "--budget 60" in (root / "run_autograder").read_text()
+    results = _run_autograder(root, THIS_VENV, timeout=60 + 60)
+    assert results["execution_time"] <= 60 + 10, results["execution_time"]
+    _not_graded_named(results)
+    assert results["score"] < LESSON_01 and "stopped" in results["output"], results["output"]
+    with pytest.raises(ValueError, match="budget=10: give at least 60 seconds"):
+        build(tmp_path / "x.zip", ["01"], budget=10)
+
+
+def test_setup_sh_says_which_torch_it_installed_and_that_the_cpu_index_was_unreachable(tmp_path):
+    # A stand-in python: `-m venv` makes a venv whose python is itself, `-m pip` only says what it would install,
+    # everything else is the test environment's python (torch included).
+    fake = tmp_path / "python"
+    fake.write_text(f"""#!/bin/bash
+if [ "$1 $2" = "-m venv" ]; then mkdir -p "$3/bin" && ln -sf {fake} "$3/bin/python"; exit 0; fi
+if [ "$1 $2" = "-m pip" ]; then echo "pip $*" >> {tmp_path / 'pip.log'}; exit 0; fi
+exec {sys.executable} "$@"
+""")
+    fake.chmod(0o755)
+    source = tmp_path / "source"
+    with zipfile.ZipFile(build(tmp_path / "autograder.zip", ["01"])) as zf:
+        zf.extractall(source)
+    env = {**os.environ, "MGPU_LAB_VENV": str(tmp_path / "venv"), "PYTHON": str(fake),
+           "MGPU_LAB_TORCH_INDEX": "http://127.0.0.1:9/unreachable"}
+    proc = subprocess.run(["bash", str(source / "setup.sh")], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "the CPU-only torch index http://127.0.0.1:9/unreachable is not reachable" in proc.stdout
+    assert "CUDA wheels (about 5.8 GB" in proc.stderr  # plainly, on both streams
+    import torch
+
+    wheels = f"CUDA {torch.version.cuda} wheels" if torch.version.cuda else "CPU-only wheels"
+    assert f"torch {torch.__version__} ({wheels})" in proc.stdout, proc.stdout
+    assert "--extra-index-url" not in (tmp_path / "pip.log").read_text()
+
+
+@pytest.mark.slow
+def test_a_grader_killed_as_the_oom_killer_kills_leaves_results_saying_not_graded_and_why(tmp_path):
+    import psutil
+
+    root = _layout(tmp_path, ["01", "02"], {"01_devices.ipynb": ROOT / "solutions" / "01_devices.ipynb"})
+    env = {**os.environ, "AUTOGRADER_ROOT": str(root), "MGPU_LAB_VENV": THIS_VENV}
+    proc = subprocess.Popen([str(root / "run_autograder")], cwd=root, env=env, stdout=subprocess.PIPE, text=True)
+    killed, deadline = [], time.monotonic() + 60
+    while not killed and time.monotonic() < deadline and proc.poll() is None:
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            try:
+                if "grade-one" in child.cmdline():
+                    child.kill()  # what the OOM killer does to the biggest process of a full cgroup
+                    killed.append(child.pid)
+            except psutil.Error:
+                pass
+        time.sleep(0.05)
+    proc.communicate(timeout=120)
+    assert killed, "the notebook was not graded in a child process of its own"
+    results = json.loads((root / "results" / "results.json").read_text())
+    _not_graded_named(results)
+    ungraded = [t for t in results["tests"] if t["name"].startswith("01.")]
+    assert ungraded and all(t["name"].endswith("not graded") and "killed (SIGKILL), most likely out of memory"
+                            in t["output"] for t in ungraded), ungraded
+    assert "lesson 02: no notebook submitted" in results["output"]

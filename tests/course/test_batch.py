@@ -168,3 +168,24 @@ def test_the_summary_counts_pass_rates_and_the_most_common_failures():
 def test_the_summary_plot_is_a_png(tmp_path):
     path = plot(summarize(_class()), tmp_path / "class.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+
+
+def _naps(path, slot=0):
+    import time
+
+    time.sleep(3.0 if "slow" in Path(path).name else 0.3)
+    return Path(path).name
+
+
+def test_the_progress_line_keeps_counting_what_runs_and_names_a_notebook_that_runs_long(monkeypatch, capsys):
+    monkeypatch.setattr(Progress, "LONG", 1.0)
+    monkeypatch.setattr(Progress, "TICK", 0.2)
+    paths = [Path(n) for n in ("01_slow.ipynb", "01_a.ipynb", "01_b.ipynb", "01_c.ipynb")]
+    out = run_batch(paths, _naps, jobs=2, failed=lambda p, why: why, complete=lambda r: True)
+    assert out == [p.name for p in paths]
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("grading: ")]
+    done = [ln for ln in lines if "running long" not in ln]
+    # two workers stay busy while four wait: 2 running after the 1st and the 2nd are done, 1 after the 3rd
+    assert [ln.split(" done")[0] + (", " + ln.split(", ")[1] if " running" in ln else "") for ln in done][:4] == [
+        "grading: 0/4, 2 running", "grading: 1/4, 2 running", "grading: 2/4, 2 running", "grading: 3/4, 1 running"]
+    assert any("running long: 01_slow.ipynb" in ln for ln in lines), lines

@@ -203,3 +203,28 @@ def test_the_timeout_must_be_a_positive_finite_number(tmp_path, capsys, bad):
 def test_cli_names_a_missing_notebook(tmp_path, capsys):
     assert main(["grade", str(tmp_path / "nope.ipynb"), "--results", str(tmp_path / "kept")]) == 2
     assert "no such notebook" in capsys.readouterr().err
+
+
+def test_cli_grades_the_notebooks_in_a_folder_and_says_when_a_folder_holds_none(tmp_path, capsys, monkeypatch):
+    from mgpu_lab.course import grade as grading
+
+    seen = []
+    monkeypatch.setattr(grading, "grade", lambda paths, **kw: seen.append([p.name for p in paths]) or [])
+    for rel in ("class/ann/01_a.ipynb", "class/bob/01_b.ipynb", "class/ann/.ipynb_checkpoints/01_a-checkpoint.ipynb"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        _nb((tmp_path / rel).parent, (tmp_path / rel).name, RIGHT)
+    assert main(["grade", str(tmp_path / "class"), "--results", str(tmp_path / "kept")]) == 0
+    assert seen == [["01_a.ipynb", "01_b.ipynb"]]
+    (tmp_path / "empty").mkdir()
+    assert main(["grade", str(tmp_path / "empty"), "--results", str(tmp_path / "kept")]) == 2
+    assert f"{tmp_path / 'empty'} is a folder that holds no notebook (.ipynb)" in capsys.readouterr().err
+
+
+def test_an_exercise_not_checked_because_its_cell_did_not_compile_says_which_cell_and_line(tmp_path):
+    from mgpu_lab.course.grade import grade
+
+    path = _nb(tmp_path, "01_syntax.ipynb", HEADER, "import math\ndef pick_device(index=None)\n    return 0", CHECK)
+    (g,) = grade([path], timeout=HANG_TIMEOUT)
+    e = _by_id(g)["01.pick_device"]
+    assert e.status == "not checked" and e.points == 0
+    assert "cell 1 did not run: SyntaxError" in e.note and "at line 2" in e.note, e.note

@@ -2,21 +2,29 @@
 
 Two compute nodes (network namespaces, real slurmctld and slurmd), a class of
 three notebooks: the array's points equal a local run's; a cancelled task costs
-only its submission, which a re-run (and only it) grades.
+only its submission, which a re-run (and only it) grades; an interrupted run
+reports "not graded" (never 0) and a re-run picks up its array. Messages: no
+cluster, a silent node, ``--parallel`` and its old name ``--nodes``.
 """
 from __future__ import annotations
 
+import _thread
+import csv
+import json
 import shutil
+import subprocess
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from mgpu_lab.cli import main
 from mgpu_lab.cluster import slurm_local
 from mgpu_lab.course.checks import exercises, get
-from mgpu_lab.course.grade import grade
+from mgpu_lab.course.grade import grade, write_csv, write_json
 from mgpu_lab.course.slurm_grade import Slurm, array_script, grade_on_slurm
+from mgpu_lab.course.summary import summarize
 from submissions import CHECK_PICK_DEVICE, PICK_DEVICE, notebook
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -87,3 +95,97 @@ def test_a_class_graded_across_two_nodes_scores_as_a_local_run_and_a_re_run_grad
     local = grade(paths, timeout=300, jobs=2)
     assert [g.points for g in again] == [g.points for g in local] == [LESSON_01, 0, get("01.pick_device").points]
     assert [[e.status for e in g.exercises] for g in again] == [[e.status for e in g.exercises] for g in local]
+
+
+def test_with_no_cluster_up_grading_says_so_instead_of_slurm_s_dns_errors(tmp_path, monkeypatch, capsys):
+    if shutil.which("sbatch") is None:
+        pytest.skip("no SLURM client commands here (slurm-wlm)")
+    monkeypatch.setattr(slurm_local, "STATE", tmp_path / "no-cluster")  # no local cluster up, SLURM's on PATH
+    path = notebook(tmp_path, "01_pick.ipynb", PICK_DEVICE, CHECK_PICK_DEVICE)
+    assert main(["grade", "--slurm", str(path), "--results", str(tmp_path / "grades")]) == 1
+    err = capsys.readouterr().err
+    assert "no cluster: start one with `mgpu-lab slurm up`" in err, err
+    assert "res_nsearch" not in err and "DNS" not in err, err
+    assert not (tmp_path / "grades" / "slurm").exists()  # nothing was submitted
+
+
+class _Queue:
+    """A stand-in for SLURM's commands: one array task RUNNING on node1 for ``seconds``, then gone."""
+
+    def __init__(self, seconds: float, beat: Path | None = None):
+        self.until, self.beat = time.monotonic() + seconds, beat
+
+    def run(self, argv, cwd=None, check=True):
+        if self.beat is not None:
+            self.beat.touch()  # a task alive on its node
+        running = argv[0] == "squeue" and time.monotonic() < self.until
+        return subprocess.CompletedProcess(argv, 0, "0 RUNNING node1\n" if running else "", "")
+
+
+def test_a_running_task_whose_node_went_silent_is_named_within_a_bounded_time(tmp_path, monkeypatch, capsys):
+    from mgpu_lab.course import slurm_grade
+
+    monkeypatch.setattr(slurm_grade, "POLL", 0.02)
+    monkeypatch.setattr(slurm_grade, "SILENT", 0.3)
+    (tmp_path / "alive").mkdir()
+    slurm_grade._wait(_Queue(1.0, beat=tmp_path / "alive" / "alive-0"), "7", 1, True, tmp_path / "alive")
+    assert "no sign of life" not in capsys.readouterr().err  # a task that beats is not named
+    start = time.monotonic()
+    slurm_grade._wait(_Queue(1.0), "8", 1, True, tmp_path)
+    err = capsys.readouterr().err
+    assert "task 0 on node1 has given no sign of life" in err and "its node may have died" in err, err
+    assert err.count("no sign of life") == 1 and time.monotonic() - start < 5
+
+
+def test_the_array_s_tasks_at_once_is_parallel_and_nodes_is_its_deprecated_alias(tmp_path, monkeypatch, capsys):
+    from mgpu_lab.course import slurm_grade
+
+    seen = []
+    monkeypatch.setattr(slurm_grade, "grade_on_slurm", lambda paths, **kw: seen.append(kw["parallel"]) or [])
+    path = notebook(tmp_path, "01_pick.ipynb", PICK_DEVICE, CHECK_PICK_DEVICE)
+    assert main(["grade", "--slurm", str(path), "--parallel", "3"]) == 0
+    assert "deprecated" not in capsys.readouterr().err
+    assert main(["grade", "--slurm", str(path), "--nodes", "2"]) == 0
+    assert seen == [3, 2]
+    assert "--nodes is deprecated" in capsys.readouterr().err
+
+
+def _interrupt_once_submitted(store: Path, done: list) -> None:
+    """Ctrl-C the grading run (the main thread) as soon as its array is in SLURM's hands."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not list((store / "slurm").glob("*/job_id")):
+        time.sleep(0.1)
+    done.append(time.monotonic() < deadline)
+    _thread.interrupt_main()
+
+
+@pytest.mark.root
+@pytest.mark.slow
+def test_an_interrupted_run_reports_not_graded_never_zero_and_a_re_run_resumes_its_array(cluster, tmp_path):
+    paths = [notebook(tmp_path, "01_right.ipynb", PICK_DEVICE, CHECK_PICK_DEVICE),
+             notebook(tmp_path, "01_blank.ipynb", "x = 1", CHECK_PICK_DEVICE)]
+    slurm = Slurm(local=True, state=cluster.state)
+    store = tmp_path / "grades"
+    interrupted: list = []
+    watcher = threading.Thread(target=_interrupt_once_submitted, args=(store, interrupted))
+    watcher.start()
+    try:
+        first = grade_on_slurm(paths, timeout=300, store=store, parallel=1, slurm=slurm)
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C escaped grade --slurm: no report of what was graded and what was not")
+    finally:
+        watcher.join()
+    assert interrupted == [True]
+    assert [g.graded for g in first] == [False, False], [g.reason for g in first]
+    assert all("was still queued or running when this run was interrupted" in g.reason for g in first), first[0].reason
+    write_csv(first, tmp_path / "g.csv")
+    write_json(first, tmp_path / "g.json")
+    totals = [r for r in csv.DictReader(open(tmp_path / "g.csv")) if r["exercise"] == "TOTAL"]
+    assert [(r["points"], r["status"]) for r in totals] == [("", "not graded")] * 2  # not 0
+    assert [g["points"] for g in json.loads((tmp_path / "g.json").read_text())] == [None, None]
+    assert summarize(first) == []  # no row counts them as submissions that scored 0
+
+    jobs = set((store / "slurm").iterdir())
+    again = grade_on_slurm(paths, timeout=300, store=store, slurm=slurm)
+    assert set((store / "slurm").iterdir()) == jobs  # the first array's grades, no second array
+    assert [(g.graded, g.points) for g in again] == [(True, get("01.pick_device").points), (True, 0)]

@@ -17,6 +17,7 @@ When a grader runs the notebook, ``check`` judges nothing (it saves the answers,
 from __future__ import annotations
 
 import inspect
+import re
 import shutil
 import tempfile
 import traceback
@@ -228,9 +229,29 @@ def _error_text(exc) -> str:
 
 
 def _output_tail(exc, lines: int = 6) -> str:
-    """What the learner's code printed before it failed (checks keep rank output out of the cell)."""
-    printed = [ln for ln in (getattr(exc, "output", "") or "").splitlines() if ln.strip()]
+    """What the learner's code printed before it failed (checks keep rank output out of the cell), without
+    the C++ stack traces and c10d warnings PyTorch adds (:func:`for_learners`)."""
+    printed = for_learners((getattr(exc, "output", "") or "").splitlines())
     return ("; it printed: " + " | ".join(printed[-lines:])) if printed else ""
+
+
+# What PyTorch's C++ side prints around a failure, which says nothing about the learner's code: the frames of a
+# C++ stack trace, and c10d's warnings (e.g. a host name it cannot resolve).
+_CPP_NOISE = re.compile(r"^\s*(frame #\d+:|Exception raised from |\(no backtrace available\)|C\+\+ CapturedTraceback)"
+                        r"|\[c10d\]|socket\.cpp|ProcessGroupGloo\.cpp|TCPStore\.cpp")
+
+
+def for_learners(lines: list[str]) -> list[str]:
+    """The non-blank ``lines`` a learner should read: C++ stack frames and c10d warnings left out.
+
+    Example:
+        >>> for_learners(["RuntimeError: boom", "Exception raised from run at socket.cpp:12 (most recent call first):",
+        ...               "frame #0: c10::Error::Error() + 0x9c", "",
+        ...               "[W1127 16:01:02 socket.cpp:767] [c10d] The hostname of the client socket cannot be retrieved",
+        ...               "exit code 1"])
+        ['RuntimeError: boom', 'exit code 1']
+    """
+    return [ln for ln in lines if ln.strip() and not _CPP_NOISE.search(ln)]
 
 
 def check(exercise_id: str, *answers, **named) -> CheckResult:

@@ -169,3 +169,19 @@ def test_a_check_imports_only_its_own_lessons_checkers():
                             timeout=300)
     folders = Path(checks_pkg.__file__).parent.glob("l[0-9][0-9]")
     assert listed.stdout.strip() == str(sorted(p.name[1:] for p in folders)), listed.stderr
+
+
+def test_a_failure_s_message_to_the_learner_leaves_out_cpp_stack_traces_and_c10d_warnings():
+    from mgpu_lab.launcher.errors import LaunchError
+
+    output = "\n".join([
+        "step 3 loss 0.52",
+        "[W1127 16:01:02.123456 socket.cpp:767] [c10d] The hostname of the client socket cannot be retrieved. err=-3",
+        "Exception raised from recvBytes at ../torch/csrc/distributed/c10d/Utils.hpp:670 (most recent call first):",
+        "frame #0: c10::Error::Error(c10::SourceLocation, std::string) + 0x9c (0x7f in libc10.so)",
+        "frame #1: <unknown function> + 0x5e1c (0x7f in libtorch_cpu.so)",
+        "resumed from step 4"])
+    exc = LaunchError("rank 1/2 raised RuntimeError: the store went away", exc_type="RuntimeError", output=output)
+    said = _core._error_text(exc)
+    assert "step 3 loss 0.52 | resumed from step 4" in said, said
+    assert "frame #" not in said and "c10d" not in said and "Exception raised from" not in said, said

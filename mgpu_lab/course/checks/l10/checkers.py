@@ -19,7 +19,7 @@ import os
 
 from mgpu_lab.launcher import elastic
 from mgpu_lab.launcher.errors import LaunchError, LaunchTimeout
-from .._core import _error_text, CaseFailed, exercise
+from .._core import _error_text, CaseFailed, exercise, for_learners
 from .judges import (absent_hint, agreed_results, count_saves, judge_durable, judge_guard, judge_run, judge_trials,
                      judge_written_beside, other_filesystem, outcome_words, CFG, read_logs, resumed_from,
                      RUN_TIMEOUT, STEPS, WITHIN, WORLD)
@@ -278,5 +278,5 @@ def torchrun_attempts(resumable_train, work: str, kill: list):
     os.makedirs(logs, exist_ok=True)
     results, run_ = elastic.call(run_resumable, WORLD, resumable_train, CFG, os.path.join(work, "snap.pt"),
                                  logs, None, kill, max_restarts=1, timeout=300)
-    tail = [ln for ln in run_.output.splitlines() if ln.strip()][-6:]
+    tail = for_learners(run_.output.splitlines())[-6:]  # no C++ stack trace, no c10d warnings
     return results, run_.returncode, tail, [read_log(logs, 1, r) for r in range(WORLD)]
