@@ -17,7 +17,8 @@ from mgpu_lab.cluster import slurm_local
 from mgpu_lab.course.checks import exercises, get
 from mgpu_lab.course.grade import grade
 from mgpu_lab.course.slurm_grade import Slurm, array_script, grade_on_slurm
-from submissions import CHECK_PICK_DEVICE, PICK_DEVICE, notebook
+from submissions import (CHECK_PICK_DEVICE, PICK_DEVICE, instructor_folder, notebook, peek_notebook,
+                         readable_by_anyone)
 
 ROOT = Path(__file__).resolve().parents[2]
 LESSON_01 = sum(e.points for e in exercises("01"))  # what lesson 01's solution scores
@@ -87,3 +88,23 @@ def test_a_class_graded_across_two_nodes_scores_as_a_local_run_and_a_re_run_grad
     local = grade(paths, timeout=300, jobs=2)
     assert [g.points for g in again] == [g.points for g in local] == [LESSON_01, 0, get("01.pick_device").points]
     assert [[e.status for e in g.exercises] for g in again] == [[e.status for e in g.exercises] for g in local]
+
+
+@pytest.mark.root
+@pytest.mark.slow
+def test_a_submission_graded_on_a_node_reads_no_classmate_no_kept_grade_and_nothing_of_the_project(cluster):
+    # The class, a sibling section and the kept grades in a folder anyone may read, as an instructor keeps them.
+    with instructor_folder() as home:
+        classmate = notebook(home / "class", "01_classmate.ipynb", PICK_DEVICE, CHECK_PICK_DEVICE)
+        sibling = notebook(home / "section-b", "01_devices.ipynb", PICK_DEVICE, CHECK_PICK_DEVICE)
+        store = home / ".mgpu-lab-grades"
+        store.mkdir()
+        (store / "0123.json").write_text('{"exercises": []}')
+        targets = [classmate, sibling, store / "0123.json", home / "notes.txt"]
+        assert all(readable_by_anyone(t) for t in targets)
+        targets += [p for p in (ROOT / "solutions" / "01_devices.ipynb", ROOT / ".git") if readable_by_anyone(p)]
+        peek = peek_notebook(home / "class", "01_peek.ipynb", targets)
+        [g] = grade_on_slurm([peek], timeout=300, store=store, slurm=Slurm(local=True, state=cluster.state))
+    got = {e.exercise: e.points for e in g.exercises}
+    assert g.completed and got["01.pick_device"] == get("01.pick_device").points, \
+        [c["got"] for e in g.exercises for c in e.cases if not c["passed"]] or g.reason
