@@ -24,6 +24,7 @@ CHECK_PICK_DEVICE = "check('01.pick_device', pick_device)"
 def notebook(folder: Path, name: str, *sources: str) -> Path:
     """Write ``folder/name``: one code cell per source; its path."""
     path = Path(folder) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
     nbformat.write(new_notebook(cells=[new_code_cell(s) for s in sources]), path)
     return path
 
@@ -52,7 +53,10 @@ def peek_notebook(folder: Path, name: str, targets: list) -> Path:
 def readable_by_anyone(path: Path) -> bool:
     """Whether a user with no rights of its own could read ``path`` here (outside any sandbox)."""
     path = Path(path).resolve()
-    return bool(path.stat().st_mode & 0o004) and all(p.stat().st_mode & 0o001 for p in path.parents)
+    try:
+        return bool(path.stat().st_mode & 0o004) and all(p.stat().st_mode & 0o001 for p in path.parents)
+    except FileNotFoundError:
+        return False
 
 
 @contextlib.contextmanager

@@ -2,9 +2,10 @@
 
 One wrapper per call, for the launcher (``prctl``), the simulated nodes of
 ``cluster/`` (``setns``, ``unshare``, ``mount``, ``umount2``) and the grading
-sandbox of ``course/`` (``mount``, ``prctl``). libc is loaded at import: a
-child between ``fork`` and ``exec`` may call these, and must not ``dlopen``
-(another thread may hold the loader's lock).
+sandbox of ``course/`` (``mount``, ``umount2``, ``pivot_root``, ``prctl``,
+``sethostname``). libc is loaded at import: a child between ``fork`` and
+``exec`` may call these, and must not ``dlopen`` (another thread may hold the
+loader's lock).
 
 As a command it runs ARGV in a UTS namespace of its own with host name NAME
 (a simulated node's ``torchrun`` started with ``exec``):
@@ -24,8 +25,8 @@ import os
 import socket
 import sys
 
-__all__ = ["mount", "umount2", "pivot_root", "setns", "unshare", "prctl", "sethostname", "MS_RDONLY", "MS_NOSUID", "MS_NODEV",
-           "MS_NOEXEC", "MS_REMOUNT", "MS_BIND", "MS_REC", "MS_NOATIME", "MS_NODIRATIME", "MS_PRIVATE", "MS_SLAVE",
+__all__ = ["mount", "umount2", "pivot_root", "setns", "unshare", "prctl", "sethostname", "MS_RDONLY", "MS_NOSUID",
+           "MS_NODEV", "MS_NOEXEC", "MS_REMOUNT", "MS_BIND", "MS_REC", "MS_NOATIME", "MS_NODIRATIME", "MS_PRIVATE", "MS_SLAVE",
            "MS_RELATIME", "MNT_DETACH", "CLONE_NEWNS", "CLONE_NEWUTS", "CLONE_NEWNET", "PR_SET_PDEATHSIG",
            "PR_SET_CHILD_SUBREAPER", "PR_SET_NO_NEW_PRIVS"]
 
