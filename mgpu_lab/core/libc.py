@@ -2,9 +2,10 @@
 
 One wrapper per call, for the launcher (``prctl``), the simulated nodes of
 ``cluster/`` (``setns``, ``unshare``, ``mount``, ``umount2``) and the grading
-sandbox of ``course/`` (``mount``, ``prctl``). libc is loaded at import: a
-child between ``fork`` and ``exec`` may call these, and must not ``dlopen``
-(another thread may hold the loader's lock).
+sandbox of ``course/`` (``mount``, ``umount2``, ``pivot_root``, ``prctl``,
+``sethostname``). libc is loaded at import: a child between ``fork`` and
+``exec`` may call these, and must not ``dlopen`` (another thread may hold the
+loader's lock).
 
 As a command it runs ARGV in a UTS namespace of its own with host name NAME
 (a simulated node's ``torchrun`` started with ``exec``):
@@ -24,8 +25,8 @@ import os
 import socket
 import sys
 
-__all__ = ["mount", "umount2", "setns", "unshare", "prctl", "sethostname", "MS_RDONLY", "MS_NOSUID", "MS_NODEV",
-           "MS_NOEXEC", "MS_REMOUNT", "MS_BIND", "MS_REC", "MS_NOATIME", "MS_NODIRATIME", "MS_PRIVATE", "MS_SLAVE",
+__all__ = ["mount", "umount2", "pivot_root", "setns", "unshare", "prctl", "sethostname", "MS_RDONLY", "MS_NOSUID",
+           "MS_NODEV", "MS_NOEXEC", "MS_REMOUNT", "MS_BIND", "MS_REC", "MS_NOATIME", "MS_NODIRATIME", "MS_PRIVATE", "MS_SLAVE",
            "MS_RELATIME", "MNT_DETACH", "CLONE_NEWNS", "CLONE_NEWUTS", "CLONE_NEWNET", "PR_SET_PDEATHSIG",
            "PR_SET_CHILD_SUBREAPER", "PR_SET_NO_NEW_PRIVS"]
 
@@ -63,6 +64,20 @@ def mount(source: str, target: str, fstype: str | None, flags: int, data: str | 
 def umount2(target: str, flags: int = 0) -> None:
     """umount2(2), e.g. with :data:`MNT_DETACH`."""
     _call("umount2", f"umount {target}", _b(target), flags)
+
+
+# pivot_root(2) has no C library wrapper: its system call number, per machine (asm-generic's where unlisted)
+_SYS_PIVOT_ROOT = {"x86_64": 155, "i686": 217, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
+
+
+def pivot_root(new_root: str, put_old: str) -> None:
+    """pivot_root(2): ``new_root`` (a mount point) becomes ``/``; the old root moves to ``put_old``."""
+    number = _SYS_PIVOT_ROOT.get(os.uname().machine)
+    if number is None or _libc is None:
+        raise OSError(0, f"pivot_root: no system call number known for {os.uname().machine}")
+    if _libc.syscall(number, _b(new_root), _b(put_old)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"pivot_root {new_root}: {os.strerror(err)}")
 
 
 def setns(fd: int, nstype: int, what: str = "setns") -> None:

@@ -2,14 +2,16 @@
 
 :func:`build` writes ``autograder.zip`` in Gradescope's layout: ``setup.sh``
 and ``run_autograder`` at its root, beside this package's source, the
-constraints it was tested with and the chosen lessons' reference notebooks
-(grading skips their tagged demo cells, as ``mgpu-lab grade`` does). Gradescope
+constraints it was tested with and the chosen lessons' student notebooks
+(grading skips their tagged demo cells, as ``mgpu-lab grade`` does; the
+solutions tag the same cells, and no solution notebook is shipped). Gradescope
 unzips it into ``/autograder/source``, runs ``setup.sh`` once when it builds the
 image, and ``run_autograder`` for every submission, which calls :func:`run`:
 
 - every notebook in ``/autograder/submission`` is graded as ``mgpu-lab grade``
   grades it (a sandbox per notebook, the grader's own checks); a notebook is
-  matched to a lesson by its ``NN_`` prefix, or to the assignment's one lesson;
+  matched to a lesson by its ``NN_`` prefix, else by the lesson its check cells
+  name, else to the assignment's one lesson;
 - ``/autograder/results/results.json`` gets one test per judged case (hidden
   cases ``after_published``, with no output) and, for a lesson with no notebook,
   one test per exercise at 0 saying so; ``submission_metadata.json`` gives the
@@ -33,8 +35,10 @@ Example:
     >>> import tempfile, zipfile
     >>> out = build(os.path.join(tempfile.mkdtemp(), "autograder.zip"), ["01"])
     >>> names = zipfile.ZipFile(out).namelist()
-    >>> [n for n in ("setup.sh", "run_autograder", "lessons.txt", "solutions/01_devices.ipynb") if n in names]
-    ['setup.sh', 'run_autograder', 'lessons.txt', 'solutions/01_devices.ipynb']
+    >>> [n for n in ("setup.sh", "run_autograder", "lessons.txt", "notebooks/01_devices.ipynb") if n in names]
+    ['setup.sh', 'run_autograder', 'lessons.txt', 'notebooks/01_devices.ipynb']
+    >>> [n for n in names if n.startswith("solutions/")]   # the answers stay with the instructor
+    []
 """
 from __future__ import annotations
 
@@ -155,10 +159,9 @@ def build(out: str | os.PathLike, lessons=None, budget: float = BUDGET) -> Path:
             _add(zf, name, (root / name).read_bytes())
         for path in sorted((root / "mgpu_lab").rglob("*.py")):
             _add(zf, path.relative_to(root).as_posix(), path.read_bytes())
-        for folder in ("solutions", "notebooks"):
-            for lesson in chosen:
-                for path in sorted((root / folder).glob(f"{lesson}_*.ipynb")):
-                    _add(zf, f"{folder}/{path.name}", path.read_bytes())
+        for lesson in chosen:  # the student copies: they tag the cells grading skips, as the solutions do
+            for path in sorted((root / "notebooks").glob(f"{lesson}_*.ipynb")):
+                _add(zf, f"notebooks/{path.name}", path.read_bytes())
     return out
 
 
@@ -174,12 +177,15 @@ def _student(metadata: Path) -> str:
 
 def _match(notebooks: list[Path], lessons: list[str], work: Path) -> tuple[dict, list[str]]:
     """Each lesson's notebook (a copy named ``NN_...`` where the name had no prefix), and notes on the rest."""
+    from .grade import lesson_of
+
     chosen: dict[str, Path] = {}
     notes = []
     # a notebook named after its lesson first: an unnamed one only stands in for a lesson that has none
     for path in sorted(notebooks, key=lambda p: (re.match(r"\d\d_", p.name) is None, str(p))):
         m = re.match(r"(\d\d)_", path.name)
-        lesson = m.group(1) if m else (lessons[0] if len(lessons) == 1 else None)
+        # the name's NN_, else the lesson its check cells name, else the assignment's one lesson
+        lesson = lesson_of(path) or (lessons[0] if len(lessons) == 1 else None)
         if lesson not in lessons:
             notes.append(f"{path.name}: not a notebook of this assignment (lessons {', '.join(lessons)}); "
                          f"name it after its lesson, e.g. {lessons[0]}_....ipynb")

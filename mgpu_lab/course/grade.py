@@ -9,7 +9,7 @@ For every notebook:
 2. The grader runs each exercise's checker itself (:mod:`mgpu_lab.course.session`);
    the learner's code runs only in the sandbox, in ranks, and sends back plain
    data. Points come from the grader's registry: the exercises of the
-   notebook's lesson (``NN_`` prefix of its file name), each once, one point
+   notebook's lesson (:func:`lesson_of`), each once, one point
    per passed case. Judging gets as long as the notebook had (at least 5
    minutes), and every call of learner code its own shorter limit.
 3. The sandbox and everything started in it are killed, from the grader's own
@@ -95,9 +95,45 @@ def check_timeout(timeout) -> float:
     return float(timeout)
 
 
-def _lesson_of(path: Path) -> str | None:
+_CHECKED = re.compile(r"""\bcheck\(\s*["'](\d\d)\.\w+["']""")
+
+
+def lesson_of(path: Path) -> str | None:
+    """The lesson a notebook answers: its file name's ``NN_`` prefix, else the one lesson its check cells name.
+
+    A full solution saved as ``homework.ipynb`` is still lesson 04's when its
+    cells call ``check("04. ...")`` for exercises of lesson 04 only.
+
+    Returns:
+        ``"04"`` ...; None when neither the name nor the check cells tell one lesson
+        (no check cell, checks of several lessons, not a readable notebook).
+
+    Example:
+        >>> import json, tempfile
+        >>> cell = {"cell_type": "code", "source": 'check("04.shard_indices", shard_indices)'}
+        >>> path = Path(tempfile.mkdtemp()) / "homework.ipynb"
+        >>> _ = path.write_text(json.dumps({"cells": [cell]}))
+        >>> lesson_of(path), lesson_of(path.with_name("01_homework.ipynb"))
+        ('04', '01')
+    """
     m = re.match(r"(\d\d)_", path.name)
-    return m.group(1) if m else None
+    if m:
+        return m.group(1)
+    try:
+        cells = json.loads(path.read_bytes()[:NOTEBOOK_LIMIT])["cells"]
+        sources = ["".join(c["source"]) if isinstance(c["source"], list) else c["source"]
+                   for c in cells if c.get("cell_type") == "code"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    known = {e.lesson for e in exercises()}
+    named = {n for src in sources if isinstance(src, str) for n in _CHECKED.findall(src)} & known
+    return named.pop() if len(named) == 1 else None
+
+
+def _unknown_lesson(path: Path) -> NotebookGrade:
+    return NotebookGrade(str(path), [], completed=False, reason=(
+        "not graded: which lesson is this notebook? Its name has no NN_ prefix and its check cells do not name "
+        "the exercises of one lesson; name it after its lesson (e.g. 04_ddp.ipynb) and grade it again"))
 
 
 def _events(data: bytes) -> list[dict]:
@@ -196,9 +232,10 @@ def grade_notebook(path: Path | str, timeout: float = DEFAULT_TIMEOUT, limits: L
             in the lesson's reference notebooks are skipped when no exercise needs them).
 
     Returns:
-        Its grade: every exercise of its lesson (``NN_`` prefix of the file name;
-        every exercise when there is none), with 0 points and status "not
-        checked" for those no check cell reached.
+        Its grade: every exercise of its lesson (:func:`lesson_of`: the ``NN_``
+        prefix of the file name, else its check cells), with 0 points and status
+        "not checked" for those no check cell reached; no exercise and the reason,
+        not run, when no lesson can be told.
 
     Raises:
         FileNotFoundError: no such notebook. ValueError: a bad timeout.
@@ -207,8 +244,10 @@ def grade_notebook(path: Path | str, timeout: float = DEFAULT_TIMEOUT, limits: L
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no notebook at {path}")
-    lesson = _lesson_of(path)
-    expected = [e for e in exercises() if lesson is None or e.lesson == lesson]
+    lesson = lesson_of(path)
+    if lesson is None:
+        return _unknown_lesson(path)
+    expected = exercises(lesson)
     try:
         return _grade(path, timeout, limits, expected, slot, set() if all_cells else reference_skips(lesson))
     except Exception as exc:  # noqa: BLE001 - one notebook must never stop the batch
@@ -286,9 +325,9 @@ def _grade_or_missing(path, *, timeout, limits, all_cells, slot) -> NotebookGrad
 
 
 def _failed(path, reason: str) -> NotebookGrade:
-    lesson = _lesson_of(Path(path))
-    return NotebookGrade(str(path), [ExerciseGrade(e.id, 0, e.points, "not judged") for e in exercises()
-                                     if lesson is None or e.lesson == lesson], completed=False, reason=reason)
+    lesson = lesson_of(Path(path))
+    return NotebookGrade(str(path), [ExerciseGrade(e.id, 0, e.points, "not judged") for e in exercises(lesson)]
+                         if lesson else [], completed=False, reason=reason)
 
 
 def not_graded(path, reason: str) -> NotebookGrade:

@@ -3,7 +3,7 @@
 :func:`protections` finds out once, by trying, and :meth:`Protections.describe`
 says it in words for the grader's report (once per run). As root a sandbox gets
 its own user (``nobody``, or ``MGPU_LAB_SANDBOX_USER``) and new PID, network,
-IPC and mount namespaces. Not root, there is no other user and no process limit
+IPC, UTS and mount namespaces. Not root, there is no other user and no process limit
 (it would count the grader's own processes), and the namespaces come from a
 user namespace where the kernel allows one; without ``unshare`` at all there
 are no namespaces. Where an NVIDIA driver is loaded there is no address-space
@@ -29,7 +29,7 @@ GiB = 1 << 30
 ENV_KEEP = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "PYTHONPATH", "CUDA_VISIBLE_DEVICES",
             "CUDA_DEVICE_ORDER", "NVIDIA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "MGPU_LAB_TIMEOUT",
             "MGPU_LAB_PREWARM", "MGPU_LAB_PRELOAD", "MGPU_LAB_NETNS")
-UNSHARE = ["--pid", "--fork", "--kill-child", "--mount-proc", "--net", "--ipc"]
+UNSHARE = ["--pid", "--fork", "--kill-child", "--mount-proc", "--net", "--ipc", "--uts"]
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,8 @@ class Protections:
     def describe(self, limits: Limits | None = None) -> str:
         limits = limits or Limits()
         got = [f"user {self.user}" if self.user else "the grader's own user",
-               "own PID, network (loopback only), IPC and mount namespaces, private /tmp" if self.namespaces
+               "own PID, network (loopback only), IPC, UTS and mount namespaces, own root, private /tmp"
+               if self.namespaces
                else "own directory", "allow-listed environment",
                "limits: " + ("" if self.cuda else f"{limits.memory / GiB:g} GiB address space per process, ")
                + (f"{limits.processes} processes, " if self.user else "")

@@ -8,9 +8,12 @@ code touches runs in a :class:`Sandbox`:
   submissions or the course code, nor read root's;
 - **its own directory**, which is its ``/tmp`` and holds its HOME; ``/var/tmp``,
   ``/dev/shm`` and ``/run/lock`` (the other places anyone may write) are fresh
-  and private, gone with it; directories the user could not enter
-  anyway (e.g. ``/root``) are hidden behind an empty tmpfs, except the Python
-  installation the grader runs;
+  and private, gone with it;
+- **its own root** (a mount namespace): the system's programs, libraries and
+  configuration, and read-only the Python the grader runs, its environment and
+  the ``mgpu_lab`` package directory; nothing else of this machine's files (no
+  home folder, no project clone around the package, no other submission, no
+  kept grade), whatever their permissions;
 - **an allow-listed environment** (:data:`ENV_KEEP` plus what the grader sets):
   nothing else of the grader's environment, secrets included, goes in;
 - **resource limits** (:class:`~mgpu_lab.course.isolation.Limits`): address
@@ -63,10 +66,18 @@ __all__ = ["Limits", "Protections", "protections", "Sandbox", "ENV_KEEP", "self_
 
 
 def _python_paths() -> list[str]:
-    """What the sandbox user must be able to read to run this Python and this package."""
-    paths = {sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable)), procenv.package_root()}
-    paths |= {p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
+    """What the sandbox user must be able to read to run this Python and this package: the package's own
+    directory, not the folder that holds it (a clone's solutions/, tests/ and .git stay out)."""
+    package = os.path.join(procenv.package_root(), "mgpu_lab")
+    paths = {sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable)), package}
+    paths |= {p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+              if p and not _holds(os.path.realpath(p), package)}
     return sorted({os.path.realpath(p) for p in paths})
+
+
+def _holds(folder: str, path: str) -> bool:
+    """Whether ``path`` lies inside ``folder`` (a PYTHONPATH entry that holds the package: its clone)."""
+    return os.path.realpath(path).startswith(folder.rstrip("/") + "/")
 
 
 def _die_with_grader() -> None:  # runs in the child between fork and exec (libc is loaded already)

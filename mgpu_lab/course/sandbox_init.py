@@ -1,19 +1,21 @@
 """The first process inside a grading sandbox: close it in, drop privileges, start the runner.
 
 :class:`mgpu_lab.course.sandbox.Sandbox` starts this module under ``unshare``
-(new PID, network and mount namespaces) as ``python -P -s -m
+(new PID, network, IPC, UTS and mount namespaces) as ``python -P -s -m
 mgpu_lab.course.sandbox_init CONFIG -- ARGV...`` with the current directory
 ``/`` and an allow-listed environment. Still privileged inside the namespaces,
 it
 
 1. brings the loopback interface up (ranks and the Jupyter kernel talk over
-   127.0.0.1; the new network namespace has nothing else),
-2. makes the submission's directory the sandbox's ``/tmp`` (its only writable
-   place besides fresh, size-limited ``/var/tmp`` and ``/dev/shm``), puts
-   a fresh tmpfs over directories the sandbox user could not enter (``/root``
-   here, a ``0700`` home folder), and binds back, read-only, what the graded
-   kernel needs (the interpreter, its environment, the project), wherever it
-   lies (under ``/tmp`` too),
+   127.0.0.1; the new network namespace has nothing else) and takes the host
+   name ``localhost`` (new UTS namespace): torchrun gives its workers the host's
+   name, which on a cluster node names an address the sandbox does not have,
+2. builds a new root (:func:`expose`) holding only the system's programs,
+   libraries and configuration, ``/dev``, ``/proc`` and ``/sys``, and, read-only,
+   what the graded kernel needs (the interpreter, its environment, the
+   ``mgpu_lab`` package directory: never the clone around it), wherever it
+   lies; the submission's directory is its ``/tmp`` (its only writable place
+   besides fresh, size-limited ``/var/tmp``, ``/dev/shm`` and ``/run/lock``),
 3. sets the resource limits, drops to the sandbox user (root only: setgroups,
    setgid, setuid) with ``no_new_privs``, and
 4. replaces itself with ``ARGV`` in ``/tmp``.
@@ -34,10 +36,11 @@ import struct
 import sys
 
 from mgpu_lab.core import libc
-from mgpu_lab.core.libc import (MS_BIND, MS_NOATIME, MS_NODEV, MS_NODIRATIME, MS_NOEXEC, MS_NOSUID, MS_PRIVATE,
-                                 MS_RDONLY, MS_REC, MS_RELATIME, MS_REMOUNT, mount)
+from mgpu_lab.core.libc import (MNT_DETACH, MS_BIND, MS_NOATIME, MS_NODEV, MS_NODIRATIME, MS_NOEXEC, MS_NOSUID,
+                                 MS_PRIVATE, MS_RDONLY, MS_REC, MS_RELATIME, MS_REMOUNT, mount, umount2)
 
 EXIT_SETUP = 97
+HOSTNAME = "localhost"  # the sandbox's own (UTS namespace): it resolves to 127.0.0.1, whatever the machine is called
 _SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
 _LIMITS = {"memory": resource.RLIMIT_AS, "processes": resource.RLIMIT_NPROC,
            "file_size": resource.RLIMIT_FSIZE, "cpu_time": resource.RLIMIT_CPU}
@@ -52,6 +55,9 @@ def loopback_up() -> None:
 
 
 PRIVATE = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")  # every place anyone may write: fresh in the sandbox
+# What a new root holds of the system, read-only: programs, libraries, configuration (host names, users).
+SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
+KERNEL = ("/dev", "/proc", "/sys")  # devices (/dev/shm private), this PID namespace's processes, sysfs (read-only)
 # statvfs flag -> mount flag: a read-only remount must keep these, or a user namespace refuses it (EPERM).
 _KEEP_FLAGS = {2: MS_NOSUID, 4: MS_NODEV, 8: MS_NOEXEC, 1024: MS_NOATIME, 2048: MS_NODIRATIME,
                4096: MS_RELATIME}
@@ -61,21 +67,9 @@ def _under(path: str, top: str) -> bool:
     return path == top or path.startswith(top.rstrip("/") + "/")
 
 
-def _blocked_ancestor(path: str) -> str | None:
-    """The first directory on the way to ``path`` that others may not enter, if any."""
-    here = "/"
-    for part in path.strip("/").split("/"):
-        if not os.stat(here).st_mode & 0o001:
-            return here
-        here = os.path.join(here, part)
-    return None
-
-
 def _needed(paths: list[str]) -> list[str]:
-    """The existing ``paths`` to bind back, without those inside another.
-
-    ``/`` and the folders that hold a private place (``/var``) stay visible as
-    they are, so they need no binding.
+    """The existing ``paths`` to bind into the new root, without those inside another or inside
+    :data:`SYSTEM` (bound whole).
 
     Raises:
         OSError: a path is one of the private places itself (binding it would hide the sandbox's own).
@@ -85,7 +79,8 @@ def _needed(paths: list[str]) -> list[str]:
         if path in PRIVATE:
             raise OSError(f"{path} is needed in the sandbox, where {path} is private: install Python, the "
                           f"virtual environment and the project in a folder of their own (e.g. {path}/NAME)")
-    found = [p for p in found if not any(_under(top, p) for top in PRIVATE)]
+    found = [p for p in found if not any(_under(top, p) for top in PRIVATE + SYSTEM)]
+    found = [p for p in found if not any(_under(p, top) for top in SYSTEM)]
     return [p for p in found if not any(q != p and _under(p, q) for q in found)]
 
 
@@ -107,40 +102,61 @@ def _mountpoint(path: str) -> int:
     return fd
 
 
-def expose(paths: list[str], work: str, shm_size: str) -> None:
-    """Close the file system in, keeping ``paths`` (the Python, its environment, the project) readable.
-
-    ``work`` becomes ``/tmp`` and the other :data:`PRIVATE` places fresh tmpfs; a
-    tmpfs goes over each directory others may not enter (e.g. ``/root`` of a
-    pyenv Python, a ``0700`` home folder), hiding what else it holds. Then every
-    needed path, wherever it was (under ``/tmp`` too), is bound back at its
-    place, read-only, from a descriptor opened before anything was hidden.
-    """
-    needed = _needed(paths)
-    sources = {p: os.open(p, os.O_PATH) for p in needed}  # reachable after the mounts below hide them
-    mount("none", "/", None, MS_REC | MS_PRIVATE)  # nothing below propagates to the host
-    blockers = {b for p in needed if (b := _blocked_ancestor(p)) not in (None, "/")
-                and not any(_under(b, top) for top in PRIVATE)}
-    for blocker in sorted(blockers):
-        mount("tmpfs", blocker, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
-    private_dirs(work, shm_size)
-    for path, src in sources.items():
-        target = _mountpoint(path)
-        try:
-            mount(f"/proc/self/fd/{src}", f"/proc/self/fd/{target}", None, MS_BIND | MS_REC)
-        finally:
-            os.close(target)
-            os.close(src)
+def _bind(src: int, path: str, readonly: bool) -> None:
+    """Bind the directory open at ``src`` (with what is mounted below it) on ``path``, read-only if asked."""
+    target = _mountpoint(path)
+    try:
+        mount(f"/proc/self/fd/{src}", f"/proc/self/fd/{target}", None, MS_BIND | MS_REC)
+    finally:
+        os.close(target)
+        os.close(src)
+    if readonly:
         kept = sum(m for f, m in _KEEP_FLAGS.items() if os.statvfs(path).f_flag & f)
         mount("none", path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | kept)
 
 
-def private_dirs(work: str, shm_size: str) -> None:
-    """``work`` becomes ``/tmp``; ``/var/tmp``, ``/dev/shm`` and ``/run/lock`` become fresh tmpfs."""
-    mount(work, "/tmp", None, MS_BIND)
+def expose(paths: list[str], work: str, shm_size: str) -> None:
+    """Make a new root holding only the system (:data:`SYSTEM`, :data:`KERNEL`), ``paths`` and the sandbox's own.
+
+    Nothing else of this machine's files is there: no home folder, no project
+    clone beside the package, no other submission and no kept grade, wherever
+    they lie and whatever their permissions. The root is a tmpfs (built over
+    ``/tmp``, then made ``/`` by ``pivot_root``; the old root is detached):
+    ``work`` becomes its ``/tmp``, the other :data:`PRIVATE` places fresh
+    tmpfs, and every needed path (the Python, its environment, the package,
+    under ``/tmp`` too) is bound at its place, read-only, from a descriptor
+    opened before anything was hidden; the folders on the way to it are empty.
+    """
+    needed = _needed(paths)
+    links = {d: os.readlink(d) for d in SYSTEM if os.path.islink(d)}  # merged /usr: /bin -> usr/bin
+    tops = [d for d in SYSTEM + KERNEL if os.path.isdir(d) and d not in links]
+    sources = {p: os.open(p, os.O_PATH) for p in [*tops, *needed]}  # reachable after /tmp is covered
+    work_fd = os.open(work, os.O_PATH)
+    mount("none", "/", None, MS_REC | MS_PRIVATE)  # nothing below propagates to the host
+    root = "/tmp"
+    mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
+    for name, target in links.items():
+        os.symlink(target, root + name)
+    for path in tops:
+        _bind(sources.pop(path), root + path, readonly=path not in ("/dev", "/proc"))
+    _bind(work_fd, root + "/tmp", readonly=False)
+    private_dirs(root, shm_size)
+    for path, src in sources.items():  # after the private places: what lies in them is bound on top
+        _bind(src, root + path, readonly=True)
+    mount("none", root, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    os.chdir(root)
+    libc.pivot_root(".", ".")  # the old root lies under the new one now: detach it, nothing of it stays
+    umount2(".", MNT_DETACH)
+    os.chdir("/")
+
+
+def private_dirs(root: str, shm_size: str) -> None:
+    """``/var/tmp``, ``/dev/shm`` and ``/run/lock`` of the new ``root`` become fresh tmpfs."""
     for target in PRIVATE[1:]:
-        if os.path.isdir(target):
-            mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={shm_size}")
+        if target == "/dev/shm" and not os.path.isdir(root + "/dev"):
+            continue
+        os.close(_mountpoint(root + target))
+        mount("tmpfs", root + target, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={shm_size}")
 
 
 def set_limits(limits: dict) -> None:
@@ -178,6 +194,9 @@ def main(argv: list[str]) -> int:
         if cfg.get("netns"):
             step = "bring the loopback interface up"
             loopback_up()
+            # torchrun hands its workers this host's name: it must name the loopback, the only address here
+            step = f"take the host name {HOSTNAME}"
+            libc.sethostname(HOSTNAME)
         if cfg.get("mountns"):
             step = "mount the private directories"
             expose(cfg.get("expose", []), cfg["work"], cfg.get("shm_size", "256m"))

@@ -24,7 +24,9 @@ import pytest
 from mgpu_lab.course.autograder import build, results_for
 from mgpu_lab.course.checks import exercises
 from mgpu_lab.course.grade import ExerciseGrade, NotebookGrade
-from submissions import CHECK_PICK_DEVICE, PICK_DEVICE, notebook
+from mgpu_lab.course.checks import get
+from mgpu_lab.course.sandbox import protections
+from submissions import CHECK_PICK_DEVICE, PEEK, PEEK_ANSWER, PICK_DEVICE, instructor_folder, notebook, readable_by_anyone
 
 ROOT = Path(__file__).resolve().parents[2]
 LESSON_01 = sum(e.points for e in exercises("01"))  # what lesson 01's solution scores
@@ -56,8 +58,9 @@ def test_the_bundle_has_gradescope_s_layout_for_the_chosen_lessons_only(tmp_path
         assert script in names and modes[script] & stat.S_IXUSR, script
     assert {"pyproject.toml", "constraints.txt", "README.md", "mgpu_lab/__init__.py",
             "mgpu_lab/course/autograder.py", "mgpu_lab/course/checks/l04/checkers.py"} <= names
-    lessons = {n.split("/")[1][:2] for n in names if n.startswith(("solutions/", "notebooks/"))}
+    lessons = {n.split("/")[1][:2] for n in names if n.startswith("notebooks/")}
     assert lessons == {"01", "04"}
+    assert not [n for n in names if n.startswith("solutions/") or "solution" in n.lower()]  # no answers shipped
     with pytest.raises(ValueError, match=r"\['42'\]: not lessons of this course; give some of 01, 02"):
         build(tmp_path / "x.zip", ["42"])
 
@@ -117,16 +120,33 @@ def _run_autograder(root: Path, venv: str, timeout: float = 600) -> dict:
 THIS_VENV = str(Path(sys.executable).parent.parent)  # the quick path: the test environment's own
 
 
+@pytest.fixture
+def instructor():
+    with instructor_folder() as top:
+        yield top
+
+
 @pytest.mark.slow
-def test_a_student_copy_scores_zero_and_a_hostile_or_broken_submission_is_contained_with_the_reason(tmp_path):
-    forged = tmp_path / "autograder" / "results" / "results.json"
+def test_a_student_copy_scores_zero_and_a_hostile_or_broken_submission_is_contained_with_the_reason(tmp_path,
+                                                                                                   instructor):
+    # The autograder's folder where anyone may read it, as /autograder is: the sandbox, not its permissions,
+    # keeps the submission from the bundle's source, the project the grader was installed from, the instructor's.
+    root = instructor / "autograder"
+    forged = root / "results" / "results.json"
+    targets = [root / "source" / "solutions" / "01_devices.ipynb", instructor / "notes.txt"]
+    targets += [p for p in (ROOT / "solutions" / "01_devices.ipynb", ROOT / ".git") if readable_by_anyone(p)]
     hostile = notebook(tmp_path, "01_devices.ipynb",
-                       f"import json, os\nos.makedirs({str(forged.parent)!r}, exist_ok=True)\n"
-                       f"json.dump({{'score': 1000, 'tests': []}}, open({str(forged)!r}, 'w'))",
-                       "def pick_device(index=None):\n    return 'cuda:0'\n" + CHECK_PICK_DEVICE)
-    root = _layout(tmp_path, ["01"], {"01_devices.ipynb": hostile})
+                       f"import json, os\ntry:\n    os.makedirs({str(forged.parent)!r}, exist_ok=True)\n"
+                       f"    json.dump({{'score': 1000, 'tests': []}}, open({str(forged)!r}, 'w'))\n"
+                       "except OSError:\n    pass",
+                       PEEK.format(targets=[str(t) for t in targets] if protections().namespaces else []),
+                       PEEK_ANSWER, CHECK_PICK_DEVICE)
+    assert _layout(instructor, ["01"], {"01_devices.ipynb": hostile}) == root
+    assert readable_by_anyone(root / "source" / "mgpu_lab" / "__init__.py")
     results = _run_autograder(root, THIS_VENV)
-    assert results["score"] == 0 and results["output"].startswith(f"Ada Lovelace: 0/{LESSON_01}"), results["output"]
+    points = get("01.pick_device").points  # its own answer, right only if it read none of the targets
+    assert results["score"] == points, [t["output"] for t in results["tests"] if t["score"] < t["max_score"]]
+    assert results["output"].startswith(f"Ada Lovelace: {points}/{LESSON_01}"), results["output"]
 
     copy = _layout(tmp_path / "copy", ["01"], {"work/01_devices.ipynb": ROOT / "notebooks" / "01_devices.ipynb",
                                               "notes.ipynb": b"this is not a notebook"})
@@ -289,3 +309,17 @@ def test_a_grader_killed_as_the_oom_killer_kills_leaves_results_saying_not_grade
     assert ungraded and all(t["name"].endswith("not graded") and "killed (SIGKILL), most likely out of memory"
                             in t["output"] for t in ungraded), ungraded
     assert "lesson 02: no notebook submitted" in results["output"]
+
+
+def test_a_notebook_named_without_its_lesson_goes_to_the_lesson_its_check_cells_name(tmp_path):
+    from mgpu_lab.course.autograder import _match
+
+    (tmp_path / "in").mkdir()
+    work = tmp_path / "work"
+    work.mkdir()
+    homework = notebook(tmp_path / "in", "homework.ipynb", "check('02.make_loader', make_loader)")
+    notes = notebook(tmp_path / "in", "notes.ipynb", "x = 1")
+    chosen, notes_out = _match([homework, notes], ["01", "02"], work)
+    assert chosen == {"02": work / "02_homework.ipynb"}
+    assert notes_out == ["notes.ipynb: not a notebook of this assignment (lessons 01, 02); name it after its "
+                         "lesson, e.g. 01_....ipynb"]

@@ -228,3 +228,26 @@ def test_an_exercise_not_checked_because_its_cell_did_not_compile_says_which_cel
     e = _by_id(g)["01.pick_device"]
     assert e.status == "not checked" and e.points == 0
     assert "cell 1 did not run: SyntaxError" in e.note and "at line 2" in e.note, e.note
+
+
+def test_a_notebook_named_without_its_lesson_is_graded_by_its_check_cells_or_refused_with_the_fix(
+        tmp_path, monkeypatch):
+    import mgpu_lab.course.grade as grade_module
+    from mgpu_lab.course.grade import ExerciseGrade, NotebookGrade, grade
+    from mgpu_lab.course.summary import summarize
+
+    ran = []
+
+    def judged(path, timeout, limits, expected, *_slot_and_skips):  # what the sandbox would judge: all of it
+        ran.append(path)
+        return NotebookGrade(str(path), [ExerciseGrade(e.id, e.points, e.points, "passed") for e in expected])
+
+    monkeypatch.setattr(grade_module, "_grade", judged)
+    misnamed = _nb(tmp_path, "my homework.ipynb", RIGHT, CHECK)  # lesson 01's answer, its file not named 01_...
+    unknown = _nb(tmp_path, "notes.ipynb", "x = 1")  # no prefix, no check cell: no lesson to grade it against
+    a, b = grade([misnamed, unknown], timeout=HANG_TIMEOUT)
+    assert (a.points, a.max_points, a.completed) == (18, 18, True), (a.max_points, a.reason)
+    assert {e.exercise[:3] for e in a.exercises} == {"01."}
+    assert (b.exercises, b.completed, ran) == ([], False, [misnamed])  # refused, not run
+    assert "which lesson" in b.reason and "name it after its lesson (e.g. 04_ddp.ipynb)" in b.reason
+    assert {r.exercise[:3] for r in summarize([a, b])} == {"01."}  # no rows for lessons nobody submitted

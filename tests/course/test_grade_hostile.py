@@ -4,7 +4,10 @@ Each hostile notebook answers ``01.pick_device`` correctly only if its attacks
 were contained (so its score is one line of evidence), and the test checks the
 other line from outside: the listener saw no connection, no file outside the
 sandbox changed, nothing it started is still running, the grader's secret is
-in no output, the batch wrote every report.
+in no output, the batch wrote every report. The class lies in a folder anyone
+may read, outside ``/tmp``: what keeps a submission from reading another, a
+sibling section's, the kept grades, the instructor's notes or the project's
+solutions and ``.git`` is the sandbox's own root, not a folder's permissions.
 
 The kill request names a process the test started, not pid 1: a grader that
 obeyed it again must fail this test, not take the machine down with it.
@@ -23,7 +26,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from submissions import CHECK_PICK_DEVICE, HEADER, PICK_DEVICE, PICK_DEVICE_BODY, notebook
+from submissions import (CHECK_PICK_DEVICE, HEADER, PICK_DEVICE, PICK_DEVICE_BODY, instructor_folder, notebook,
+                         readable_by_anyone)
 
 import mgpu_lab.course.grade as grade_module
 from mgpu_lab.course.grade import grade, report, write_csv, write_json
@@ -62,6 +66,12 @@ for path in {targets!r}:
             f.write("pwned")
         if not path.startswith(("/var/tmp", "/dev/shm", "/run/lock")):  # private ones are no escape
             escaped.append("wrote " + path)
+    except OSError:
+        pass
+for path in {reads!r}:  # another submission (this folder, a sibling one), kept grades, solutions, .git, home
+    try:
+        open(path, "rb").read(1)
+        escaped.append("read " + path)
     except OSError:
         pass
 subprocess.Popen(["setsid", "sleep", {mark!r}], start_new_session=True)
@@ -194,6 +204,29 @@ def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def instructor():
+    """The instructor's home-like folder, readable by anyone: the class, a sibling section, kept grades."""
+    with instructor_folder() as top:
+        yield top
+
+
+def _what_not_to_read(home: Path, subs: Path, honest: Path) -> list:
+    """Files a submission must not read, each readable by anyone here (else the test would prove nothing)."""
+    sibling = notebook(home / "section-b", "01_devices.ipynb", PICK_DEVICE, CHECK_PICK_DEVICE)
+    kept = home / ".mgpu-lab-grades" / "0123.json"
+    kept.parent.mkdir()
+    kept.write_text('{"exercises": []}')
+    mine = [honest, sibling, kept, home / "notes.txt"]
+    project = [ROOT / "solutions" / "01_devices.ipynb", ROOT / ".git", ROOT / "tests" / "submissions.py"]
+    reads = mine + [p for p in project if readable_by_anyone(p)]  # a clone in a 0700 folder hides itself
+    assert all(readable_by_anyone(p) for p in mine) and honest.parent == subs
+    return reads
+
+
 @pytest.fixture
 def listener():
     """A socket listening on the machine's outside address, closed after the test
@@ -205,7 +238,8 @@ def listener():
         yield sock
 
 
-def test_hostile_submissions_are_contained_and_the_honest_one_is_graded_right(tmp_path, monkeypatch, listener):
+def test_hostile_submissions_are_contained_and_the_honest_one_is_graded_right(tmp_path, monkeypatch, listener,
+                                                                              instructor):
     monkeypatch.setenv("MGPU_LAB_TEST_SECRET", SECRET)
     limits = Limits(memory=8 << 30, processes=400, file_size=1 << 30, cpu_time=600)
     addr = _outside_address()
@@ -213,15 +247,17 @@ def test_hostile_submissions_are_contained_and_the_honest_one_is_graded_right(tm
     drop = tmp_path / "drop"
     drop.mkdir(mode=0o777)
     os.chmod(drop, 0o777)
-    subs = tmp_path / "subs"
+    subs = instructor / "subs"  # outside /tmp, readable by anyone: only the sandbox keeps it from the others
     subs.mkdir()
     honest = _nb(subs, "01_honest.ipynb", HONEST, CHECK)
+    reads = _what_not_to_read(instructor, subs, honest)
     code = Path(grade_module.__file__)
     digests = {p: _digest(p) for p in (honest, code)}
     targets = [str(honest), str(code), str(drop / "x"), f"/var/tmp/{MARK}", f"/dev/shm/{MARK}", f"/run/lock/{MARK}"]
     escape = _nb(subs, "01_escape.ipynb", ESCAPE.format(secret=SECRET, addr=addr or "10.255.255.1",
                                                         port=listener.getsockname()[1], targets=targets,
-                                                        mark=MARK, sentinel=sentinel.pid),
+                                                        mark=MARK, sentinel=sentinel.pid,
+                                                        reads=[str(p) for p in reads]),
                  CONTAINED, CHECK, LEAK.format(secret=SECRET))
     forge = _nb(subs, "01_forge.ipynb", "from mgpu_lab import check", FORGE)
     bomb = _nb(subs, "01_bomb.ipynb", BOMB.format(mark=MARK, hog=12 << 30), CONTAINED, CHECK)
@@ -229,7 +265,7 @@ def test_hostile_submissions_are_contained_and_the_honest_one_is_graded_right(tm
     out = tmp_path / "out"
     out.mkdir()
     try:
-        batch = grade([escape, forge, bomb, honest], timeout=300, limits=limits)
+        batch = grade([escape, forge, bomb, honest], timeout=300, limits=limits, store=instructor / ".mgpu-lab-grades")
         assert sentinel.poll() is None, "the grader killed the process the submission named"
     finally:
         sentinel.kill()

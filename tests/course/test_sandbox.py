@@ -152,7 +152,44 @@ def test_a_needed_path_that_is_a_private_place_itself_is_refused_with_the_fix(mo
 
     with pytest.raises(OSError, match=r"/dev/shm is needed in the sandbox.*folder of their own"):
         sandbox_init._needed(["/dev/shm"])
-    assert sandbox_init._needed(["/", "/var", "/usr", "/usr/lib", "/tmp/x/../nope"]) == ["/usr"]
+    package = os.path.dirname(os.path.dirname(sandbox_init.__file__))
+    # the system is in every sandbox's root already; of the package, its own folder, once
+    assert sandbox_init._needed(["/", "/var", "/usr", "/usr/lib", "/etc", "/tmp/x/../nope", package,
+                                 os.path.join(package, "course")]) == [package]
+
+
+TORCHRUN = r"""
+import json, socket, torch.distributed as dist
+from mgpu_lab.launcher import elastic
+results, run = elastic.call(lambda: dist.get_rank(), 2, timeout=120)
+print(json.dumps({"host": socket.gethostname(), "address": socket.gethostbyname(socket.gethostname()),
+                  "results": results, "tail": run.output[-800:]}))
+"""
+START_SANDBOX = """
+import subprocess, sys
+from mgpu_lab.course.sandbox import Sandbox
+with Sandbox() as box:
+    proc = box.start([sys.executable, "-c", sys.argv[1]], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = proc.communicate(timeout=280)
+print(out.decode().strip().splitlines()[-1] if out.strip() else "no output: " + err.decode()[-800:])
+"""
+
+
+@pytest.mark.root
+@pytest.mark.skipif(not ROOT or not protections().namespaces, reason="taking another host name needs root")
+def test_torchrun_in_the_sandbox_uses_its_loopback_whatever_the_machine_is_called(tmp_path):
+    # As on a cluster node: the machine's name resolves to an address of its own, which the sandbox
+    # (loopback only) does not have; torchrun hands that name to its workers.
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1 localhost\n10.77.0.1 mgpu-far-node\n")
+    os.chmod(tmp_path, 0o755)
+    script = (f"mount --bind {hosts} /etc/hosts && hostname mgpu-far-node && "
+              f"exec {sys.executable} -c \"$0\" \"$1\"")
+    proc = subprocess.run(["unshare", "--uts", "--mount", "sh", "-c", script, START_SANDBOX, TORCHRUN],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["address"].startswith("127.") and got["results"] == [0, 1], got
 
 
 def test_the_grader_reads_only_regular_files_of_the_sandbox_never_links_or_pipes(tmp_path):

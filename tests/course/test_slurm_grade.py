@@ -25,7 +25,8 @@ from mgpu_lab.course.checks import exercises, get
 from mgpu_lab.course.grade import grade, write_csv, write_json
 from mgpu_lab.course.slurm_grade import Slurm, array_script, grade_on_slurm
 from mgpu_lab.course.summary import summarize
-from submissions import CHECK_PICK_DEVICE, PICK_DEVICE, notebook
+from submissions import (CHECK_PICK_DEVICE, PICK_DEVICE, instructor_folder, notebook, peek_notebook,
+                         readable_by_anyone)
 
 ROOT = Path(__file__).resolve().parents[2]
 LESSON_01 = sum(e.points for e in exercises("01"))  # what lesson 01's solution scores
@@ -189,3 +190,23 @@ def test_an_interrupted_run_reports_not_graded_never_zero_and_a_re_run_resumes_i
     again = grade_on_slurm(paths, timeout=300, store=store, slurm=slurm)
     assert set((store / "slurm").iterdir()) == jobs  # the first array's grades, no second array
     assert [(g.graded, g.points) for g in again] == [(True, get("01.pick_device").points), (True, 0)]
+
+
+@pytest.mark.root
+@pytest.mark.slow
+def test_a_submission_graded_on_a_node_reads_no_classmate_no_kept_grade_and_nothing_of_the_project(cluster):
+    # The class, a sibling section and the kept grades in a folder anyone may read, as an instructor keeps them.
+    with instructor_folder() as home:
+        classmate = notebook(home / "class", "01_classmate.ipynb", PICK_DEVICE, CHECK_PICK_DEVICE)
+        sibling = notebook(home / "section-b", "01_devices.ipynb", PICK_DEVICE, CHECK_PICK_DEVICE)
+        store = home / ".mgpu-lab-grades"
+        store.mkdir()
+        (store / "0123.json").write_text('{"exercises": []}')
+        targets = [classmate, sibling, store / "0123.json", home / "notes.txt"]
+        assert all(readable_by_anyone(t) for t in targets)
+        targets += [p for p in (ROOT / "solutions" / "01_devices.ipynb", ROOT / ".git") if readable_by_anyone(p)]
+        peek = peek_notebook(home / "class", "01_peek.ipynb", targets)
+        [g] = grade_on_slurm([peek], timeout=300, store=store, slurm=Slurm(local=True, state=cluster.state))
+    got = {e.exercise: e.points for e in g.exercises}
+    assert g.completed and got["01.pick_device"] == get("01.pick_device").points, \
+        [e.note for e in g.exercises if e.note] or g.reason  # e.g. "... Invalid device string: 'read /home/...'"
