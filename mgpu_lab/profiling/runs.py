@@ -87,7 +87,9 @@ def fsdp_trace(folder: str, width: int = 256, depth: int = 4, batch: int = 32, m
     """In a rank: profile FSDP2 steps of lesson 08's ``BlockNet`` (``fully_shard`` per block, then the root).
 
     ``mixed`` adds FSDP2's ``MixedPrecisionPolicy``: bfloat16 parameters for compute, gradients
-    reduced in float32; the trace then shows the casts beside the all-gathers.
+    reduced in float32. The casts are no ``aten::_to_copy`` events of their own: the trace shows them as
+    the ``aten::_foreach_copy_`` that fills each all-gather's bfloat16 buffer from the float32 shards, and
+    the ``aten::_chunk_cat`` that copies the bfloat16 gradients into each float32 reduce-scatter buffer.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
