@@ -99,15 +99,17 @@ def train_uneven(model_fn, shards, epochs, batch_size, lr):
     from torch.nn.parallel import DistributedDataParallel as DDP
     rank = tdist.get_rank()
     model = DDP(model_fn())
+    device = next(model.parameters()).device
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     some = next(s[0] for s in shards if len(s))  # any sample: the shape of a batch with no weight
     for _ in range(epochs):
         batches = list(DataLoader(shards[rank], batch_size=batch_size))
-        steps = torch.tensor(len(batches))
+        steps = torch.tensor(len(batches), device=device)
         tdist.all_reduce(steps, op=tdist.ReduceOp.MAX)
         for k in range(int(steps)):
             optimizer.zero_grad()
             x, y = batches[k] if k < len(batches) else (some[0][None], some[1][None])
+            x, y = x.to(device), y.to(device)
             (F.mse_loss(model(x), y) * (1.0 if k < len(batches) else 0.0)).backward()  # DDP divides by the world
             optimizer.step()
     return model.module.state_dict()
@@ -122,7 +124,7 @@ def train_uneven(model_fn, shards, epochs, batch_size, lr):
         start = 0
         while True:
             mine = start < len(data)
-            flag = torch.tensor([float(mine)])
+            flag = torch.full((1,), float(mine), device=next(model.parameters()).device)
             tdist.all_reduce(flag, op=tdist.ReduceOp.MAX)
             if flag.item() == 0:
                 break
@@ -130,7 +132,8 @@ def train_uneven(model_fn, shards, epochs, batch_size, lr):
                 p.grad = torch.zeros_like(p)
             if mine:
                 xs, ys = zip(*[data[i] for i in range(start, min(start + batch_size, len(data)))])
-                F.mse_loss(model(torch.stack(xs)), torch.stack(ys)).backward()
+                to = next(model.parameters()).device
+                F.mse_loss(model(torch.stack(xs).to(to)), torch.stack(ys).to(to)).backward()
             for p in model.parameters():
                 tdist.all_reduce(p.grad)
                 p.grad.div_(world)
@@ -189,6 +192,11 @@ SPECS = [
                replace("DataLoader(shards[rank], batch_size=batch_size)",
                        "DataLoader(shards[rank], batch_size=batch_size, drop_last=True)"), "last, shorter batch"),
         Mutant("zero_grad never called", drop_statement("optimizer.zero_grad()"), "carry over"),
+        Mutant("the batch not moved to the model's device",
+               replace("x, y = (t.to(device) for t in batch)", "x, y = batch"), "batch was not moved"),
+        Mutant("the 'anyone has data' flag made on the CPU",
+               replace("torch.tensor([0 if batch is None else 1], device=device)",
+                       "torch.tensor([0 if batch is None else 1])"), "made on the CPU"),
         Mutant("the library's loop under Join",
                replace("    ### BEGIN SOLUTION\n", "    ### BEGIN SOLUTION\n    from mgpu_lab.data.join import "
                        "train_with_join\n    train_with_join(torch.nn.parallel.DistributedDataParallel(model_fn()), "

@@ -33,7 +33,7 @@ NOTEBOOK = Path(__file__).resolve().parents[3] / "solutions" / "05_balanced_samp
 
 def test_lesson_05_registers_its_two_exercises_with_one_point_per_case():
     assert {e.id: e.points for e in exercises("05")} == {"05.BalancedDistributedSampler": 12,
-                                                          "05.train_uneven": 6}
+                                                          "05.train_uneven": 7}
 
 
 def failed(result) -> list[str]:
@@ -202,7 +202,8 @@ def test_torchs_join_is_a_reference(monkeypatch):
 def test_the_reference_tells_the_known_mistakes_apart():
     from mgpu_lab.course.checks.l05.judges import UNEVEN_BUGS, same_state, uneven_reference
 
-    for scenario in checkers.UNEVEN_SCENARIOS[:1] + checkers.UNEVEN_SCENARIOS[2:]:
+    weighed = [s[:4] for s in checkers.UNEVEN_SCENARIOS if not s[4]]  # the last runs on simulated GPUs: placement
+    for scenario in weighed[:1] + weighed[2:]:
         right = uneven_reference(*scenario)
         wrong = {bug: uneven_reference(*scenario, bug=bug) for bug in UNEVEN_BUGS}
         assert not any(same_state(right, w) for w in wrong.values()), scenario

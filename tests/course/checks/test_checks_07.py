@@ -160,3 +160,43 @@ def test_an_answer_that_calls_the_library_s_commands_passes_no_case():
     result = check("07.torchrun_command", calls_the_library)
     assert result.points == 0 and "your code calls mgpu_lab.cluster.commands.torchrun_commands" in str(result), \
         str(result)
+
+
+# -- the real runs: across interfaces as root, said and unpaid on 127.0.0.1 -----------------------------------
+REAL = {"07.torchrun_command": ("torchrun_command", "run for real"), "07.pick_interface": ("pick_interface", "gloo across")}
+
+
+def judge_the_solution(exercise_id: str, isolated: bool):
+    """The solution's result: full marks where the nodes are network namespaces; else every case but the real
+    run's, which worked and fails unpaid, saying it did not cross interfaces, why, and what it would prove."""
+    from mgpu_lab.course.checks.l07.checkers import NOT_ACROSS
+
+    name, real = REAL[exercise_id]
+    result = check(exercise_id, SOLUTION[name])
+    if isolated:
+        assert result.points == result.max_points, str(result)
+        return
+    assert [c.name.startswith(real) for c in result.cases if not c.passed] == [True], str(result)
+    assert result.points == result.max_points - 1, str(result)
+    failed = next(c for c in result.cases if not c.passed)
+    assert NOT_ACROSS in failed.hint and "root" in failed.hint and "As root this case proves" in failed.hint, \
+        str(result)
+
+
+@pytest.mark.parametrize("exercise_id", sorted(REAL))
+def test_the_solution_gets_every_point_across_interfaces_and_none_for_the_real_run_on_127_0_0_1(exercise_id):
+    """As root (CI's root part, nbval of notebook 07) the nodes are network namespaces and the solution gets full
+    marks; as an ordinary user (CI's user part) they share 127.0.0.1 and the real run is said not to count."""
+    from mgpu_lab.cluster import netns
+
+    judge_the_solution(exercise_id, isolated=not netns.problem())
+
+
+@pytest.mark.parametrize("exercise_id", sorted(REAL))
+def test_without_root_the_real_run_says_it_did_not_cross_interfaces_and_awards_nothing(exercise_id, monkeypatch):
+    """The branch an ordinary user meets, reached as root too: network namespaces reported impossible."""
+    from mgpu_lab.cluster import netns
+
+    monkeypatch.setattr(netns, "_problem", None)
+    monkeypatch.setattr(netns, "_probe", lambda: "not root: creating network namespaces needs CAP_NET_ADMIN")
+    judge_the_solution(exercise_id, isolated=False)

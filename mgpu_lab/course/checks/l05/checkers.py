@@ -15,8 +15,12 @@
   weights are compared with the reference computed in one process, and with
   those of the known wrong answers, which the failure then names.
 
-Neither judges device placement: the sampler yields indices, and the
-train_uneven check runs on gloo and the CPU (it judges the loop).
+The sampler yields indices: nothing to place. ``train_uneven``'s last scenario runs
+the ranks as NCCL ranks on simulated GPUs (:mod:`..sim`: ``model_fn()`` on
+``cuda:rank``, gloo underneath) and judges only where things were: every batch
+the model was given on the model's device, every tensor handed to a collective
+(the "anyone has data" flag included) on the rank's GPU; the weights are judged
+on the plain CPU scenarios.
 What runs in those processes is :mod:`.ranks`; this module judges, in the kernel.
 """
 from __future__ import annotations
@@ -95,21 +99,51 @@ HANG_HINT = ("a rank that ran out of data left the loop while the others waited 
 UNEVEN_REFERENCES = ("mgpu_lab.data.join:train_with_join", "torch.distributed.algorithms.join:Join")
 
 
-UNEVEN_SCENARIOS = [((10, 23, 0), 2, 4, 1), ((7, 7, 7), 1, 3, 2), ((5, 0, 12), 3, 3, 3), ((1, 9, 4), 2, 2, 4)]
+UNEVEN_SCENARIOS = [((10, 23, 0), 2, 4, 1, False), ((7, 7, 7), 1, 3, 2, False), ((5, 0, 12), 3, 3, 3, False),
+                    ((1, 9, 4), 2, 2, 4, False),
+                    ((3, 5, 0), 1, 2, 5, True)]  # last: on simulated GPUs, judged for placement only
 
 
-@exercise("05.train_uneven", points=6, description="train_uneven(model_fn, shards, epochs, batch_size, lr) -> "
+PLACEMENT_HINT = ("on a GPU the model's parameters are on the rank's GPU: each batch (inputs and labels) must be "
+                  "moved to the model's device before the forward pass, and with NCCL every tensor handed to a "
+                  "collective (the flag saying whether this rank has a batch too) must be made on that device; "
+                  "gloo's CPU path hides both, NCCL and the GPU refuse them")
+
+
+def _judge_placement(t, got) -> None:
+    """Fail unless the model was given batches, every one on its device, and every collective's tensor
+    (some collective ran) was on its rank's GPU."""
+    inputs = [(r, *entry) for r, g in enumerate(got) for entry in g.get("inputs", [])]
+    calls = [(r, op, on) for r, g in enumerate(got) for op, on in g.get("calls", [])]
+    if not inputs or not calls:
+        t.fail("not judged: on simulated GPUs your ranks gave the model no batch or called no collective",
+               "batches through the model and collectives", f"{len(inputs)} forward passes, {len(calls)} collectives")
+    wrong = [(r, on, model) for r, _, on, model in inputs if on != model]
+    if wrong:
+        r, on, model = wrong[0]
+        t.fail("the batch was not moved to the model's device: " + PLACEMENT_HINT,
+               f"rank {r}'s batches on {model}", f"rank {r} gave the model on {model} a batch on {on}")
+    wrong = [(r, op, on) for r, op, on in calls if on != f"cuda:{r}"]
+    if wrong:
+        r, op, on = wrong[0]
+        t.fail("a tensor handed to a collective (such as the flag saying whether this rank still has a batch) was "
+               f"made on the CPU: {PLACEMENT_HINT}", f"rank {r}'s {op} given a tensor on cuda:{r}",
+               f"rank {r}'s {op} given a tensor on {on}")
+
+
+@exercise("05.train_uneven", points=7, description="train_uneven(model_fn, shards, epochs, batch_size, lr) -> "
           "state_dict: ranks with shards of unequal lengths train without Join, agree each step whether anyone "
           "still has a batch, and stop together", references=UNEVEN_REFERENCES)
 def _train_uneven(t, train_uneven):
-    """One launch of 3 ranks (gloo on the CPU on any machine: the check judges the loop), four scenarios.
+    """One launch of 3 ranks, five scenarios: four on gloo and the CPU (the weights: the loop), the last as NCCL
+    ranks on simulated GPUs (placement only).
 
-    Catches: a rank that leaves on its own (a hang, reported after UNEVEN_TIMEOUT), division by the
+    Catches: the batch not moved to the model's device, the "anyone has data" flag made on the CPU, a rank that leaves on its own (a hang, reported after UNEVEN_TIMEOUT), division by the
     ranks still training, a summed loss, epochs run back to back, stopping when the first rank runs
     out, a stale gradient from a rank out of data, the last short batch dropped, Join or the library.
     """
     evidence = launch_scenarios(t, probe_uneven, 3, train_uneven, UNEVEN_SCENARIOS, timeout=UNEVEN_TIMEOUT)
-    scenario = UNEVEN_SCENARIOS[0]
+    scenario = UNEVEN_SCENARIOS[0][:4]
     res = None
     with t.case("3 ranks with 10, 23 and 0 samples, batch_size=4, 2 epochs: every rank, the one without samples "
                 "too, takes part in the steps and returns its model's state_dict (no hang, with a barrier after "
@@ -145,12 +179,16 @@ def _train_uneven(t, train_uneven):
         if not same_state(res[0]["state"], uneven_reference(*scenario)):
             t.fail(uneven_diagnosis(res[0]["state"], scenario), "the weights of the reference",
                    "different weights")
-    for k, (lengths, epochs, batch_size, seed) in enumerate(UNEVEN_SCENARIOS[1:], start=1):
+    for k, (lengths, epochs, batch_size, seed, _) in enumerate(UNEVEN_SCENARIOS[1:-1], start=1):
         with t.case(f"3 ranks with {', '.join(map(str, lengths))} samples, batch_size={batch_size}, "
                     f"{epochs} epoch(s): the reference weights on every rank", hidden=True):
             got = evidence.get(t, k)
             want = uneven_reference(lengths, epochs, batch_size, seed)
             if not all(g["state"] is not None and same_state(g["state"], want) for g in got):
                 bad = next(g["state"] for g in got if g["state"] is not None)
-                t.fail(uneven_diagnosis(bad, UNEVEN_SCENARIOS[k]) if bad else "return model.state_dict()",
+                t.fail(uneven_diagnosis(bad, UNEVEN_SCENARIOS[k][:4]) if bad else "return model.state_dict()",
                        "the reference weights", "different weights")
+    with t.case("NCCL ranks on simulated GPUs (model_fn() on cuda:0-2, 3, 5 and 0 samples): every batch given to "
+                "the model is on the model's device, and every tensor handed to a collective, the 'anyone has "
+                "data' flag included, on the rank's GPU", hint=PLACEMENT_HINT):
+        _judge_placement(t, evidence.get(t, len(UNEVEN_SCENARIOS) - 1))

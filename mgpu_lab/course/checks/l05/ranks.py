@@ -16,7 +16,10 @@ import operator
 import random
 import torch
 
+from ..sim.cuda import simulated_gpus
+from ..sim.devices import GpuFactories, Placed, PlacedModule, place, plain, reset
 from ..sim.outcome import outcome
+from ..sim.parallel import simulated_nccl, virtual_ddp
 
 
 # -- BalancedDistributedSampler -----------------------------------------------------
@@ -87,21 +90,57 @@ def uneven_shards(seed: int, lengths) -> list:
             for n in lengths]
 
 
+def placed_uneven_model(seed: int, device: str):
+    """:func:`uneven_model`'s network (same weights and state_dict keys) on a simulated GPU: its parameters
+    and their gradients report ``device``, its inputs' devices are recorded, its outputs are on ``device``."""
+    torch.manual_seed(seed)
+    model = PlacedModule(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1), name="model",
+                         out_tag="output", device=device, virtual_parameters=True)
+    for p in model.parameters():  # a gradient is where its parameter is (autograd leaves it a plain CPU tensor)
+        p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", place(p.grad, "gradient", p.device)))
+    return model
+
+
+def _placed_run(train_uneven, scenario) -> tuple:
+    """The learner's training as an NCCL rank on simulated GPUs (``model_fn()`` on ``cuda:rank``): its state,
+    and where every batch given to the model, every collective's tensor and every mixed operation were."""
+    import functools
+    import torch.distributed as tdist
+
+    from mgpu_lab.comm.record import record
+
+    lengths, epochs, batch_size, seed, _ = scenario
+    me = tdist.get_rank()
+    reset()
+    with simulated_gpus(tdist.get_world_size(), local_rank=me), simulated_nccl(), virtual_ddp(), \
+            GpuFactories("a tensor your code made on the GPU"), record() as log:
+        state = train_uneven(functools.partial(placed_uneven_model, seed, f"cuda:{me}"),
+                             uneven_shards(seed, lengths), epochs, batch_size, LR)
+    where = {"inputs": [entry[1:4] for entry in PlacedModule.inputs], "mixes": list(Placed.mixes),
+             "calls": [(e["op"], e["device"]) for e in log if e["numel"] and e["op"] != "wait"]}
+    return state, where
+
+
 def probe_uneven(train_uneven, scenarios: list, log_dir: str) -> list:
-    """In a real rank, per scenario ``(lengths, epochs, batch_size, seed)``: the learner's training, then a
-    barrier (as before a checkpoint). Returns per scenario this rank's state_dict (or what it returned)."""
+    """In a real rank, per scenario ``(lengths, epochs, batch_size, seed, gpus)``: the learner's training, then a
+    barrier (as before a checkpoint). Returns per scenario this rank's state_dict (or what it returned); with
+    ``gpus`` the run is on simulated GPUs (:func:`_placed_run`) and the evidence says where things were."""
     import functools
     import torch.distributed as tdist
 
     from ..sim.scenarios import run_scenarios
 
     def one(scenario):
-        lengths, epochs, batch_size, seed = scenario
-        state = train_uneven(functools.partial(uneven_model, seed), uneven_shards(seed, lengths), epochs,
-                             batch_size, LR)
+        lengths, epochs, batch_size, seed, gpus = scenario
+        where = {}
+        if gpus:
+            state, where = _placed_run(train_uneven, scenario)
+        else:
+            state = train_uneven(functools.partial(uneven_model, seed), uneven_shards(seed, lengths), epochs,
+                                 batch_size, LR)
         tdist.barrier()  # hangs if a rank were still in a collective of the training
         if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-            return {"state": None, "returned": repr(state)[:100]}
-        return {"state": {k: v.detach().cpu().clone() for k, v in state.items()}}
+            return {"state": None, "returned": repr(state)[:100], **where}
+        return {"state": {k: plain(v).detach().cpu().clone() for k, v in state.items()}, **where}
 
     return run_scenarios(log_dir, one, scenarios)

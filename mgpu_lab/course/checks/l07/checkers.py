@@ -9,7 +9,10 @@ Only an answer that passes those cases is then run for real: one ``torchrun`` pe
 simulated node (:mod:`mgpu_lab.cluster.multinode`), with a small script that
 reports RANK, LOCAL_RANK, WORLD_SIZE and GROUP_RANK and runs an all_reduce; every
 run is bounded by a timeout. A wrong command makes torchrun wait rather than fail,
-so the wrong answers fail within a second, before any run.
+so the wrong answers fail within a second, before any run. Without root (no network
+namespaces) the nodes all fall back to 127.0.0.1: the real run still runs, and its
+failures are reported, but a run that worked fails all the same (no points), saying it
+did not run across interfaces and why.
 """
 from __future__ import annotations
 
@@ -197,6 +200,21 @@ def _run_static(t, torchrun_command, script) -> None:
             t.fail(f"on {where(cluster)}: {failure_text(result)}",
                    "(RANK, LOCAL_RANK, GROUP_RANK, WORLD_SIZE, node, sum): " + repr(expected),
                    repr(seen) if seen else "no rank reported: " + result.summary().replace("\n", " "))
+        judge_across(t, cluster, "that node 1's torchrun reaches node 0's store at --master-addr across the "
+                                 "network and the 4 ranks form one job")
+
+
+NOT_ACROSS = "not run across interfaces here"  # the words of a real run that could only use 127.0.0.1
+
+
+def judge_across(t, cluster, proves: str) -> None:
+    """After a real run that worked: fail (no points) when the nodes were not network namespaces, every one on
+    127.0.0.1, saying so, why, and what the run would prove where it can cross interfaces."""
+    if not cluster.isolated:
+        t.fail(f"{NOT_ACROSS}: {cluster.reason}. The simulated nodes get interfaces and addresses of their own only "
+               "in network namespaces, which need root (CAP_NET_ADMIN); here every node was on 127.0.0.1, where "
+               f"this worked but proves nothing about crossing machines. As root this case proves {proves}, and "
+               "awards its point", "2 nodes in network namespaces, joined on eth0", "every node on 127.0.0.1")
 
 
 # A grader runs these commands as root outside the submission's sandbox: only what the cases judged.
@@ -265,3 +283,5 @@ def _run_pick(t, pick_interface) -> None:
             t.fail(f"on {where(cluster)} with GLOO_SOCKET_IFNAME={got[1]}: {failure_text(result)}",
                    "both ranks: all_reduce sum 3", f"{len(reports)} rank(s) finished; "
                    + result.summary().replace("\n", " "))
+        judge_across(t, cluster, "that the interface you picked from node 0's own `ip -j addr` is the one gloo "
+                                 "needs to reach node 1")
