@@ -248,10 +248,12 @@ def test_under_gradescope_s_default_768_mb_the_bundle_still_writes_results_namin
 @pytest.mark.slow
 def test_a_hanging_notebook_ends_within_the_time_budget_with_results_naming_what_was_not_graded(tmp_path):
     hang = notebook(tmp_path, "01_devices.ipynb", PICK_DEVICE, CHECK_PICK_DEVICE, "while True:\n    pass")
-    root = _layout(tmp_path, ["01"], {"01_devices.ipynb": hang}, budget=60)
-    assert "--budget 60" in (root / "run_autograder").read_text()
-    results = _run_autograder(root, THIS_VENV, timeout=60 + 60)
-    assert results["execution_time"] <= 60 + 10, results["execution_time"]
+    # 90 s, not the least budget (60): on CI's loaded 2-core machine the grader's own start took over 35 s once,
+    # and a share under 10 s grades nothing ("ran out before this notebook"): the hang would never have started.
+    root = _layout(tmp_path, ["01"], {"01_devices.ipynb": hang}, budget=90)
+    assert "--budget 90" in (root / "run_autograder").read_text()
+    results = _run_autograder(root, THIS_VENV, timeout=90 + 60)
+    assert results["execution_time"] <= 90 + 10, results["execution_time"]
     _not_graded_named(results)
     assert results["score"] < LESSON_01 and "stopped" in results["output"], results["output"]
     with pytest.raises(ValueError, match="budget=10: give at least 60 seconds"):
