@@ -129,12 +129,27 @@ class _Popen(popen_forkserver.Popen):
                 spawn.get_preparation_data = original
 
 
+# multiprocessing's list of children is not thread-safe before Python 3.11.4 or so (Debian 12's 3.11.2):
+# ``start()`` walks it calling ``p._popen.poll()`` while another thread's ``close()`` sets ``_popen`` to None,
+# and the start fails with "'NoneType' object has no attribute 'poll'". Checks that judge several answers in
+# threads start and close ranks at once, so both hold this lock.
+_children_lock = threading.Lock()
+
+
 class RankProcess(context.ForkServerProcess):
     """A process forked from the preloaded forkserver."""
 
     @staticmethod
     def _Popen(process_obj):
         return _Popen(process_obj)
+
+    def start(self):
+        with _children_lock:
+            super().start()
+
+    def close(self):
+        with _children_lock:
+            super().close()
 
 
 def start(target, args, name: str) -> RankProcess:

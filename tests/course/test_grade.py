@@ -66,14 +66,29 @@ def graded_class(tmp_path_factory):
                 folder=folder, left=left)
 
 
+def _unpaid_here(case: dict) -> bool:
+    """A case this machine cannot pay: lesson 07's real runs across interfaces without network namespaces
+    (no root: CI's user part). As root, nothing is excused."""
+    from mgpu_lab.cluster import netns
+    from mgpu_lab.course.checks.l07.checkers import NOT_ACROSS
+
+    return bool(netns.problem()) and NOT_ACROSS in (case.get("hint") or "")
+
+
 def test_every_solution_notebook_gets_full_marks_and_every_student_copy_zero(graded_class):
     data = graded_class["data"]
     for name in LESSONS:
         solution, student = data[str(ROOT / "solutions" / name)], data[str(ROOT / "notebooks" / name)]
         assert solution["completed"] and student["completed"], (name, solution["reason"], student["reason"])
-        wrong = {e["exercise"]: [c for c in e["cases"] if not c["passed"]] or e["note"]
+        wrong = {e["exercise"]: [c for c in e["cases"] if not c["passed"] and not _unpaid_here(c)]
+                 if any(not c["passed"] for c in e["cases"]) else e["note"]
                  for e in solution["exercises"] if e["points"] != e["max_points"]}
-        assert solution["points"] == solution["max_points"] > 0 and not wrong, (name, wrong)
+        wrong = {k: v for k, v in wrong.items() if v}
+        # one point per case; a case that cannot be earned on this machine (07's real runs across interfaces
+        # need network namespaces, so root) fails unpaid, saying why, and is the only one excused
+        excused = sum(not c["passed"] and _unpaid_here(c) for e in solution["exercises"] for c in e["cases"])
+        assert not wrong and solution["max_points"] > 0, (name, wrong)
+        assert solution["points"] == solution["max_points"] - excused, (name, solution["points"], excused)
         assert student["points"] == 0 and student["max_points"] == solution["max_points"]
         assert {e["status"] for e in student["exercises"]} == {"not attempted"}, name
     assert graded_class["code"] == 0 and graded_class["left"] == set()
