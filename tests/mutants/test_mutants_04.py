@@ -16,24 +16,28 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, default_collate
 
 from mgpu_lab import dist as mdist
 from batching import shared_mutant_tests
-from mutation import ExerciseMutants, Mutant, Variant, drop_statement, replace
+from mutation import ExerciseMutants, Mutant, Variant, drop_statement, replace, sub
 
 pytestmark = pytest.mark.timeout(600)
 
 # "__main__", as in a notebook: cloudpickle then ships the answers by value without searching sys.modules
 NAMESPACE = {"__name__": "__main__", "torch": torch, "math": math, "os": os, "time": time, "dist": dist,
              "contextlib": contextlib,
-             "mdist": mdist, "nn": nn, "DDP": DDP, "DataLoader": DataLoader, "DistributedSampler": DistributedSampler}
+             "mdist": mdist, "nn": nn, "DDP": DDP, "DataLoader": DataLoader, "DistributedSampler": DistributedSampler,
+             "default_collate": default_collate}
 NB = "04_ddp.ipynb"
 PADDING = "(indices * math.ceil(missing / len(indices)))[:missing]"
 DEVICE = "device = mdist.device()"
 FETCH = "path = fn(root) if mdist.local_rank() == 0 else None"
 PICK = "return paths[dist.get_rank() - mdist.local_rank()]"
 MEAN = "(totals[0] / totals[1]).item()"
+STEP = "step = order[start:start + global_batch]"
+EMPTY = "x, y = x[:0], y[:0]"
+SCALED = "loss = loss_fn(ddp_model(x), y) * world / len(step)"
 
 SHARD_VARIANTS = [
     Variant("tensors: repeat the permutation, slice with a stride", '''
@@ -152,6 +156,56 @@ def global_mean(local_sum, local_count):
 '''),
 ]
 
+EXACT_VARIANTS = [
+    Variant("contiguous parts, a DataLoader over each rank's part, mean loss reweighted, no sample masked by zero", '''
+def train_exact(model_fn, dataset, global_batch, epochs, lr):
+    import torch.nn.functional as F
+    device = mdist.device()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = model_fn().to(device)
+    ddp_model = DDP(model, device_ids=[device.index]) if device.type == "cuda" else DDP(model)
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr)
+    for epoch in range(epochs):
+        g = torch.Generator()
+        g.manual_seed(epoch)
+        order = torch.randperm(len(dataset), generator=g)
+        for step in torch.split(order, global_batch):
+            q, r = divmod(len(step), world)
+            lo = rank * q + min(rank, r)
+            part = step[lo:lo + q + (rank < r)].tolist()
+            weight = len(part) * world / len(step)  # this rank's share of the step, times DDP's division
+            x, y = next(iter(DataLoader(dataset, batch_size=len(step), sampler=part or step[:1].tolist())))
+            x, y = x.to(device), y.to(device)
+            loss = F.cross_entropy(ddp_model(x), y) * weight  # weight 0: a sample read, not trained on
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+    return {k: v.detach().cpu() for k, v in ddp_model.module.state_dict().items()}
+'''),
+    Variant("per-sample losses gathered by index, the rank's samples picked with a mask, a step counter", '''
+def train_exact(model_fn, dataset, global_batch, epochs, lr):
+    device = mdist.device()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = DDP(model_fn().to(device), device_ids=[device.index] if device.type == "cuda" else None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    loss_fn = nn.CrossEntropyLoss(reduction="none")
+    n = len(dataset)
+    for epoch in range(epochs):
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(epoch)).tolist()
+        steps = -(-n // global_batch)
+        for k in range(steps):
+            step = order[k * global_batch:(k + 1) * global_batch]
+            xs, ys = zip(*(dataset[i] for i in step))  # every rank reads the whole step
+            x, y = torch.stack(xs).to(device), torch.stack(ys).to(device)
+            mask = (torch.arange(len(step), device=device) % world == rank).float()
+            loss = (loss_fn(model(x), y) * mask).sum() * world / len(step)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    return {k: v.cpu() for k, v in model.module.state_dict().items()}
+'''),
+]
+
 SPECS = [
     ExerciseMutants("04.shard_indices", NB, ("shard_indices",), mutants=[
         Mutant("contiguous blocks instead of every world_size-th index",
@@ -254,6 +308,41 @@ SPECS = [
         Mutant("sums in float32", replace("dtype=torch.float64", "dtype=torch.float32"),
                ("a float32 holds", "8388608.0")),
     ], variants=MEAN_VARIANTS),
+    # the mutant "a rank without samples skips the step" hangs until the check's timeout: it is
+    # tests/course/checks/test_checks_04.py's hang test, with the timeout shortened
+    ExerciseMutants("04.train_exact", NB, ("train_exact",), mutants=[
+        Mutant("DDP's plain average of the ranks' mean losses",
+               (replace('nn.CrossEntropyLoss(reduction="sum")', "nn.CrossEntropyLoss()"),
+                replace(" * world / len(step)", "")), "plain average of the ranks' mean losses"),
+        Mutant("the last, smaller batch dropped",
+               replace(STEP, STEP + "\n            if len(step) < global_batch:\n                break"),
+               "drops the last"),
+        Mutant("the last batch padded from the start of the order",
+               replace(STEP, "step = (order[start:] + order)[:global_batch]"), "padded to the full global batch"),
+        Mutant("DistributedSampler's padded shards, global_batch // world_size per rank, mean loss",
+               sub(r"^    for epoch in range\(epochs\):\n(.*\n)*?            loss = .*$",
+                   "    sampler = DistributedSampler(dataset)\n"
+                   "    loader = DataLoader(dataset, batch_size=max(1, global_batch // world), sampler=sampler)\n"
+                   "    for epoch in range(epochs):\n        sampler.set_epoch(epoch)\n        for x, y in loader:\n"
+                   "            x, y = x.to(device), y.to(device)\n"
+                   "            loss = nn.functional.cross_entropy(ddp_model(x), y)"),
+               "distributedsampler's shards"),
+        Mutant("a rank without samples trains on the sample it only read",
+               drop_statement("x[:0]"), "only read"),
+        Mutant("the loss divided by the global batch only (DDP's average divides again)",
+               replace(" * world / len(step)", " / len(step)"), "lr / 3"),
+        Mutant("no DDP: gradients never cross the ranks",
+               replace('DDP(model, device_ids=[device.index]) if device.type == "cuda" else DDP(model)', "model"),
+               "never crossed the ranks"),
+        Mutant("the permutation from the global random state",
+               replace("torch.randperm(len(dataset), generator=torch.Generator().manual_seed(epoch))",
+                       "torch.randperm(len(dataset))"), "generator seeded with the epoch"),
+        Mutant("the empty batch made on the CPU (a GPU refuses it)",
+               replace(EMPTY, "x, y = torch.zeros(0, *x.shape[1:]), torch.zeros(0, dtype=torch.long)"),
+               ("a gpu refuses it", "on cpu")),
+        Mutant("the labels left on the CPU", replace("x, y = x.to(device), y.to(device)", "x = x.to(device)"),
+               ("here: the labels", "cpu")),
+    ], variants=EXACT_VARIANTS),
 ]
 
 

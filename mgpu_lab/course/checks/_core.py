@@ -70,8 +70,9 @@ class Tester:
         self._hung = False
 
     @contextmanager
-    def case(self, name: str, hidden: bool = False, hint: str = ""):
-        """Judge one case: it passes unless its body raises.
+    def case(self, name: str, hidden: bool = False, hint: str = "", points: int = 1):
+        """Judge one case, worth ``points`` (one unless the lesson's idea earns more): it passes unless its
+        body raises.
 
         A :class:`CaseFailed` carries the details; an error in the learner's code
         (from :meth:`call`) fails the case with the error; NotImplementedError
@@ -84,10 +85,11 @@ class Tester:
         except NotAttempted:
             raise
         except CaseFailed as exc:
-            self._add(name, False, hidden, exc.expected, exc.got, exc.hint or hint)
+            self._add(name, False, hidden, points, exc.expected, exc.got, exc.hint or hint)
         except LaunchTimeout as exc:
             self._hung = True
-            self._add(name, False, hidden, got=f"no answer within {exc.args[0].split(' after ')[1].split(':')[0]}",
+            waited = exc.args[0].split(' after ')[1].split(':')[0]
+            self._add(name, False, hidden, points, got=f"no answer within {waited}",
                       hint="your code hangs or is far too slow: look for a collective that not every "
                            "rank calls, or an endless loop" + (f"; {hint}" if hint else ""))
         except LaunchError as exc:
@@ -95,14 +97,15 @@ class Tester:
                 raise NotAttempted() from None
             if exc.exc_type == "ReferenceCalled":  # the message says which reference, and what to do
                 said = str(exc).splitlines()[0].split("ReferenceCalled: ", 1)[-1]
-                self._add(name, False, hidden, got=said, hint="the check judges your own code, not the library's")
+                self._add(name, False, hidden, points, got=said,
+                          hint="the check judges your own code, not the library's")
                 return
-            self._add(name, False, hidden, got=_error_text(exc), hint=hint)
+            self._add(name, False, hidden, points, got=_error_text(exc), hint=hint)
         else:
-            self._add(name, True, hidden)
+            self._add(name, True, hidden, points)
 
-    def _add(self, name, passed, hidden, expected="", got="", hint=""):
-        self.cases.append(Case(name, passed, hidden, expected, got, hint))
+    def _add(self, name, passed, hidden, points=1, expected="", got="", hint=""):
+        self.cases.append(Case(name, passed, hidden, expected, got, hint, points))
 
     # -- verdict helpers --------------------------------------------------
     def equal(self, got, expected, hint: str = "") -> None:
@@ -303,9 +306,10 @@ def run_checker(ex: Exercise, t: Tester, answers: tuple = (), named: dict | None
         traceback.clear_frames(exc.__traceback__)
     finally:
         t.cleanup()
-    if len(t.cases) > ex.points:
-        raise RuntimeError(f"checker of {ex.id} judged {len(t.cases)} cases but declares {ex.points} points")
-    while len(t.cases) < ex.points:
+    if sum(c.points for c in t.cases) > ex.points:
+        raise RuntimeError(f"checker of {ex.id} judged cases worth {sum(c.points for c in t.cases)} points but "
+                           f"declares {ex.points} points")
+    while sum(c.points for c in t.cases) < ex.points:
         t.cases.append(Case("(not reached)", False, hint="the check stopped before this case"))
-    points = sum(c.passed for c in t.cases)
+    points = sum(c.points for c in t.cases if c.passed)
     return CheckResult(ex.id, points, ex.points, "passed" if points == ex.points else "failed", t.cases, note)

@@ -15,6 +15,7 @@ class Case:
         hidden: hidden cases report only pass/fail, never their details.
         expected, got: the values compared (text), when the case compares values.
         hint: what the likely bug is, shown when the case fails.
+        points: what the case is worth (1 unless the checker gives the lesson's idea more).
     """
 
     name: str
@@ -23,12 +24,18 @@ class Case:
     expected: str = ""
     got: str = ""
     hint: str = ""
+    points: int = 1
+
+    @property
+    def worth(self) -> str:
+        """`` (3 points)`` after the name of a case worth more than one point, else nothing."""
+        return f" ({self.points} points)" if self.points != 1 else ""
 
     def lines(self) -> list[str]:
         mark = "PASS" if self.passed else "FAIL"
         if self.hidden:
-            return [f"{mark}  hidden case: {self.name}"]
-        out = [f"{mark}  {self.name}"]
+            return [f"{mark}  hidden case: {self.name}{self.worth}"]
+        out = [f"{mark}  {self.name}{self.worth}"]
         if not self.passed:
             if self.expected or self.got:
                 out += [f"      expected: {self.expected}", f"      got:      {self.got}"]
@@ -44,7 +51,7 @@ class CheckResult:
     Attributes:
         exercise: the exercise id, e.g. ``"01.pick_device"``.
         passed: True when every case passed.
-        points, max_points: points earned and available (one per case).
+        points, max_points: points earned and available (one per case unless a case is worth more).
         status: ``"passed"``, ``"failed"``, ``"not attempted"``, or ``"recorded"`` (saved for
             a grader, which judges it after the notebook has run).
         messages: one line per case (details of failed visible cases included).
@@ -93,7 +100,7 @@ class CheckResult:
         for case in self.cases:
             mark = "&#10004;" if case.passed else "&#10008;"
             tint = "#1a7f37" if case.passed else "#cf222e"
-            name = "hidden case: " + html.escape(case.name) if case.hidden else html.escape(case.name)
+            name = ("hidden case: " if case.hidden else "") + html.escape(case.name + case.worth)
             detail = ""
             if not case.passed and not case.hidden:
                 bits = []

@@ -6,6 +6,7 @@ versions among them) are tests/mutants/test_mutants_04.py.
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import cloudpickle
@@ -26,12 +27,14 @@ pytestmark = pytest.mark.timeout(300)
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 NOTEBOOK = Path(__file__).resolve().parents[3] / "solutions" / "04_ddp.ipynb"
-NAMES = ("shard_indices", "ddp_train", "global_mean", "download_once")
+NAMES = ("shard_indices", "ddp_train", "global_mean", "download_once", "train_exact")
 
 
-def test_lesson_04_registers_its_four_exercises_with_one_point_per_case():
+def test_lesson_04_registers_its_five_exercises_and_train_exact_carries_half_of_the_points():
     got = {e.id: e.points for e in exercises("04")}
-    assert got == {"04.ddp_train": 9, "04.download_once": 4, "04.global_mean": 6, "04.shard_indices": 6}
+    assert got == {"04.ddp_train": 9, "04.download_once": 4, "04.global_mean": 6, "04.shard_indices": 6,
+                   "04.train_exact": 25}
+    assert 2 * got["04.train_exact"] >= sum(got.values())
 
 
 def _stub(*args, **kwargs):  # checking.stub would travel by reference: every rank would import nbformat
@@ -61,7 +64,12 @@ def _library_download_once(fn):
     return per_node.run_once(fn)
 
 
-LIBRARY = {"shard_indices": (_library_shards, "torch.utils.data.distributed.DistributedSampler"),
+def _library_exact(model_fn, dataset, global_batch, epochs, lr):
+    return ddp.train(model_fn, dataset, epochs, max(1, global_batch // dist.get_world_size()), lr)
+
+
+LIBRARY = {"train_exact": (_library_exact, "mgpu_lab.parallel.ddp.train"),
+           "shard_indices": (_library_shards, "torch.utils.data.distributed.DistributedSampler"),
            "ddp_train": (_library_train, "mgpu_lab.parallel.ddp.train"),
            "global_mean": (ddp.mean_over_ranks, "mgpu_lab.parallel.ddp.mean_over_ranks"),
            "download_once": (_library_download_once, "mgpu_lab.data.per_node.run_once")}
@@ -109,6 +117,22 @@ def _single_process_on_every_rank(model_fn, dataset, epochs, batch_size, lr, acc
     return {k: v.cpu() for k, v in model.state_dict().items()}
 
 
+def _one_process_on_every_rank(model_fn, dataset, global_batch, epochs, lr):
+    from mgpu_lab import dist as mdist
+
+    device = mdist.device()
+    model = model_fn().to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    for epoch in range(epochs):
+        order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(epoch)).tolist()
+        for start in range(0, len(order), global_batch):
+            x, y = torch.utils.data.default_collate([dataset[i] for i in order[start:start + global_batch]])
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x.to(device)), y.to(device)).backward()
+            optimizer.step()
+    return {k: v.cpu() for k, v in model.state_dict().items()}
+
+
 def _local_mean(local_sum, local_count):
     return float(local_sum / local_count) if local_count else 0.0
 
@@ -142,6 +166,9 @@ def _second_call_without_waiting(fn):
                                                   "every batch's inputs and labels"}),
     ("global_mean", _local_mean, set()),
     ("download_once", _every_rank_fetches, set()),
+    # one process's training on every rank: right weights, but no DDP and no shared work
+    ("train_exact", _one_process_on_every_rank, {"3 ranks, 28 samples", "24 samples", "... the weights",
+                                                 "NCCL ranks", "... the loss meets"}),
     # the second-call case holds its evidence: who called fn, and whether every rank returned after it
     ("download_once", _second_call_without_waiting, {"2 nodes x 3 ranks", "every rank returns its own node's path",
                                                      "no rank returns before its node's file is complete"}),
@@ -255,3 +282,54 @@ def test_the_diagnosis_reference_is_the_reference_when_nothing_is_changed():
                               s["batch"] * s["world"], s["lr"])
     assert ddp.max_diff(variant_train(s, s["batch"] * s["world"], s["lr"]), ref) < 1e-6
     assert ddp.max_diff(variant_train(s, s["batch"] * s["world"], s["lr"], set_epoch=False), ref) > 1e-3
+
+
+# -- train_exact: a rank without samples that skips the step hangs the others, reported in bounded time ------
+def _skips_when_empty(model_fn, dataset, global_batch, epochs, lr):
+    """Right but for the step in which this rank has no sample: it leaves the step out (no forward, no backward),
+    while the others wait for it in DDP's gradient all-reduce."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from mgpu_lab import dist as mdist
+
+    device, rank, world = mdist.device(), dist.get_rank(), dist.get_world_size()
+    model = model_fn().to(device)
+    ddp_model = DDP(model)
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr)
+    for epoch in range(epochs):
+        order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(epoch)).tolist()
+        for start in range(0, len(order), global_batch):
+            step = order[start:start + global_batch]
+            mine = step[rank::world]
+            if not mine:
+                continue  # the bug: nothing to train on, so this rank leaves the step out
+            x, y = torch.utils.data.default_collate([dataset[i] for i in mine])
+            loss = torch.nn.functional.cross_entropy(ddp_model(x.to(device)), y.to(device), reduction="sum")
+            optimizer.zero_grad()
+            (loss * world / len(step)).backward()
+            optimizer.step()
+    return {k: v.cpu() for k, v in model.state_dict().items()}
+
+
+def test_train_exact_a_rank_that_skips_its_empty_step_fails_in_bounded_time_naming_it(monkeypatch):
+    monkeypatch.setattr(checkers, "EXACT_TIMEOUT", 10.0)
+    start = time.monotonic()
+    result = check("04.train_exact", _skips_when_empty)
+    assert time.monotonic() - start < 120, result
+    passed = [c.passed for c in result.cases]
+    assert passed[:4] == [True] * 4 and not any(passed[4:]), result  # the scenarios before it are judged
+    hang = result.cases[4]
+    assert "left the step out" in hang.hint and "no answer within 10 s" in hang.got, result
+    done = [int(d) for d in hang.got.split("backward passes per rank before it: [")[1].rstrip("]").split(", ")]
+    assert done[0] > done[1] == done[2] == 6, result  # ranks 1 and 2 left the last step of each epoch out
+    assert result.points == 1 + 6 + 2 + 2, result  # the weights of the first two scenarios, and their counts
+
+
+def test_the_train_exact_reference_is_one_process_with_a_dataloader_over_the_epoch_s_order():
+    from mgpu_lab.course.checks.l04 import judges
+
+    n, g, epochs, _ = checkers.EXACT_SCENARIOS[2]
+    ref = ddp.reference_train(ranks.exact_model, ranks.check_data(n), epochs, g, ranks.EXACT_LR)
+    assert ddp.max_diff(judges.reference_exact(n, g, epochs, ranks.EXACT_LR), ref) < 1e-6
+    wrong = [judges._exact_steps(n, epochs, ranks.EXACT_LR, plan)
+             for key, plan in judges.exact_plans(g, 3).items() if key != "right"]
+    assert all(ddp.max_diff(w, ref) > 1e-3 for w in wrong)  # every known wrong training is told apart

@@ -23,6 +23,15 @@ def _double(t, double):
         t.close(t.call(double, 0.5), 1.0)
 
 
+@exercise("99.weighted", points=5, description="double(x), the negative case worth 3 points")
+def _weighted(t, double):
+    with t.case("double(2) is 4"):
+        t.equal(t.call(double, 2), 4)
+    with t.case("double(-3) is -6", points=3):
+        t.equal(t.call(double, -3), -6)
+    # the last point's case is never reached: the check pads it as "(not reached)", worth one
+
+
 def right(x):
     return 2 * x
 
@@ -64,6 +73,14 @@ def test_wrong_answer_shows_expected_got_and_hint_but_not_hidden_details():
     assert "2.5" not in text  # the hidden case's values stay hidden
     html = r._repr_html_()
     assert "99.double: 1/3 points · not yet" in html and "negative numbers too" in html and "2.5" not in html
+
+
+def test_a_case_worth_several_points_counts_them_and_says_so():
+    r = check("99.weighted", wrong)  # x + 2: right for 2 only
+    assert (r.points, r.max_points, [c.points for c in r.cases]) == (1, 5, [1, 3, 1]), r
+    assert "FAIL  double(-3) is -6 (3 points)" in str(r) and "double(-3) is -6 (3 points)" in r._repr_html_()
+    assert r.cases[2].name == "(not reached)" and "PASS  double(2) is 4\n" in str(r) + "\n"
+    assert check("99.weighted", right).points == 4  # the unreached case is never earned
 
 
 def test_not_implemented_is_not_attempted_without_traceback():

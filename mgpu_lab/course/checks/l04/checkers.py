@@ -1,4 +1,4 @@
-"""Checks of lesson 04 (DDP): shard_indices, ddp_train, download_once, global_mean.
+"""Checks of lesson 04 (DDP): shard_indices, ddp_train, download_once, global_mean, train_exact.
 
 The yardstick is always the real thing: ``DistributedSampler`` itself for
 shard_indices, single-process training with the global batch for ddp_train
@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import math
 
+from mgpu_lab.parallel import baseline
 from .._core import exercise
 from ..sim.scenarios import launch_scenarios
-from .judges import (download_callers, every_rank, judge_accumulated, judge_backwards, judge_batches, judge_complete,
+from .judges import (download_callers, every_rank, exact_diagnosis, judge_accumulated, judge_backwards, judge_batches,
+                     judge_complete,
                      judge_model_device, judge_order, judge_paths, judge_same_weights, judge_shards, judge_syncs,
-                     judge_weights, log_counts, mean_diagnosis, shard_case)
-from .ranks import run_ddp_train, run_download_once, run_global_mean, shard_all
+                     judge_weights, log_counts, mean_diagnosis, reference_exact, shard_case)
+from .ranks import (EXACT_LR, exact_backwards, exact_model, probe_exact, run_ddp_train, run_download_once,
+                    run_global_mean, shard_all)
 
 
 DOWNLOAD_TIMEOUT = 45.0  # seconds for the download_once launch; a right answer takes about one
@@ -262,3 +265,132 @@ def _global_mean(t, global_mean):
                      "Python floats and float64 tensors keep them")
     with t.case("a rank with no samples (count 0)", hidden=True):
         _mean_values(t, evidence, 3, 1e-6)
+
+
+# -- train_exact -------------------------------------------------------------------------
+EXACT_TIMEOUT = 30.0  # seconds for the one launch of every scenario; a right answer takes a few
+EXACT_WORLD = 3
+EXACT_SCENARIOS = [(28, 8, 2, False), (24, 6, 2, False), (25, 8, 2, False),  # (n, global_batch, epochs, gpus)
+                   (20, 9, 1, True)]  # last: NCCL ranks on simulated GPUs, a rank without samples in the last step
+SKIP_HINT = ("a rank without samples in a step left the step out, while the others waited for it in the gradient "
+             "all-reduce: every rank takes part in every step, and a rank with no samples contributes nothing to "
+             "the sum")
+GPU_HINT = ("on a GPU the model and its output are on the rank's GPU (mgpu_lab.dist.device()): every input the model "
+            "gets and the labels the loss compares with must be there, on every rank and in every step; gloo's CPU path hides a "
+            "tensor made or left on the CPU, a GPU refuses it")
+
+
+def _steps(scenario) -> int:
+    n, g, epochs, _ = scenario
+    return -(-n // g) * epochs
+
+
+def _exact_states(t, got, k):
+    """Every rank's returned state_dict (the case fails unless each is one of the model's, all equal)."""
+    keys = sorted(exact_model().state_dict())
+    for r, res in enumerate(got):
+        if res["state"] is None or sorted(res["state"]) != keys:
+            t.fail("return the trained model's state_dict (of the module inside DDP, without the 'module.' prefix)",
+                   f"keys {keys}", f"rank {r} returned {res.get('returned') or sorted(res['state'])}")
+    worst = max(baseline.max_diff(got[0]["state"], res["state"]) for res in got[1:])
+    if worst > 1e-6:
+        t.fail("your ranks ended with different weights: some step's gradients did not cross the ranks", "identical "
+               "weights on every rank", f"ranks differ by up to {worst:.3g}")
+    return [res["state"] for res in got]
+
+
+def _exact_weights(t, got, k):
+    states = _exact_states(t, got, k)
+    n, g, epochs, _ = scenario = EXACT_SCENARIOS[k]
+    worst = baseline.max_diff(states[0], reference_exact(n, g, epochs, EXACT_LR))
+    if worst > 1e-5:
+        t.fail(exact_diagnosis(states[0], scenario, EXACT_WORLD, EXACT_LR), "max difference <= 1e-05",
+               f"max difference {worst:.3g}")
+
+
+def _exact_counts(t, got, k, counted=("allreduces", "backwards")):
+    steps = _steps(EXACT_SCENARIOS[k])
+    for r, res in enumerate(got):
+        for what in counted:
+            if res[what] != steps:
+                name = {"backwards": "backward passes", "allreduces": "DDP gradient all-reduces"}[what]
+                hint = ("" if res[what] else f"rank {r} ran no {name}: " + (
+                    "its gradients never crossed the ranks through DDP; train the model wrapped in DDP, whose "
+                    "all-reduce in backward keeps the ranks equal" if what == "allreduces" else SKIP_HINT))
+                t.fail(hint or f"one per optimizer step on every rank ({steps} steps); " + SKIP_HINT,
+                       f"{steps} {name} on every rank", f"rank {r}: {res[what]}")
+
+
+def _exact_hang(t, evidence, k):
+    """Scenario ``k``'s evidence; a hang fails the case with each rank's backward passes before it stopped."""
+    from mgpu_lab.launcher.errors import LaunchTimeout
+
+    try:
+        return evidence.get(t, k)
+    except LaunchTimeout as exc:
+        done = t.local(exact_backwards, evidence.log_dir, k, EXACT_WORLD)
+        t.fail(SKIP_HINT if len(set(done)) > 1 else "your ranks hang: " + SKIP_HINT,
+               f"{_steps(EXACT_SCENARIOS[k])} backward passes on every rank, then a return",
+               f"no answer within {EXACT_TIMEOUT:g} s; backward passes per rank before it: {done}")
+
+
+def _exact_placement(t, got, mixes):
+    inputs = [(r, *entry) for r, res in enumerate(got) for entry in res.get("inputs", [])]
+    if not inputs:
+        t.fail("not judged: on simulated GPUs your ranks gave the model no input", "forward passes", "none")
+    if not mixes:
+        wrong = [(r, tag, on, model, size) for r, tag, on, model, size in inputs if on != model]
+        if wrong:
+            r, tag, on, model, size = wrong[0]
+            t.fail(GPU_HINT, f"rank {r}'s inputs on {model}",
+                   f"rank {r} gave the model on {model} {size} sample(s) ({tag}) on {on}")
+        return
+    mixed = [(r, op, on) for r, res in enumerate(got) for op, on in res.get("mixes", [])]
+    if mixed:
+        r, op, on = mixed[0]
+        t.fail(GPU_HINT + " (here: the labels)", "every operation on one device",
+               f"rank {r}: {op} given tensors on {', '.join(on)}")
+
+
+@exercise("04.train_exact", points=25, description="train_exact(model_fn, dataset, global_batch, epochs, lr) -> "
+          "state_dict: DDP whose every step is one process's step on the next global_batch samples of the epoch's "
+          "permutation, for any world size, data set length and last batch",
+          references=("mgpu_lab.parallel.ddp:train", "mgpu_lab.parallel.ddp:fit", "mgpu_lab.parallel.ddp:wrap",
+                      "mgpu_lab.parallel.ddp:distributed_loader"))
+def _train_exact(t, train_exact):
+    """One launch of 3 ranks, four scenarios: three on gloo and the CPU (weights, counts), the last as NCCL ranks on
+    simulated GPUs (placement). The lesson's idea, the weights of one process whatever the batches and a rank
+    without samples that still takes part, carries most of the points: half of the lesson's.
+
+    Catches: DDP's plain average of per-rank means, the last batch dropped or padded, DistributedSampler's padded
+    shards, a rank without samples that skips the step (a hang, reported after EXACT_TIMEOUT with each rank's
+    backward passes), a mean over no samples (NaN), the loss divided by the global batch without undoing DDP's
+    average (lr / world), no DDP, an empty input made on the CPU, labels left on the CPU.
+    """
+    evidence = launch_scenarios(t, probe_exact, EXACT_WORLD, train_exact, EXACT_SCENARIOS, timeout=EXACT_TIMEOUT)
+    got = {}
+    with t.case("3 ranks, 28 samples, global batch 8 (3, 3 and 2 samples per rank; the last batch 4), 2 epochs: "
+                "every rank returns the model's state_dict, all equal"):
+        got[0] = evidence.get(t, 0)
+        _exact_states(t, got[0], 0)
+    with t.case("... the weights of one process with batches of 8, the last of 4 included (to 1e-5)", points=6):
+        _exact_weights(t, got.get(0) or evidence.get(t, 0), 0)
+    with t.case("... every rank runs one backward pass and one DDP gradient all-reduce per optimizer step (8)",
+                points=2):
+        _exact_counts(t, got.get(0) or evidence.get(t, 0), 0)
+    with t.case("24 samples, global batch 6 (everything divides), 2 epochs: the weights of one process", points=2):
+        _exact_weights(t, evidence.get(t, 1), 1)
+    with t.case("25 samples, global batch 8: the last batch holds 1 sample and 2 ranks none; every rank takes part "
+                "in every step (one backward pass each, 8 in all) and returns", hint=SKIP_HINT, points=6):
+        got[2] = _exact_hang(t, evidence, 2)
+        _exact_counts(t, got[2], 2)
+    with t.case("... the weights of one process with batches of 8, 8, 8 and 1", points=5):
+        _exact_weights(t, got.get(2) or evidence.get(t, 2), 2)
+    last = len(EXACT_SCENARIOS) - 1
+    with t.case("NCCL ranks on simulated GPUs (20 samples, global batch 9, 1 epoch; rank 2 has no sample in the last "
+                "step): every input the model gets, on every rank and in every step, is on the model's GPU", hint=GPU_HINT,
+                points=2):
+        got[last] = evidence.get(t, last)
+        _exact_placement(t, got[last], mixes=False)
+    with t.case("... the loss meets the labels on the model's GPU: no operation mixes devices", hint=GPU_HINT):
+        _exact_placement(t, got.get(last) or evidence.get(t, last), mixes=True)

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from mgpu_lab.data import sampler_view
 from mgpu_lab.parallel import baseline
-from .ranks import check_data, check_model
+from .ranks import check_data, check_model, exact_model
 
 
 # -- shard_indices -----------------------------------------------------------------------
@@ -367,3 +367,101 @@ def judge_accumulated(t, results, s):
                "ranks (as when a step follows every micro-batch while all but the step's last skip the all-reduce: "
                "one step after every micro-batch)", "identical weights", f"ranks differ by up to {worst:.3g}")
     judge_weights(t, results, s)
+
+
+# -- train_exact -------------------------------------------------------------------------
+def _exact_steps(n, epochs, lr, plan) -> dict:
+    """One process, plain SGD on :func:`.ranks.exact_model`: each step's loss is the sum over ``plan(order)``'s
+    groups ``(indices, coefficient)`` of the coefficient times the summed cross-entropy of those samples."""
+    from torch.utils.data import default_collate
+
+    data, model = check_data(n), exact_model()
+    x, y = default_collate([data[i] for i in range(n)])
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")
+    for epoch in range(epochs):
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(epoch)).tolist()
+        for groups in plan(order):
+            optimizer.zero_grad()
+            sum(c * loss_fn(model(x[idx]), y[idx]) for idx, c in groups).backward()
+            optimizer.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _batches(order, size, last=True):
+    out = [order[i:i + size] for i in range(0, len(order), size)]
+    return out if last or len(out[-1]) == size else out[:-1]
+
+
+def _means_of(parts, world):
+    """DDP's plain average of per-rank means (a rank without samples: a mean over nothing, NaN)."""
+    return [(p, 1 / (world * len(p)) if p else math.nan) for p in parts]
+
+
+def exact_plans(g, world) -> dict:
+    """The right plan (``"right"``) and the known wrong ones, by the words that name them."""
+    def contiguous(b):
+        q, r = divmod(len(b), world)
+        bounds = [k * q + min(k, r) for k in range(world + 1)]
+        return [b[bounds[k]:bounds[k + 1]] for k in range(world)]
+
+    def sampler(per_rank):
+        def plan(order):
+            padded = (order * world)[:-(-len(order) // world) * world]
+            shards = [padded[r::world] for r in range(world)]
+            return [_means_of([s[i:i + per_rank] for s in shards], world) for i in range(0, len(shards[0]), per_rank)]
+        return plan
+
+    def borrowed(b):  # the ranks past the step's end each train on the step's first sample too
+        return [(b, 1 / len(b))] + ([(b[:1], (world - len(b)) / len(b))] if len(b) < world else [])
+
+    return {
+        "right": lambda o: [[(b, 1 / len(b))] for b in _batches(o, g)],
+        "your weights match training in which a rank without samples in a step trains on a sample it only read "
+        "(one of the step's): a rank may read samples, but it trains on its own only":
+            lambda o: [borrowed(b) for b in _batches(o, g)],
+        "your weights match DDP's plain average of the ranks' mean losses: the rank with fewer samples weighs as "
+        "much as the others, so its samples count more than theirs; every sample of the global batch must weigh "
+        "the same": lambda o: [_means_of([b[r::world] for r in range(world)], world) for b in _batches(o, g)],
+        "your weights match DDP's plain average of the ranks' mean losses (ranks taking contiguous parts): a rank "
+        "with fewer samples weighs as much as the others; every sample of the global batch must weigh the same":
+            lambda o: [_means_of(contiguous(b), world) for b in _batches(o, g)],
+        "your weights match training that drops the last, smaller batch of each epoch: one process trains on it "
+        "too": lambda o: [[(b, 1 / len(b))] for b in _batches(o, g, last=False)],
+        "your weights match training whose last batch is padded to the full global batch with samples from the "
+        "start of the order: one process trains on the smaller batch as it is, each sample once":
+            lambda o: [[(b + o[:g - len(b)], 1 / g)] for b in _batches(o, g)],
+        f"your weights match DistributedSampler's shards with {g // world} samples per rank per step: the sampler "
+        "pads the shards to equal lengths and its batches are not the global batches of one process":
+            sampler(max(1, g // world)),
+        f"your weights match DistributedSampler's shards with {-(-g // world)} samples per rank per step: the "
+        "sampler pads the shards to equal lengths and its batches are not the global batches of one process":
+            sampler(-(-g // world)),
+    }
+
+
+def reference_exact(n, g, epochs, lr) -> dict:
+    """One process training with global batches of ``g`` (the last smaller one too), mean cross-entropy."""
+    return _exact_steps(n, epochs, lr, exact_plans(g, 1)["right"])
+
+
+def exact_diagnosis(state, scenario, world, lr) -> str:
+    """The known wrong training the weights match, if one does."""
+    n, g, epochs, _ = scenario
+    if any(not torch.isfinite(v).all() for v in state.values()):
+        return ("your weights are NaN: a rank without samples in a step took a mean over no samples (0 / 0); "
+                "such a rank still takes part in the step, and its samples, none, add nothing")
+    plans = {k: v for k, v in exact_plans(g, world).items() if k != "right"}
+    for message, plan in plans.items():
+        if baseline.max_diff(state, _exact_steps(n, epochs, lr, plan)) < 1e-5:
+            return message
+    right = exact_plans(g, 1)["right"]
+    for factor, message in ((1 / world, f"your weights match lr / {world}: the loss was divided by the global "
+                             "batch and DDP's average over the ranks divided the gradient again"),
+                            (world, f"your weights match lr x {world}: the gradient is {world} times the mean over "
+                             "the global batch")):
+        if baseline.max_diff(state, _exact_steps(n, epochs, lr * factor, right)) < 1e-5:
+            return message
+    return ("every optimizer step must apply the mean gradient over the next global_batch samples of the epoch's "
+            "permutation (torch.randperm with a generator seeded with the epoch), each sample once, the last "
+            "smaller batch included")

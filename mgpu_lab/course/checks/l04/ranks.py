@@ -48,10 +48,12 @@ def _int_list(got) -> list:
 # -- ddp_train ---------------------------------------------------------------------------
 class Recorded(Dataset):
     """A data set that appends every index it serves to a file and tags its samples ``inputs``/``labels``
-    (untracked: a moved copy is a plain tensor; each batch the DataLoader stacks is logged)."""
+    (untracked: a moved copy is a plain tensor; each batch the DataLoader stacks is logged). ``tracked=True``:
+    what is computed from a sample keeps its tag and device, so a label left on the CPU that meets an output
+    on a GPU is an operation mixing devices (``Placed.mixes``)."""
 
-    def __init__(self, inner, log_path: str):
-        self.inner, self.log_path = inner, log_path
+    def __init__(self, inner, log_path: str, tracked: bool = False):
+        self.inner, self.log_path, self.tracked = inner, log_path, tracked
 
     def __len__(self):
         return len(self.inner)
@@ -60,7 +62,7 @@ class Recorded(Dataset):
         with open(self.log_path, "a") as f:
             f.write(f"{int(i)}\n")
         x, y = self.inner[i]
-        return place(x, "inputs", tracked=False), place(y, "labels", tracked=False)
+        return place(x, "inputs", tracked=self.tracked), place(y, "labels", tracked=self.tracked)
 
 
 def _layers():
@@ -211,3 +213,96 @@ def run_global_mean(global_mean, scenarios, log_dir):
         return (value.item() if isinstance(value, torch.Tensor) else value), type(value).__name__, calls
 
     return run_scenarios(log_dir, one, scenarios)
+
+
+# -- train_exact -------------------------------------------------------------------------
+EXACT_LR = 0.5  # the learning rate the check passes
+
+
+def exact_model():
+    """The check's ``model_fn`` for train_exact: the same initial weights in every process."""
+    return nn.Sequential(*_layers())
+
+
+def placed_exact_model(device: str):
+    """:func:`exact_model`'s network on a simulated GPU: parameters and gradients report ``device``, every
+    input's device is recorded, its outputs are on ``device`` (so a loss with CPU labels mixes devices)."""
+    model = PlacedModule(*_layers(), name="model", out_tag="output", device=device, virtual_parameters=True)
+    for p in model.parameters():  # a gradient is where its parameter is (autograd leaves it a plain CPU tensor)
+        p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", place(p.grad, "gradient", p.device)))
+    return model
+
+
+def _step_log(log_dir, k):
+    """The file in which this rank notes each backward pass of scenario ``k`` as it happens (read after a hang)."""
+    return os.path.join(log_dir, f"exact{k}-rank{tdist.get_rank()}.log")
+
+
+@contextmanager
+def logged_backwards(path: str, counts: dict):
+    """Every DDP built inside counts its gradient all-reduces and notes each backward pass (through its first
+    parameter) in ``path`` at once, so what a rank did before a hang survives it."""
+    def note(grad):
+        with open(path, "a") as f:
+            f.write("b\n")
+
+    with counted_ddp(counts):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        built = DDP.__init__
+
+        def init(self, module, *args, **kwargs):
+            built(self, module, *args, **kwargs)
+            first = next((p for p in module.parameters() if p.requires_grad), None)
+            if first is not None:
+                first.register_hook(note)
+
+        DDP.__init__ = init
+        try:
+            yield
+        finally:
+            DDP.__init__ = built
+
+
+def _exact_run(train_exact, scenario, path):
+    """One scenario ``(n, global_batch, epochs, gpus)`` of the learner's train_exact in this rank: the state it
+    returned, the counts, and with ``gpus`` (NCCL ranks on simulated GPUs) where every input and mix was."""
+    n, global_batch, epochs, gpus = scenario
+    counts, where, me = {"allreduces": 0, "backwards": 0}, {}, tdist.get_rank()
+    reset()
+    if gpus:
+        with simulated_gpus(tdist.get_world_size(), local_rank=me), simulated_nccl(), virtual_ddp(), \
+                GpuFactories("a tensor your code made"), logged_backwards(path, counts):
+            state = train_exact(lambda: placed_exact_model(f"cuda:{me}"), Recorded(check_data(n), os.devnull, True),
+                                global_batch, epochs, EXACT_LR)
+        where = {"inputs": [entry[1:5] for entry in PlacedModule.inputs], "mixes": list(Placed.mixes)}
+    else:
+        with logged_backwards(path, counts):
+            state = train_exact(exact_model, check_data(n), global_batch, epochs, EXACT_LR)
+    return state, counts, where
+
+
+def probe_exact(train_exact, scenarios: list, log_dir: str) -> list:
+    """In a real rank, per scenario: the learner's train_exact, then a barrier (a rank still inside a
+    collective of the training hangs there). Returns per scenario this rank's state_dict (None and what it
+    returned when it is not one), its DDP gradient all-reduces and backward passes, and on simulated GPUs
+    where the model's inputs and any operation mixing devices were."""
+    from ..sim.devices import plain
+
+    done = []
+
+    def one(scenario):
+        done.append(scenario)
+        state, counts, where = _exact_run(train_exact, scenario, _step_log(log_dir, len(done) - 1))
+        tdist.barrier()
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            return {"state": None, "returned": repr(state)[:100], **counts, **where}
+        state = {k.removeprefix("module."): plain(v).detach().cpu().clone() for k, v in state.items()}
+        return {"state": state, **counts, **where}
+
+    return run_scenarios(log_dir, one, scenarios)
+
+
+def exact_backwards(log_dir: str, k: int, world: int) -> list[int]:
+    """How many backward passes each rank noted in scenario ``k`` (read where the ranks ran, after a hang)."""
+    paths = [os.path.join(log_dir, f"exact{k}-rank{r}.log") for r in range(world)]
+    return [len(open(p).read().split()) if os.path.exists(p) else 0 for p in paths]

@@ -58,7 +58,7 @@ class Scenarios:
     """
 
     def __init__(self, per_rank: list, error=None):
-        self.per_rank, self.error = per_rank, error
+        self.per_rank, self.error, self.log_dir = per_rank, error, None
         self.complete = min((next((i for i, r in enumerate(rank) if r[0] != "ok"), len(rank))
                              for rank in per_rank), default=0)
 
@@ -79,6 +79,8 @@ def launch_scenarios(t, probe, world: int, answer, scenarios, timeout: float) ->
 
     log_dir = t.scratch("mgpu-lab-scenarios-")
     try:
-        return Scenarios(t.ranks(probe, world, answer, scenarios, log_dir, timeout=timeout))
+        evidence = Scenarios(t.ranks(probe, world, answer, scenarios, log_dir, timeout=timeout))
     except LaunchError as exc:
-        return Scenarios(t.local(read_scenarios, log_dir, world), exc)
+        evidence = Scenarios(t.local(read_scenarios, log_dir, world), exc)
+    evidence.log_dir = log_dir  # what else the probe left there is read with t.local(helper, log_dir, ...)
+    return evidence
