@@ -38,6 +38,10 @@ NO_GRAD = ("a .grad your code read was None: autograd fills .grad only for a ten
            "the backward went through")
 
 
+DIED = ("a rank's process died without a Python error: gloo, for one, aborts a process that receives a message "
+        "larger than the tensor it receives into")
+
+
 def _evidence(t, evidence, k: int) -> list:
     """Scenario ``k``'s evidence; when the ranks raised there, fail saying what the error tells (a deadlock: where
     each rank waited; a missing gradient) instead of leaving a hang's hint on an error that is no hang."""
@@ -54,7 +58,7 @@ def _evidence(t, evidence, k: int) -> list:
             raise
         said = _error_text(exc)
         hint = WAITED if exc.exc_type == "Deadlock" else NO_GRAD if "'NoneType' object" in said else \
-            "your code raised in a rank: the error and its line are above"
+            DIED if not exc.exc_type else "your code raised in a rank: the error and its line are above"
         t.fail(hint, got=said)
 
 
