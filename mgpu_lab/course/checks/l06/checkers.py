@@ -1,4 +1,4 @@
-"""Checks of lesson 06 (model parallelism): stage_step, pipelined_step, bubble_fraction.
+"""Checks of lesson 06 (model parallelism): stage_step, pipeline_step, pipelined_step, bubble_fraction.
 
 ``stage_step`` runs in 2 real ranks (gloo), one stage each, every scenario in one
 launch, and is judged against one process training the whole model. Placement
