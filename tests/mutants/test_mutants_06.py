@@ -174,7 +174,8 @@ PIPELINE = ExerciseMutants("06.pipeline_step", NOTEBOOK, ("pipeline_step",), mut
            ("never computed at the same time", "rank 1 had asked for all 4 micro-batches' activations")),
     Mutant("rank 1 runs each micro-batch's backward right after its forward",
            replace("        inputs.append(h)\n    for h, loss in zip(inputs, losses):\n        loss.backward()\n",
-                   "        inputs.append(h)\n        losses[-1].backward()\n    for h, loss in zip(inputs, losses):\n"),
+                   "        inputs.append(h)\n        losses[-1].backward()\n"
+                   "    for h, loss in zip(inputs, losses):\n"),
            "rank 1 began a backward before its last forward"),
     Mutant("micro-batch losses unweighted", replace(" * (len(ys) / len(target))", ""),
            "the sum of the micro-batches' mean losses"),
