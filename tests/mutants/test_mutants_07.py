@@ -81,9 +81,9 @@ def hierarchical_allreduce(tensor):
 """),
 ])
 
-BODY = ("    dist.reduce_scatter_tensor(mine, padded, group=node_groups[node])\n"
+BODY = ("    dist.reduce_scatter_single(mine, padded, group=node_groups[node])\n"
         "    dist.all_reduce(mine, group=rails[local])\n"
-        "    dist.all_gather_into_tensor(padded, mine, group=node_groups[node])\n")
+        "    dist.all_gather_single(padded, mine, group=node_groups[node])\n")
 TWO = ExerciseMutants("07.two_level_allreduce", NOTEBOOK, ("two_level_allreduce",), mutants=[
     Mutant("the hierarchical design: one leader per node crosses the network",
            replace(BODY, "    dist.reduce(padded, dst=node * per_node, group=node_groups[node])\n"
@@ -108,7 +108,7 @@ TWO = ExerciseMutants("07.two_level_allreduce", NOTEBOOK, ("two_level_allreduce"
            "the last ones"),
     Mutant("the step between the nodes left out", drop_statement("dist.all_reduce(mine"),
            "the other node's values never reached it"),
-    Mutant("the pieces never gathered back within the node", drop_statement("dist.all_gather_into_tensor("),
+    Mutant("the pieces never gathered back within the node", drop_statement("dist.all_gather_single("),
            "never came back to it"),
     Mutant("a buffer made without device= (a CPU tensor on a GPU rank)",
            replace("padded = torch.zeros(piece * per_node, dtype=tensor.dtype, device=tensor.device)",

@@ -142,7 +142,8 @@ def _two_level_allreduce(t, two_level_allreduce):
                 judged(t, runs, per_node, range(3))
                 judge_budget(t, runs[per_node], link, per_node, range(3))
     with t.case("2 nodes x 3 ranks, an int64 tensor of 5 elements, fewer than the 6 ranks: the sum, within both "
-                "budgets", hint="some ranks may have no element of their own to look after: they still take part"):
+                "budgets", hint="a tensor smaller than the job is an all-reduce like any other: every rank takes part, and "
+                     "the budgets hold, with S padded to a multiple of L x N"):
         judged(t, runs, 3, [3])
         judge_sums(t, runs[3], [3])
         judge_budget(t, runs[3], "across", 3, [3])
