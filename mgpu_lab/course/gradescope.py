@@ -55,11 +55,12 @@ def results_json(g) -> dict:
             continue
         for i, case in enumerate(e.cases, 1):
             hidden = bool(case.get("hidden"))
+            worth = case.get("points", 1)  # grades kept before cases had weights: one point each
             out = "" if hidden else _case_output(case)
             if i == 1 and e.note and not hidden:
                 out = f"{e.note}\n{out}".strip()
             tests.append({"name": f"{e.exercise} #{i}: " + ("hidden case: " if hidden else "") + case["name"],
-                          "score": 1 if case["passed"] else 0, "max_score": 1, "output": out,
+                          "score": worth if case["passed"] else 0, "max_score": worth, "output": out,
                           "visibility": HIDDEN if hidden else "visible"})
     output = f"{g.points}/{g.max_points}" + ("" if g.completed else f" ({g.reason})")
     return {"score": g.points, "output": output, "tests": tests}

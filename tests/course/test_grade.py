@@ -84,9 +84,10 @@ def test_every_solution_notebook_gets_full_marks_and_every_student_copy_zero(gra
                  if any(not c["passed"] for c in e["cases"]) else e["note"]
                  for e in solution["exercises"] if e["points"] != e["max_points"]}
         wrong = {k: v for k, v in wrong.items() if v}
-        # one point per case; a case that cannot be earned on this machine (07's real runs across interfaces
+        # a case that cannot be earned on this machine (07's real runs across interfaces
         # need network namespaces, so root) fails unpaid, saying why, and is the only one excused
-        excused = sum(not c["passed"] and _unpaid_here(c) for e in solution["exercises"] for c in e["cases"])
+        excused = sum(c.get("points", 1) for e in solution["exercises"] for c in e["cases"]
+                      if not c["passed"] and _unpaid_here(c))
         assert not wrong and solution["max_points"] > 0, (name, wrong)
         assert solution["points"] == solution["max_points"] - excused, (name, solution["points"], excused)
         assert student["points"] == 0 and student["max_points"] == solution["max_points"]
@@ -201,6 +202,20 @@ def test_failed_visible_cases_tell_gradescope_what_came_and_why_hidden_ones_only
     assert shown["output"] == "expected: cpu\ngot:      cuda:0\nhint: no GPU" and shown["visibility"] == "visible"
     assert secret == {"name": "01.pick_device #2: hidden case: secret", "score": 0, "max_score": 1, "output": "",
                       "visibility": "after_published"}
+
+
+def test_a_case_worth_several_points_is_worth_them_on_gradescope_and_the_tests_add_up_to_the_score():
+    from mgpu_lab.course.grade import ExerciseGrade, NotebookGrade
+    from mgpu_lab.course.gradescope import results_json
+
+    cases = [{"name": "the idea", "passed": True, "hidden": False, "points": 5},
+             {"name": "a detail", "passed": False, "hidden": False, "points": 1, "hint": "h"},
+             {"name": "kept before cases had weights", "passed": True, "hidden": True}]
+    g = NotebookGrade("x/04_a.ipynb", [ExerciseGrade("04.train_exact", 6, 7, "failed", "", cases)])
+    out = results_json(g)
+    assert [(t["score"], t["max_score"]) for t in out["tests"]] == [(5, 5), (0, 1), (1, 1)]
+    assert sum(t["score"] for t in out["tests"]) == out["score"] == 6
+    assert sum(t["max_score"] for t in out["tests"]) == g.max_points == 7
 
 
 @pytest.mark.parametrize("bad", ["-5", "0", "nan", "inf", "soon"])
