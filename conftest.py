@@ -28,7 +28,15 @@ ONE_AT_A_TIME = {
     # counted its ranks as processes test_grade_hostile.py's submissions had left behind)
     "sandbox-users": ["tests/course/test_grade.py", "tests/course/test_grade_hostile.py",
                       "tests/course/test_batch.py", "tests/course/test_sandbox.py", "mgpu_lab/course/grade.py",
-                      "mgpu_lab/course/session.py", "mgpu_lab/course/sandbox.py", "tests/course/test_slurm_grade.py"],
+                      "mgpu_lab/course/session.py", "mgpu_lab/course/sandbox.py", "tests/course/test_slurm_grade.py",
+                      "tests/course/test_autograder.py"],  # as root, run_autograder grades as the sandbox users
+    # What makes network namespaces or edits the machine's network files (hosts, the SLURM cluster's nodes): one
+    # file at a time, so that the root part's two workers never build simulated nodes at once; the other worker
+    # meanwhile grades (test_autograder.py and the sandbox files above)
+    "network": ["tests/cluster/test_multinode.py", "tests/cluster/test_troubleshoot.py", "tests/cluster/test_agents.py",
+                "tests/cluster/test_slurm.py", "tests/cluster/test_slurm_local.py", "solutions/07_multi_node.ipynb",
+                "mgpu_lab/cluster/netns.py", "mgpu_lab/cluster/troubleshoot.py", "mgpu_lab/cluster/slurm_local.py",
+                "tests/course/test_slurm_grade.py"],
 }
 _GROUPS: dict[str, list[str]] = {}
 for _name in sorted(ONE_AT_A_TIME):  # a file in several groups takes their locks in this one order: no deadlock
