@@ -1,10 +1,11 @@
 """Grading as a SLURM job array (mgpu_lab.course.slurm_grade) on the project's local SLURM cluster.
 
 Two compute nodes (network namespaces, real slurmctld and slurmd), a class of
-three notebooks: the array's points equal a local run's; a cancelled task costs
-only its submission, which a re-run (and only it) grades; an interrupted run
-reports "not graded" (never 0) and a re-run picks up its array. Messages: no
-cluster, a silent node, ``--parallel`` and its old name ``--nodes``.
+three notebooks: the array's points equal a local run's and the Gradescope
+bundle's, exercise by exercise; a cancelled task costs only its submission,
+which a re-run (and only it) grades; an interrupted run reports "not graded"
+(never 0) and a re-run picks up its array. Messages: no cluster, a silent node,
+``--parallel`` and its old name ``--nodes``.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from mgpu_lab.course.slurm_grade import Slurm, array_script, grade_on_slurm
 from mgpu_lab.course.summary import summarize
 from submissions import (CHECK_PICK_DEVICE, PICK_DEVICE, instructor_folder, notebook, peek_notebook,
                          readable_by_anyone)
+from test_autograder import THIS_VENV, _layout, _run_autograder
 
 ROOT = Path(__file__).resolve().parents[2]
 LESSON_01 = sum(e.points for e in exercises("01"))  # what lesson 01's solution scores
@@ -67,7 +69,7 @@ def _cancel_when_running(slurm: Slurm, task: int, done: list) -> None:
 
 @pytest.mark.root
 @pytest.mark.slow
-def test_a_class_graded_across_two_nodes_scores_as_a_local_run_and_a_re_run_grades_a_cancelled_task(
+def test_a_class_scores_the_same_on_two_nodes_here_and_through_gradescope_and_a_re_run_grades_a_cancelled_task(
         cluster, tmp_path):
     paths = [tmp_path / "01_solution.ipynb", tmp_path / "01_student.ipynb"]
     shutil.copy(ROOT / "solutions" / "01_devices.ipynb", paths[0])
@@ -96,6 +98,19 @@ def test_a_class_graded_across_two_nodes_scores_as_a_local_run_and_a_re_run_grad
     local = grade(paths, timeout=300, jobs=2)
     assert [g.points for g in again] == [g.points for g in local] == [LESSON_01, 0, get("01.pick_device").points]
     assert [[e.status for e in g.exercises] for g in again] == [[e.status for e in g.exercises] for g in local]
+
+    # The same class through the Gradescope bundle, one submission per run as Gradescope runs it: the same
+    # points, exercise by exercise, as on the cluster and here.
+    for path, on_slurm, here in zip(paths, again, local):
+        root = _layout(tmp_path / f"gs-{path.stem}", ["01"], {path.name: path})
+        results = _run_autograder(root, THIS_VENV)
+        by_exercise: dict = {}
+        for t in results["tests"]:
+            exercise = t["name"].split(":")[0].split(" #")[0]
+            by_exercise[exercise] = by_exercise.get(exercise, 0) + t["score"]
+        want = {e.exercise: e.points for e in here.exercises}
+        assert by_exercise == want == {e.exercise: e.points for e in on_slurm.exercises}, (path.name, results["output"])
+        assert results["score"] == here.points, (path.name, results["output"])
 
 
 def test_with_no_cluster_up_grading_says_so_instead_of_slurm_s_dns_errors(tmp_path, monkeypatch, capsys):

@@ -23,10 +23,10 @@ NAMESPACE = {"__name__": "__main__", "torch": torch, "nn": nn, "tdist": tdist}
 STAGE = ExerciseMutants("06.stage_step", NOTEBOOK, ("stage_step",), mutants=[
     Mutant("the received activations do not require grad", drop_statement("h.requires_grad_()"), "requires grad"),
     Mutant("rank 0's backward from ones, not the received gradient", replace("h.backward(grad)", "h.sum().backward()"),
-           "exactly the gradient of its activations"),
+           "rank 1's stage and losses are right but rank 0's stage is not"),
     Mutant("rank 1 sends the activations back, not their gradient",
            replace("tdist.send(h.grad.contiguous(), dst=0)", "tdist.send(h.detach().contiguous(), dst=0)"),
-           "exactly the gradient of its activations"),
+           "rank 1's stage and losses are right but rank 0's stage is not"),
     Mutant("zero_grad never called", drop_statement("optimizer.zero_grad()"), "never clears the gradients"),
     Mutant("rank 0 never steps", replace("        optimizer.step()\n        return None", "        return None"),
            "rank 0's stage (the first) never changed"),
@@ -154,6 +154,136 @@ def pipelined_step(stage1, stage2, x, y, loss_fn, n_micro):
 '''),
 ])
 
+R1_LOOP = """        h = torch.empty((len(ys), *act_shape[1:]), device=device)
+        tdist.recv(h, src=0)
+"""
+
+PIPELINE = ExerciseMutants("06.pipeline_step", NOTEBOOK, ("pipeline_step",), mutants=[
+    Mutant("rank 0 computes every forward before its first send",
+           (replace("            sends.append(tdist.isend(h.detach().contiguous(), dst=1))", ""),
+            replace("        for h in outs:  # the backwards",
+                    "        sends = [tdist.isend(h.detach().contiguous(), dst=1) for h in outs]\n"
+                    "        for h in outs:  # the backwards")),
+           ("never computed at the same time", "rank 0 had sent nothing when it began its last forward")),
+    Mutant("rank 1 receives every micro-batch before its first forward",
+           replace("    for ys in pieces:\n" + R1_LOOP,
+                   "    received = []\n    for ys in pieces:\n"
+                   "        received.append(torch.empty((len(ys), *act_shape[1:]), device=device))\n"
+                   "        tdist.recv(received[-1], src=0)\n"
+                   "    for ys, h in zip(pieces, received):\n"),
+           ("never computed at the same time", "rank 1 had asked for all 4 micro-batches' activations")),
+    Mutant("rank 1 runs each micro-batch's backward right after its forward",
+           replace("        inputs.append(h)\n    for h, loss in zip(inputs, losses):\n        loss.backward()\n",
+                   "        inputs.append(h)\n        losses[-1].backward()\n"
+                   "    for h, loss in zip(inputs, losses):\n"),
+           "rank 1 began a backward before its last forward"),
+    Mutant("micro-batch losses unweighted", replace(" * (len(ys) / len(target))", ""),
+           "the sum of the micro-batches' mean losses"),
+    Mutant("every micro-batch weighted 1/n_micro", replace("(len(ys) / len(target))", "(1 / n_micro)"),
+           "every micro-batch weighs 1/n_micro"),
+    Mutant("rank 1 cuts n_micro pieces of act_shape[0] rows (torch.chunk may make fewer): a hang",
+           replace("pieces = torch.chunk(target, n_micro)",
+                   "pieces = [target[i * act_shape[0]:(i + 1) * act_shape[0]] for i in range(n_micro)]"),
+           ("the ranks waited for each other", "6 rows, n_micro=4")),
+    Mutant("every receive buffer of act_shape, the smaller last micro-batch's too",
+           replace("h = torch.empty((len(ys), *act_shape[1:]), device=device)",
+                   "h = torch.empty(act_shape, device=device)"),
+           ("10 rows, n_micro=4", "larger than the tensor it receives into")),
+    Mutant("rank 1 sends the gradients back in reverse order",
+           replace("for h, loss in zip(inputs, losses):", "for h, loss in reversed(list(zip(inputs, losses))):"),
+           "rank 1's stage and losses are right but rank 0's stage is not"),
+    Mutant("each micro-batch's size sent ahead of it",
+           (replace("            h = stage(xs.to(device))\n",
+                    "            h = stage(xs.to(device))\n"
+                    "            tdist.send(torch.tensor([len(xs)], device=device), dst=1)\n"),
+            replace(R1_LOOP, "        rows = torch.zeros(1, dtype=torch.long, device=device)\n"
+                             "        tdist.recv(rows, src=0)\n"
+                             "        h = torch.empty((int(rows), *act_shape[1:]), device=device)\n"
+                             "        tdist.recv(h, src=0)\n")),
+           ("rank 0 sent 8 message(s)", "for 4 micro-batches")),
+    Mutant("zero_grad never called", drop_statement("optimizer.zero_grad()"), "never clears the gradients"),
+    Mutant("the loss returned as the mean of the micro-batch losses",
+           replace("return sum(loss.item() for loss in losses)",
+                   "return sum(loss.item() * len(target) / len(ys) for loss, ys in zip(losses, pieces)) / len(pieces)"),
+           "the value returned is not the step's loss"),
+    Mutant("the receive buffer made without device= (a CPU tensor beside a GPU stage)",
+           replace("h = torch.empty((len(ys), *act_shape[1:]), device=device)",
+                   "h = torch.empty((len(ys), *act_shape[1:]))"),
+           ("receive buffer made without device=", "rank 1 (stage on cuda:1) received into a tensor on cpu")),
+    Mutant("rank 0's gradient buffer made on the CPU",
+           replace("grad = torch.empty_like(h)", "grad = torch.empty(h.shape)"),
+           ("receive buffer made without device=", "rank 0 (stage on cuda:0) received into a tensor on cpu")),
+], variants=[
+    Variant("blocking sends, every receive posted at once, autograd.grad, backwards in reverse order", """
+def pipeline_step(stage, x, target, loss_fn, optimizer, act_shape, n_micro):
+    dev = next(stage.parameters()).device
+    params = list(stage.parameters())
+    for p in params:
+        p.grad = None
+    if target is None:  # the first stage
+        outs = []
+        for xs in x.chunk(n_micro):
+            out = stage(xs.to(dev))
+            tdist.send(out.detach(), 1)
+            outs.append(out)
+        for out in reversed(outs):
+            g = torch.zeros(out.shape, device=dev)
+            tdist.recv(g, 1)
+            out.backward(g)
+        optimizer.step()
+        return None
+    pieces = target.chunk(n_micro)
+    bufs = [torch.zeros((len(ys), *act_shape[1:]), device=dev) for ys in pieces]
+    works = [tdist.irecv(b, 0) for b in bufs]
+    acts, losses = [], []
+    for b, work, ys in zip(bufs, works, pieces):
+        work.wait()
+        a = b.requires_grad_()
+        acts.append(a)
+        losses.append(loss_fn(stage(a), ys.to(dev)) * len(ys) / len(target))
+    for a, loss in zip(reversed(acts), reversed(losses)):
+        grads = torch.autograd.grad(loss, [a] + params)
+        tdist.send(grads[0].contiguous(), 0)
+        for p, g in zip(params, grads[1:]):
+            p.grad = g if p.grad is None else p.grad + g
+    optimizer.step()
+    return float(sum(loss.detach() for loss in losses))
+"""),
+    Variant("one backward per rank over every micro-batch, sizes from act_shape, losses summed then divided", """
+def pipeline_step(stage, x, target, loss_fn, optimizer, act_shape, n_micro):
+    rank, dev = tdist.get_rank(), next(stage.parameters()).device
+    optimizer.zero_grad(set_to_none=False)
+    if rank == 0:
+        outs, pending = [], []
+        for xs in torch.chunk(x, n_micro):
+            out = stage(xs.to(dev))
+            pending.append(tdist.isend(out.detach().contiguous(), dst=1))
+            outs.append(out)
+        grads = [torch.empty_like(o) for o in outs]
+        for g in grads:
+            tdist.irecv(g, src=1).wait()
+        torch.autograd.backward(outs, grads)
+        for work in pending:
+            work.wait()
+        optimizer.step()
+        return None
+    rows, acts, total = act_shape[0], [], 0
+    for start in range(0, len(target), rows):  # torch.chunk's pieces: all of act_shape[0] rows but the last
+        ys = target[start:start + rows].to(dev)
+        a = torch.empty((len(ys),) + tuple(act_shape[1:]), device=dev)
+        tdist.recv(a, src=0)
+        a.requires_grad_(True)
+        total = total + loss_fn(stage(a), ys) * len(ys)
+        acts.append(a)
+    total = total / len(target)
+    total.backward()
+    for a in acts:
+        tdist.send(a.grad, dst=0)
+    optimizer.step()
+    return total.item()
+"""),
+])
+
 BUBBLE = ExerciseMutants("06.bubble_fraction", NOTEBOOK, ("bubble_fraction",), mutants=[
     Mutant("GPipe's formula whatever the times",
            replace("    return 1 - busy / (p * step)", "    return (p - 1) / (m + p - 1)"),
@@ -217,7 +347,7 @@ def bubble_fraction(forward, backward, n_micro, transfer=0.0):
 '''),
 ])
 
-SPECS = [STAGE, PIPELINED, BUBBLE]
+SPECS = [STAGE, PIPELINE, PIPELINED, BUBBLE]
 
 
 test_mutant_fails_naming_its_bug, test_correct_variant_passes, test_every_exercise_has_five_mutants_and_two_variants = \

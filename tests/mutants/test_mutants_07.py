@@ -81,6 +81,91 @@ def hierarchical_allreduce(tensor):
 """),
 ])
 
+BODY = ("    dist.reduce_scatter_single(mine, padded, group=node_groups[node])\n"
+        "    dist.all_reduce(mine, group=rails[local])\n"
+        "    dist.all_gather_single(padded, mine, group=node_groups[node])\n")
+TWO = ExerciseMutants("07.two_level_allreduce", NOTEBOOK, ("two_level_allreduce",), mutants=[
+    Mutant("the hierarchical design: one leader per node crosses the network",
+           replace(BODY, "    dist.reduce(padded, dst=node * per_node, group=node_groups[node])\n"
+                         "    if local == 0:\n        dist.all_reduce(padded, group=rails[0])\n"
+                         "    dist.broadcast(padded, src=node * per_node, group=node_groups[node])\n"),
+           ("sent nothing across", "other links stay idle")),
+    Mutant("a flat all_reduce over every rank", replace(BODY, "    dist.all_reduce(padded)\n"),
+           "no rank can afford to move the whole tensor"),
+    Mutant("nodes as rank % LOCAL_WORLD_SIZE",
+           (replace("nodes, node, local = world // per_node, rank // per_node, rank % per_node",
+                    "nodes, node, local = world // per_node, rank % per_node, rank // per_node"),
+            replace("[dist.new_group(list(range(n * per_node, (n + 1) * per_node))) for n in range(nodes)]",
+                    "[dist.new_group(list(range(n, world, per_node))) for n in range(per_node)]"),
+            replace("[dist.new_group(list(range(i, world, per_node))) for i in range(per_node)]",
+                    "[dist.new_group(list(range(i * per_node, (i + 1) * per_node))) for i in range(nodes)]")),
+           "not rank % local_world_size"),
+    Mutant("floor-sized pieces: the elements past an equal split keep this rank's own value",
+           (replace("piece = -(-flat.numel() // per_node)", "piece = flat.numel() // per_node"),
+            replace("padded[:flat.numel()] = flat", "padded[:] = flat[:padded.numel()]"),
+            replace("return padded[:flat.numel()].reshape(tensor.shape)",
+                    "return torch.cat([padded, flat[padded.numel():]]).reshape(tensor.shape)")),
+           "the last ones"),
+    Mutant("the step between the nodes left out", drop_statement("dist.all_reduce(mine"),
+           "the other node's values never reached it"),
+    Mutant("the pieces never gathered back within the node", drop_statement("dist.all_gather_single("),
+           "never came back to it"),
+    Mutant("a buffer made without device= (a CPU tensor on a GPU rank)",
+           replace("padded = torch.zeros(piece * per_node, dtype=tensor.dtype, device=tensor.device)",
+                   "padded = torch.zeros(piece * per_node, dtype=tensor.dtype)"),
+           "input's device"),
+    Mutant("the flat tensor returned, not the input's shape",
+           replace("return padded[:flat.numel()].reshape(tensor.shape)", "return padded[:flat.numel()]"),
+           "the input's shape"),
+], variants=[
+    Variant("all_to_all to share out the pieces, groups made once by new_subgroups_by_enumeration", """
+_made = {}
+
+
+def two_level_allreduce(tensor):
+    L = int(os.environ["LOCAL_WORLD_SIZE"])
+    W, me = dist.get_world_size(), dist.get_rank()
+    if L not in _made:
+        node, _ = dist.new_subgroups_by_enumeration([list(range(s, s + L)) for s in range(0, W, L)])
+        across, _ = dist.new_subgroups_by_enumeration([list(range(i, W, L)) for i in range(L)])
+        _made[L] = (node, across)
+    node, across = _made[L]
+    n = tensor.numel()
+    k = (n + L - 1) // L
+    buf = tensor.new_zeros(k * L)
+    buf[:n] = tensor.flatten()
+    got = torch.empty_like(buf)
+    dist.all_to_all_single(got, buf, group=node)
+    piece = got.view(L, k).sum(0)
+    dist.all_reduce(piece, group=across)
+    out = [torch.empty_like(piece) for _ in range(L)]
+    dist.all_gather(out, piece, group=node)
+    return torch.cat(out)[:n].view_as(tensor)
+"""),
+    Variant("list forms of reduce_scatter and all_gather, pieces padded to a multiple of L x N", """
+def two_level_allreduce(tensor):
+    per = int(os.environ["LOCAL_WORLD_SIZE"])
+    rank, world = dist.get_rank(), dist.get_world_size()
+    groups = {}
+    for first in range(0, world, per):
+        groups[("node", first // per)] = dist.new_group(list(range(first, first + per)))
+    for lr in range(per):
+        groups[("rail", lr)] = dist.new_group(list(range(lr, world, per)))
+    mine_node, mine_rail = groups[("node", rank // per)], groups[("rail", rank % per)]
+    x = tensor.reshape(-1)
+    step = world
+    total = (x.numel() + step - 1) // step * step
+    x = torch.cat([x, torch.zeros(total - x.numel(), dtype=x.dtype, device=x.device)])
+    parts = list(x.chunk(per))
+    piece = torch.zeros_like(parts[0])
+    dist.reduce_scatter(piece, parts, group=mine_node)
+    dist.all_reduce(piece, group=mine_rail)
+    pieces = [torch.zeros_like(piece) for _ in parts]
+    dist.all_gather(pieces, piece, group=mine_node)
+    return torch.cat(pieces)[:tensor.numel()].reshape(tensor.shape)
+"""),
+])
+
 TORCHRUN = ExerciseMutants("07.torchrun_command", NOTEBOOK, ("torchrun_command",), mutants=[
     Mutant("node rank hard-coded to 0", replace('f"--node-rank={node_rank}"', '"--node-rank=0"'),
            ("claim the same place in the job", "not run until the cases above pass")),
@@ -187,13 +272,13 @@ def not_across_here() -> str:
 
 
 TORCHRUN.unpaid_here = PICK.unpaid_here = not_across_here
-SPECS = [HIER, TORCHRUN, PICK]
+SPECS = [HIER, TWO, TORCHRUN, PICK]
 
 
 def no_torchrun_started(mutant, result):
     """A mutant that fails the quick cases must not start torchrun: the real runs wait for them."""
     real = [c for c in result.cases if c.name.startswith(("run for real", "gloo across"))]
-    if mutant in HIER.mutants:
+    if mutant in HIER.mutants or mutant in TWO.mutants:
         return
     assert all("not run until the cases above pass" in c.hint for c in real), str(result)
 

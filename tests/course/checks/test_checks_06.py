@@ -23,7 +23,7 @@ from mgpu_lab.course.checks import check, exercises
 pytestmark = pytest.mark.timeout(300)
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 NOTEBOOK = Path(__file__).resolve().parents[3] / "solutions" / "06_model_parallel.ipynb"
-SOLUTION = solutions_from(NOTEBOOK, ("stage_step", "pipelined_step", "bubble_fraction"),
+SOLUTION = solutions_from(NOTEBOOK, ("stage_step", "pipeline_step", "pipelined_step", "bubble_fraction"),
                           {"__name__": "__main__", "torch": torch, "nn": nn, "tdist": tdist})
 
 
@@ -55,6 +55,41 @@ def never_receives(stage, x, target, loss_fn, optimizer, act_shape):
     return None
 
 
+def never_sends_back(stage, x, target, loss_fn, optimizer, act_shape, n_micro):
+    """Rank 0 waits for gradients that rank 1 never sends: a hang."""
+    if tdist.get_rank() == 0:
+        for xs in torch.chunk(x, n_micro):
+            tdist.send(stage(xs).detach(), 1)
+        tdist.recv(torch.empty(act_shape), 1)
+        return None
+    for ys in torch.chunk(target, n_micro):
+        tdist.recv(torch.empty((len(ys), *act_shape[1:])), 0)
+    return 0.0
+
+
+def stage_step_on_the_whole_batch(stage, x, target, loss_fn, optimizer, act_shape, n_micro):
+    """A right stage_step that ignores n_micro: it trains like one process, but in one message each way, with
+    one forward per stage and no overlap."""
+    device = next(stage.parameters()).device
+    optimizer.zero_grad()
+    if tdist.get_rank() == 0:
+        h = stage(x.to(device))
+        tdist.send(h.detach().contiguous(), 1)
+        grad = torch.empty_like(h)
+        tdist.recv(grad, 1)
+        h.backward(grad)
+        optimizer.step()
+        return None
+    h = torch.empty((len(target), *act_shape[1:]), device=device)
+    tdist.recv(h, 0)
+    h.requires_grad_()
+    loss = loss_fn(stage(h), target.to(device))
+    loss.backward()
+    tdist.send(h.grad.contiguous(), 0)
+    optimizer.step()
+    return loss.item()
+
+
 def whole_batch(stage1, stage2, x, y, loss_fn, n_micro):  # no micro-batches at all
     d1, d2 = next(stage1.parameters()).device, next(stage2.parameters()).device
     loss = loss_fn(stage2(stage1(x.to(d1)).to(d2)), y.to(d2))
@@ -63,18 +98,20 @@ def whole_batch(stage1, stage2, x, y, loss_fn, n_micro):  # no micro-batches at 
 
 
 def test_the_lesson_registers_three_exercises_with_one_point_per_case():
-    assert {e.id: e.points for e in exercises("06")} == {"06.stage_step": 5, "06.pipelined_step": 8,
-                                                        "06.bubble_fraction": 6}
+    points = {e.id: e.points for e in exercises("06")}
+    assert points == {"06.stage_step": 3, "06.pipeline_step": 11, "06.pipelined_step": 2, "06.bubble_fraction": 6}
+    assert 2 * points["06.pipeline_step"] >= sum(points.values())  # the design exercise carries half the lesson
 
 
-@pytest.mark.parametrize("exercise_id, answer", [("06.stage_step", stub), ("06.pipelined_step", stub),
-                                                 ("06.bubble_fraction", stub)])
+@pytest.mark.parametrize("exercise_id, answer", [("06.stage_step", stub), ("06.pipeline_step", stub),
+                                                 ("06.pipelined_step", stub), ("06.bubble_fraction", stub)])
 def test_a_stub_is_not_attempted(exercise_id, answer):
     result = check(exercise_id, answer)
     assert result.status == "not attempted" and result.points == 0, str(result)
 
 
-@pytest.mark.parametrize("exercise_id", ["06.stage_step", "06.pipelined_step", "06.bubble_fraction"])
+@pytest.mark.parametrize("exercise_id", ["06.stage_step", "06.pipeline_step", "06.pipelined_step",
+                                         "06.bubble_fraction"])
 def test_the_solution_gets_full_marks(exercise_id):
     result = check(exercise_id, SOLUTION[exercise_id.split(".")[1]])
     assert result.points == result.max_points, str(result)
@@ -82,10 +119,10 @@ def test_the_solution_gets_full_marks(exercise_id):
 
 def test_trivial_stage_steps_pass_no_case_naming_a_behaviour_they_lack():
     result = check("06.stage_step", returns_nothing)  # completes, but sends nothing, returns no loss, trains nothing
-    assert [c.passed for c in result.cases] == [False, False, False, False, False], str(result)
+    assert [c.passed for c in result.cases] == [False, False, False], str(result)
     assert "rank 0 sent 0 tensor(s) and rank 1 sent 0" in result.cases[0].hint, str(result)
     result = check("06.stage_step", forward_only)  # a loss on rank 1, but no gradient goes back and nothing trains
-    assert [c.passed for c in result.cases] == [False, True, False, False, False], str(result)
+    assert [c.passed for c in result.cases] == [False, False, False], str(result)
     assert "rank 1 sent 0 tensor(s)" in result.cases[0].hint, str(result)
     assert "never changed" in case_starting(result, "two ranks train").hint, str(result)
 
@@ -105,7 +142,7 @@ def does_nothing(*args, **kwargs):
     return None
 
 
-@pytest.mark.parametrize("exercise_id", ["06.pipelined_step", "06.bubble_fraction"])
+@pytest.mark.parametrize("exercise_id", ["06.pipeline_step", "06.pipelined_step", "06.bubble_fraction"])
 def test_an_answer_that_does_nothing_passes_no_case(exercise_id):
     result = check(exercise_id, does_nothing)
     assert not any(c.passed for c in result.cases), str(result)
@@ -119,13 +156,34 @@ def test_a_stage_step_that_hangs_fails_in_bounded_time(monkeypatch):
     got = result.cases[0].got
     # the recorder of the sends sees every rank waiting and names the receive that cannot match; else the limit
     assert result.points == 0 and ("rank 1 waits in recv from 0" in got or "no answer within 6 s" in got), str(result)
-    assert "every send needs its receive" in result.cases[0].hint
+    assert "the ranks waited for each other" in result.cases[0].hint
 
 
-def test_a_step_without_micro_batches_fails_only_the_micro_batch_case():
+def test_a_pipeline_step_that_hangs_fails_in_bounded_time(monkeypatch):
+    from mgpu_lab.course.checks.l06 import checkers
+
+    monkeypatch.setattr(checkers, "PIPE_TIMEOUT", 8.0)
+    result = check("06.pipeline_step", never_sends_back)
+    got = result.cases[0].got
+    assert result.points == 0 and ("rank 0 waits in recv from 1" in got or "no answer within 8 s" in got), str(result)
+    assert "the ranks waited for each other" in result.cases[0].hint
+
+
+def test_a_right_stage_step_without_micro_batches_earns_only_the_cases_of_training():
+    """No case passes without its evidence: one message each way is not one per micro-batch, one forward of
+    the whole batch is no GPipe order, and stages that take turns do not overlap."""
+    result = check("06.pipeline_step", stage_step_on_the_whole_batch)
+    failed = [c.name.split(":")[0] for c in result.cases if not c.passed]
+    assert len(failed) == 3 and result.points == result.max_points - 3, str(result)
+    assert any("one message per micro-batch" in c.name for c in result.cases if not c.passed), str(result)
+    assert any("GPipe" in c.name for c in result.cases if not c.passed), str(result)
+    assert any("overlap" in c.hint or "same time" in c.hint for c in result.cases if not c.passed), str(result)
+
+
+def test_a_step_without_micro_batches_fails_only_the_case_that_counts_micro_batches():
     result = check("06.pipelined_step", whole_batch)
-    assert [c.name for c in result.cases if not c.passed] == [
-        "batch 8, n_micro=4: both stages see 4 micro-batches of 2, and no pass over the whole batch"], str(result)
+    assert [c.passed for c in result.cases] == [False, True], str(result)
+    assert "each stage must see every micro-batch" in result.cases[0].hint, str(result)
 
 
 # -- the solution's own answers, called directly, where the check's cases stop short ------------

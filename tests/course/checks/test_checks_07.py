@@ -22,8 +22,11 @@ pytestmark = pytest.mark.timeout(400)
 # The answers below travel to the check's processes by value, as notebook functions do.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 NOTEBOOK = Path(__file__).resolve().parents[3] / "solutions" / "07_multi_node.ipynb"
-IDS = ["07.hierarchical_allreduce", "07.pick_interface", "07.torchrun_command"]
-SOLUTION = solutions_from(NOTEBOOK, ("hierarchical_allreduce", "torchrun_command", "pick_interface"))
+IDS = ["07.hierarchical_allreduce", "07.two_level_allreduce", "07.pick_interface", "07.torchrun_command"]
+NAMESPACE: dict = {}
+exec("import json, os\nimport torch\nimport torch.distributed as dist\n", NAMESPACE)  # the notebook's first cell
+SOLUTION = solutions_from(NOTEBOOK, ("hierarchical_allreduce", "two_level_allreduce", "torchrun_command",
+                                     "pick_interface"), NAMESPACE)
 
 
 def stub(*args, **kwargs):
@@ -39,9 +42,11 @@ def right_on_paper_only(script, nnodes, nproc_per_node, node_rank, master_addr, 
             f"--master-addr={master_addr}", f"--master-port={master_port}", script]
 
 
-def test_the_lesson_registers_its_three_exercises():
-    assert {e.id: e.points for e in exercises("07")} == {"07.hierarchical_allreduce": 3, "07.pick_interface": 6,
-                                                        "07.torchrun_command": 7}
+def test_the_lesson_registers_its_four_exercises_and_the_two_level_all_reduce_carries_half_the_points():
+    points = {e.id: e.points for e in exercises("07")}
+    assert points == {"07.hierarchical_allreduce": 3, "07.two_level_allreduce": 8, "07.pick_interface": 3,
+                      "07.torchrun_command": 2}
+    assert 2 * points["07.two_level_allreduce"] >= sum(points.values())
 
 
 @pytest.mark.parametrize("exercise_id", IDS)
@@ -140,9 +145,42 @@ def test_trivially_wrong_answers_pass_only_the_cases_whose_behaviour_they_have()
     assert "all communicate across nodes" in result.cases[1].hint, str(result)
     for answer in (standalone_command, bare_command):  # read by torchrun, but no job of 2 nodes
         result = check("07.torchrun_command", answer)
-        assert [c.passed for c in result.cases] == [True] + [False] * 6, str(result)
+        assert [c.passed for c in result.cases] == [False, False], str(result)
     result = check("07.pick_interface", first_with_an_address)  # eth0 happens to be right for the first peer only
-    assert [c.passed for c in result.cases] == [True] + [False] * 5, str(result)
+    assert [c.passed for c in result.cases] == [False] * 3, str(result)
+    assert "longest prefix" in result.cases[0].hint and "ipv6" in result.cases[0].hint.lower(), str(result)
+
+
+# -- two_level_allreduce: no case passes without its evidence ------------------------------------------------
+def test_an_answer_that_returns_its_input_passes_no_case_of_the_two_level_all_reduce():
+    """The budgets and the device case are judged only on an all-reduce that works: traffic of nothing is no
+    evidence of a design within budget."""
+    result = check("07.two_level_allreduce", returns_its_input)
+    assert result.points == 0, str(result)
+    assert "not judged" in str(result) and "own input" in str(result), str(result)
+
+
+def test_right_sums_over_the_wrong_links_pass_only_the_cases_of_the_sum_and_the_device():
+    """The flat all_reduce and the hierarchical one give the sum, and each fails the budget it overspends."""
+    result = check("07.two_level_allreduce", flat_all_reduce)  # 2 (W-1)/W of the tensor across nodes, per rank
+    assert [c.passed for c in result.cases] == [True, True, False, False, True, True, False, True], str(result)
+    assert "the whole tensor" in result.cases[2].hint, str(result)
+    result = check("07.two_level_allreduce", SOLUTION["hierarchical_allreduce"])  # the leader's link carries all
+    assert [c.passed for c in result.cases] == [True, True, False, False, False, False, False, True], str(result)
+    assert "other links stay idle" in result.cases[2].hint, str(result)
+    result = check("07.two_level_allreduce", p2p_to_everyone)  # sends counted on the links to their peers
+    assert [c.passed for c in result.cases][:4] == [True, True, False, False], str(result)
+
+
+def test_the_budgets_count_padding_to_a_multiple_of_l_times_n_and_ring_costs_per_link():
+    from mgpu_lab.course.checks.l07.judges import budgets, sent_by_link
+
+    assert budgets(7, 8, 3, 2) == (2 * 1 / 2 * 96 / 3, 2 * 2 / 3 * 96, 96)  # 7 int64 padded to 12: 96 bytes
+    ops = [["reduce_scatter", 120, [3, 4, 5], None, "cpu"], ["all_reduce", 40, [2, 5], None, "cpu"],
+           ["all_gather", 120, [3, 4, 5], None, "cpu"], ["send", 8, None, 0, "cpu"], ["recv", 8, None, 4, "cpu"],
+           ["broadcast", 16, None, None, "cpu"]]
+    got = sent_by_link(ops, 5, 3)
+    assert (got["within"], got["across"]) == (160.0, 40.0 + 8 + 16)  # an unknown group counts as crossing
 
 
 def calls_the_library(script, nnodes, nproc_per_node, node_rank, master_addr, master_port):

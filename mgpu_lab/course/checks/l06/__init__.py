@@ -1,4 +1,4 @@
-"""Checks of lesson 06 (model parallel and pipelining): 06.stage_step, 06.pipelined_step, 06.bubble_fraction.
+"""Checks of lesson 06 (model parallel and pipelining): stage_step, pipeline_step, pipelined_step, bubble_fraction.
 
 Every lesson's checks have the same three modules: ``checkers`` (the exercises,
 registered with their cases and hints), ``ranks`` (what runs in the check's fresh

@@ -128,10 +128,15 @@ def judge_raises(t, results, calls) -> None:
 SAME_DEVICE = "on two GPUs this raises 'Expected all tensors to be on the same device'"
 
 
-# -- stage_step ---------------------------------------------------------------------
-def stage_reference(scenario, accumulate: bool = False) -> dict:
+# -- stage_step and pipeline_step: two ranks against one process --------------------------
+def stage_reference(scenario, accumulate: bool = False, n_micro: int = 1, weigh: str = "") -> dict:
     """One process training ``nn.Sequential(stage0, stage1)`` as the two ranks should: the losses and each
-    stage's parameters after every step (``accumulate``: zero_grad never called)."""
+    stage's parameters after the first and the last step.
+
+    ``accumulate``: zero_grad never called. ``weigh``, a known wrong weighting of ``n_micro`` micro-batches
+    (``torch.chunk``): ``"unscaled"`` every micro-batch's mean loss as it is, ``"one_over_n"`` each times
+    1/n_micro. The right step is the whole batch's mean loss (``weigh=""``).
+    """
     from .ranks import stage_setup
 
     stages, loss_fn, make_optimizer, data, _ = stage_setup(*scenario)
@@ -141,7 +146,12 @@ def stage_reference(scenario, accumulate: bool = False) -> dict:
     for x, target in data:
         if not accumulate:
             optimizer.zero_grad()
-        loss = loss_fn(model(x), target)
+        if weigh:
+            scale = 1.0 if weigh == "unscaled" else 1.0 / n_micro
+            loss = sum(loss_fn(model(xs), ys) * scale for xs, ys in zip(torch.chunk(x, n_micro),
+                                                                        torch.chunk(target, n_micro)))
+        else:
+            loss = loss_fn(model(x), target)
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
@@ -152,6 +162,10 @@ def stage_reference(scenario, accumulate: bool = False) -> dict:
 
 def _same(a, b) -> bool:
     return len(a) == len(b) and all(torch.allclose(x, y, atol=1e-5, rtol=1e-4) for x, y in zip(a, b))
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-5 * max(1.0, abs(b))
 
 
 def stage_returns_problem(res) -> str:
@@ -165,32 +179,57 @@ def stage_returns_problem(res) -> str:
     return ""
 
 
-def stage_diagnosis(res, scenario) -> tuple[str, str]:
-    """``(hint, got)`` for the first way the two ranks' training differs from one process's, or ``("", "")``."""
+_KNOWN = {  # known wrong trainings: how the answer's weights came to be, in words
+    "accumulate": ("your stages match training that never clears the gradients: each step's gradients were added "
+                   "to the previous steps'; every step must start from zero gradients", "accumulated gradients"),
+    "unscaled": ("your stages match training on the sum of the micro-batches' mean losses: each micro-batch "
+                 "counted as much as the whole batch, a step n_micro times too big; one process's mean loss counts "
+                 "every sample of the batch once", "the sum of the micro-batch losses"),
+    "one_over_n": ("your stages match training where every micro-batch weighs 1/n_micro: when torch.chunk gives "
+                   "pieces of unequal size, or fewer than n_micro of them, a sample then counts more or less than "
+                   "in one process's mean loss over the batch", "every micro-batch weighted 1/n_micro"),
+}
+
+
+def stage_diagnosis(res, scenario, n_micro: int = 1) -> tuple[str, str]:
+    """``(hint, got)`` for the first way the two ranks' training differs from one process's, or ``("", "")``.
+    ``scenario`` is :func:`.ranks.stage_setup`'s; ``n_micro`` > 1 also names wrong micro-batch weightings."""
     ref = stage_reference(scenario)
     losses = [got[1] for got in res[1]["returns"]]
     own = [res[0]["params"], res[1]["params"]]
-    if all(_same(own[r], ref["params"][r]) for r in (0, 1)) and \
-            all(abs(a - b) <= 1e-5 * max(1.0, abs(b)) for a, b in zip(losses, ref["losses"])):
+    right_weights = all(_same(own[r], ref["params"][r]) for r in (0, 1))
+    if right_weights and all(_close(a, b) for a, b in zip(losses, ref["losses"])):
         return "", ""
-    acc = stage_reference(scenario, accumulate=True)
-    if all(_same(own[r], acc["params"][r]) for r in (0, 1)):
-        return ("your stages match training that never clears the gradients: each step's gradients were added "
-                "to the previous steps'; every step must start from zero gradients"), "accumulated gradients"
+    if right_weights:
+        return ("both stages train like one process, but the value returned is not the step's loss: it must be the "
+                "mean loss over the whole batch, what one process's loss_fn(model(x), target) gives"), \
+            f"losses {[round(v, 5) for v in losses]}, one process {[round(v, 5) for v in ref['losses']]}"
+    known = [("accumulate", dict(accumulate=True))] + \
+        [(w, dict(n_micro=n_micro, weigh=w)) for w in ("unscaled", "one_over_n") if n_micro > 1]
+    for name, options in known:
+        if all(_same(own[r], stage_reference(scenario, **options)["params"][r]) for r in (0, 1)):
+            return _KNOWN[name]
+    return _drift(res, ref, losses, own)
+
+
+def _drift(res, ref, losses, own) -> tuple[str, str]:
+    """``(hint, got)``: which stage went wrong first, when no known wrong training matches."""
     for r, name in ((0, "rank 0's stage (the first)"), (1, "rank 1's stage (the last)")):
         if _same(own[r], ref["initial"][r]):
-            return (f"{name} never changed: it got no gradient or took no optimizer step; "
-                    + ("rank 0's backward starts from the gradient of the activations that rank 1 sends back"
-                       if r == 0 else "rank 1 runs backward from the loss and steps its own optimizer")), \
+            return (f"{name} never changed: it got no gradient or took no optimizer step; in one process "
+                    + ("the loss computed on the last stage reaches the first stage's weights through its activations"
+                       if r == 0 else "the last stage's weights get the gradient of the loss")), \
                 f"{name}: the initial weights"
     if _same(res[1]["first"], ref["first"][1]) and not _same(res[0]["first"], ref["first"][0]):
-        return ("rank 1's stage and losses are right but rank 0's stage is not: its backward must start from "
-                "exactly the gradient of its activations that rank 1 computed and sent back"), "rank 0's weights differ"
-    if losses and abs(losses[0] - ref["losses"][0]) > 1e-5 * max(1.0, abs(ref["losses"][0])):
-        return ("the first step's loss differs from one process's: rank 1 must run its stage on the activations "
-                "rank 0 computed from x, and compute loss_fn(output, target)"), f"loss {losses[0]:.5g}"
+        return ("rank 1's stage and losses are right but rank 0's stage is not: the gradient rank 0's weights got "
+                "is not the one one process computes for them (from the loss, through the activations exactly as "
+                "rank 1 used them)"), "rank 0's weights differ"
+    if losses and not _close(losses[0], ref["losses"][0]):
+        return ("the first step's loss differs from one process's: rank 1's stage did not compute on the activations "
+                "rank 0's stage made from x, or the loss is not loss_fn of its output and the labels"), \
+            f"loss {losses[0]:.5g}, one process {ref['losses'][0]:.5g}"
     return ("the ranks' weights drift from one process's: each step, both stages' gradients must be those of "
-            "the whole model's loss, and each rank steps once"), "different weights"
+            "the whole model's loss over the batch, and each rank steps once"), "different weights"
 
 
 def stage_placement_problem(res) -> tuple[str, str]:
@@ -239,4 +278,74 @@ def placement_problem(run) -> str:
         if out_dev != labels_dev:
             return (f"the labels reached the loss on {labels_dev}, the output is on {out_dev}: the labels must be "
                     f"where the output is")
+    return ""
+
+
+# -- pipeline_step: messages, order, overlap ---------------------------------------------
+def messages_problem(res) -> tuple[str, str]:
+    """``(hint, got)`` when a step's messages are not one per micro-batch each way, each of its micro-batch's
+    activations (rank 0) or their gradient (rank 1): ``rows x width`` elements; ``("", "")`` when they are."""
+    want = sorted(rows * res[0]["row_numel"] for rows in res[0]["chunks"])
+    for k, (steps0, steps1) in enumerate(zip(res[0]["steps"], res[1]["steps"])):
+        for r, sent in ((0, steps0["sent"]), (1, steps1["sent"])):
+            if sorted(sent) != want:
+                what = "activations" if r == 0 else "gradients of the activations"
+                return (f"in step {k + 1}, rank {r} sent {len(sent)} message(s) of {sorted(sent)} elements for "
+                        f"{len(want)} micro-batches of {want} elements: each message on the critical path costs a "
+                        f"latency, and a micro-batch's {what} are all the other rank needs of it"), \
+                    f"step {k + 1}, rank {r}: {len(sent)} message(s) of {sorted(sent)} elements"
+    return "", ""
+
+
+def order_problem(res) -> tuple[str, str]:
+    """``(hint, got)`` when a rank's stage did not run one forward per micro-batch (of its rows) and then one
+    backward per micro-batch, every forward before any backward (GPipe); ``("", "")`` when it did."""
+    chunks = res[0]["chunks"]
+    for k in range(len(res[0]["steps"])):
+        for r in (0, 1):
+            clock = res[r]["steps"][k]["clock"]
+            forwards = [e[4] for e in clock if e[0] == "F"]
+            backwards = [e[1] for e in clock if e[0] == "B"]
+            labels = " ".join(f"{e[0]}{e[1]}" for e in clock)
+            if forwards != chunks:
+                return (f"in step {k + 1}, rank {r}'s stage ran forwards on {forwards} rows; the micro-batches of "
+                        f"torch.chunk are {chunks} rows: each is one forward of each stage, in order, and no "
+                        "stage sees the whole batch at once"), f"step {k + 1}, rank {r}: {labels or 'no forward'}"
+            if sorted(backwards) != list(range(len(chunks))):
+                return (f"in step {k + 1}, rank {r}'s backward reached its stage's output {len(backwards)} time(s) "
+                        f"for {len(chunks)} micro-batches: every micro-batch's forward needs its own backward"), \
+                    f"step {k + 1}, rank {r}: {labels}"
+            first_b = next(i for i, e in enumerate(clock) if e[0] == "B")
+            if any(e[0] == "F" for e in clock[first_b:]):
+                return (f"in step {k + 1}, rank {r} began a backward before its last forward: GPipe runs every "
+                        "micro-batch's forward, then the backwards"), f"step {k + 1}, rank {r}: {labels}"
+    return "", ""
+
+
+def overlap_problem(res) -> tuple[str, str]:
+    """``(hint, got)`` unless, in some step, rank 1 began micro-batch 0's forward before rank 0 had finished its
+    last forward (on one clock: both ranks run on this machine); ``("", "")`` when it did."""
+    leads, said = [], ""
+    for k, (s0, s1) in enumerate(zip(res[0]["steps"], res[1]["steps"])):
+        f0 = [e for e in s0["clock"] if e[0] == "F"]
+        f1 = [e for e in s1["clock"] if e[0] == "F"]
+        if not f0 or not f1:
+            return "not judged: a rank's stage ran no forward", f"step {k + 1}: no forward"
+        leads.append(f0[-1][3] - f1[0][2])
+        if not said:
+            said = _who_held_back(f0, f1)
+    if max(leads) > 0:
+        return "", ""
+    return ("rank 1 began its first forward only after rank 0 had finished its last one, so the two stages never "
+            "computed at the same time and the step takes as long as on one device" + (f": {said}" if said else "")
+            + "; a pipelined step has rank 1 working on early micro-batches while rank 0 computes later ones"), \
+        f"rank 1's first forward began {-1e3 * max(leads):.0f} ms after rank 0's last forward ended"
+
+
+def _who_held_back(f0, f1) -> str:
+    """Which rank made the stages take turns, from what each had sent or posted when its forwards began."""
+    if len(f0) > 1 and f0[-1][5] == 0:
+        return f"rank 0 had sent nothing when it began its last forward (micro-batch {len(f0) - 1})"
+    if len(f1) > 1 and f1[0][5] >= len(f1):
+        return f"rank 1 had asked for all {len(f1)} micro-batches' activations before its first forward began"
     return ""

@@ -14,6 +14,7 @@ of the learner's code in one configuration is evidence too, not the end.
 from __future__ import annotations
 
 import copy
+import time
 import torch
 import traceback
 from contextlib import contextmanager
@@ -54,15 +55,27 @@ def _logs() -> dict:
 # -- stage_step ---------------------------------------------------------------------
 # (model, batch, steps, seed); "placed": the stages on cuda:0 and cuda:1 (simulated), x and the labels on the CPU
 STAGE_SCENARIOS = [("mlp", 8, 3, 1), ("regression", 5, 4, 2), ("mlp placed", 6, 2, 3)]
+# pipeline_step's (model, batch, n_micro, steps, seed); "work": stages whose forwards sleep WORK_S each
+PIPE_SCENARIOS = [("mlp", 8, 4, 3, 1), ("regression", 10, 4, 3, 2), ("work", 8, 4, 2, 5), ("mlp placed", 6, 3, 2, 3),
+                  ("mlp", 6, 4, 2, 4), ("regression", 5, 1, 2, 6), ("mlp", 7, 3, 2, 7)]
+WORK_S = 0.03
 
 
-def stage_setup(kind: str, batch: int, steps: int, seed: int):
-    """The two stages, loss, optimizer factory, batches and activation shape of one scenario."""
+def stage_setup(kind: str, batch: int, steps: int, seed: int, n_micro: int = 1):
+    """The two stages, loss, optimizer factory, batches and activation shape of one scenario (with ``n_micro``
+    micro-batches: of the first micro-batch, the largest of ``torch.chunk``)."""
     torch.manual_seed(seed)
     if kind.startswith("mlp"):
         stages = [nn.Sequential(nn.Linear(6, 16), nn.Tanh()), nn.Sequential(nn.Linear(16, 16), nn.ReLU(),
                                                                             nn.Linear(16, 3))]
         loss_fn, width = nn.CrossEntropyLoss(), 16
+        data = [(torch.randn(batch, 6), torch.randint(0, 3, (batch,))) for _ in range(steps)]
+    elif kind == "work":  # every forward of a stage sleeps WORK_S: its timing holds on a loaded machine
+        from mgpu_lab.parallel.pp_work import Work
+
+        stages = [nn.Sequential(nn.Linear(6, 8), Work(8, t_f=WORK_S)), nn.Sequential(Work(8, t_f=WORK_S),
+                                                                                   nn.Linear(8, 3))]
+        loss_fn, width = nn.CrossEntropyLoss(), 8
         data = [(torch.randn(batch, 6), torch.randint(0, 3, (batch,))) for _ in range(steps)]
     else:
         stages = [nn.Sequential(nn.Linear(3, 12), nn.ReLU(), nn.Linear(12, 12)), nn.Linear(12, 1)]
@@ -72,7 +85,7 @@ def stage_setup(kind: str, batch: int, steps: int, seed: int):
     def optimizer(params):
         return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
-    return stages, loss_fn, optimizer, data, (batch, width)
+    return stages, loss_fn, optimizer, data, (len(torch.chunk(torch.empty(batch), n_micro)[0]), width)
 
 
 def _returned(value) -> tuple:
@@ -99,9 +112,7 @@ def probe_stage(stage_step, scenarios: list, log_dir: str) -> list:
     def one(scenario):
         stages, loss_fn, make_optimizer, data, act_shape = stage_setup(*scenario)
         placed = scenario[0].endswith("placed")
-        stage = _stage(stages[rank], f"stage{rank + 1}", "activations" if rank == 0 else "output", f"cuda:{rank}") \
-            if placed else stages[rank]
-        loss_fn = PlacedLoss(loss_fn) if placed else loss_fn
+        stage, loss_fn = _rank_stage(stages, rank, placed, loss_fn)
         optimizer = make_optimizer(stage.parameters())
         returns, first = [], None
         reset()
@@ -119,6 +130,89 @@ def probe_stage(stage_step, scenarios: list, log_dir: str) -> list:
                "sent": sent}
         if placed:
             out.update(_logs(), received=[e["device"] for e in log if e["op"] == "recv"], device=f"cuda:{rank}")
+        return out
+
+    return run_scenarios(log_dir, one, scenarios)
+
+
+def _rank_stage(stages, rank: int, placed: bool, loss_fn):
+    """This rank's stage and the loss; ``placed``: on cuda:<rank> in name (:mod:`..sim.devices`), the loss
+    logging where its inputs were."""
+    if not placed:
+        return stages[rank], loss_fn
+    return (_stage(stages[rank], f"stage{rank + 1}", "activations" if rank == 0 else "output", f"cuda:{rank}"),
+            PlacedLoss(loss_fn))
+
+
+class _Clocked(nn.Module):
+    """A stage that logs every forward, ``("F", i, start, end, rows, progress)``, and the moment each backward
+    reaches its output, ``("B", i, time)``, on ``time.perf_counter`` (one clock for every process of a
+    machine, so two ranks' logs line up); ``progress()`` is how many messages the rank had sent (rank 0) or
+    posted to receive (rank 1) when the forward began."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner, self.log, self.progress = inner, [], (lambda: 0)
+
+    def forward(self, x):
+        i, start, before = sum(e[0] == "F" for e in self.log), time.perf_counter(), self.progress()
+        out = self.inner(x)
+        self.log.append(("F", i, start, time.perf_counter(), len(x), before))
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda grad, i=i: self.log.append(("B", i, time.perf_counter())))
+        return out
+
+
+def _pipe_step(pipeline_step, stage, rank: int, batch: tuple, loss_fn, optimizer, act_shape, n_micro) -> tuple:
+    """One call of the learner's ``pipeline_step``, recorded: what it returned, and the step's evidence (the
+    elements of every message this rank sent, the devices of the buffers it received into, the stage's clock)."""
+    from mgpu_lab.comm.record import record
+
+    x, target = batch
+    mine = "send" if rank == 0 else "recv"
+    with record() as log:
+        if isinstance(stage, _Clocked):
+            stage.log, stage.progress = [], (lambda: sum(e["op"] == mine for e in log.events))
+        got = pipeline_step(stage, x if rank == 0 else None, None if rank == 0 else target, loss_fn, optimizer,
+                            act_shape, n_micro)
+    clock = list(stage.log) if isinstance(stage, _Clocked) else []
+    return _returned(got), {"sent": [e["numel"] for e in log if e["op"] == "send"],
+                            "received": [e["device"] for e in log if e["op"] == "recv"], "clock": clock}
+
+
+def probe_pipeline(pipeline_step, scenarios: list, log_dir: str) -> list:
+    """In each of 2 real ranks, per scenario ``(model, batch, n_micro, steps, seed)``: this rank's stage
+    trained by the learner's ``pipeline_step``. Returns per scenario what each step returned, the stage's
+    parameters after the first and the last step, and per step what :func:`_pipe_step` saw; "placed"
+    scenarios also the moves and inputs of the simulated GPUs (:func:`_logs`)."""
+    import torch.distributed as tdist
+
+    from ..sim.scenarios import run_scenarios
+
+    one_thread()
+    rank = tdist.get_rank()
+
+    def one(scenario):
+        kind, batch, n_micro, steps, seed = scenario
+        stages, loss_fn, make_optimizer, data, act_shape = stage_setup(kind, batch, steps, seed, n_micro)
+        placed = kind.endswith("placed")
+        stage, loss_fn = _rank_stage(stages, rank, placed, loss_fn)
+        stage = stage if placed else _Clocked(stage)
+        optimizer = make_optimizer(stage.parameters())
+        out = {"returns": [], "steps": [], "first": None, "chunks": [len(c) for c in torch.chunk(data[0][0], n_micro)],
+               "row_numel": int(torch.Size(act_shape[1:]).numel())}
+        reset()
+        with _placed(placed):
+            for x, target in data:
+                batch = (place(x, "inputs"), place(target, "labels")) if placed else (x, target)
+                got, step = _pipe_step(pipeline_step, stage, rank, batch, loss_fn, optimizer, act_shape, n_micro)
+                out["returns"].append(got)
+                out["steps"].append(step)
+                out["first"] = out["first"] or [p.detach().clone() for p in stage.parameters()]
+        tdist.barrier()
+        out["params"] = [p.detach().clone() for p in stage.parameters()]
+        if placed:
+            out.update(_logs(), received=[d for s in out["steps"] for d in s["received"]], device=f"cuda:{rank}")
         return out
 
     return run_scenarios(log_dir, one, scenarios)

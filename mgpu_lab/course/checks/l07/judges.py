@@ -216,3 +216,117 @@ def pick_hint(expected: str, outcome, peer: str, addrs: list) -> str:
     if got not in names:
         return f"{got!r} is not an interface name of the input (the 'ifname' of an entry)"
     return f"{got} does not hold {peer} in its subnet as tightly as {expected}"
+
+
+# -- two_level_allreduce ------------------------------------------------------------------
+def two_expected(world: int) -> list:
+    """``[dtype, shape, values]`` of every call of :data:`.ranks.TWO_CALLS`: the sum over ``world`` ranks."""
+    from .ranks import TWO_CALLS, hier_input
+
+    out = []
+    for dtype, shape, _ in TWO_CALLS:
+        total = sum(hier_input(r, dtype, shape) for r in range(world))
+        out.append([str(total.dtype), list(shape), total.tolist()])
+    return out
+
+
+def budgets(numel: int, element_size: int, per_node: int, nodes: int) -> tuple:
+    """``(across, within, padded bytes)``: what one rank may send across nodes and within its node.
+
+    S is the tensor's bytes padded to a multiple of ``per_node * nodes`` elements (the slack: fewer than
+    that many elements), and the budgets are ``2 (N - 1) / N * S / L`` and ``2 (L - 1) / L * S``.
+
+    Example:
+        >>> budgets(1001, 4, 3, 2)   # 1001 float32 padded to 1002: 4008 bytes
+        (1336.0, 5344.0, 4008)
+    """
+    group = per_node * nodes
+    padded = -(-numel // group) * group * element_size
+    return 2 * (nodes - 1) / nodes * padded / per_node, 2 * (per_node - 1) / per_node * padded, padded
+
+
+def sent_by_link(events: list, rank: int, per_node: int) -> dict:
+    """What one rank sent in one call, by link: ``{"across": bytes, "within": bytes, "ops": [...]}``.
+
+    A collective over a group of g ranks and B bytes (the whole tensor) costs each rank what a ring
+    sends: ``2 (g - 1) / g * B`` for all_reduce, ``(g - 1) / g * B`` for reduce_scatter, all_gather and
+    all_to_all, ``B`` for broadcast, reduce and anything else; a send costs its bytes, a receive
+    nothing. It crosses nodes when its group (a send: this rank and the peer) holds ranks of more
+    than one node, or when its group is unknown.
+
+    Example:
+        >>> got = sent_by_link([["all_reduce", 400, [0, 2], None, "cpu"], ["send", 40, None, 1, "cpu"]], 0, 2)
+        >>> got["across"], got["within"]
+        (400.0, 40.0)
+    """
+    from mgpu_lab.comm.cost_model import bus_factor
+
+    out = {"across": 0.0, "within": 0.0, "ops": []}
+    for op, nbytes, ranks, peer, _ in events:
+        if op == "recv":
+            continue
+        group = ([rank, peer] if peer is not None else None) if op == "send" else ranks
+        if op == "send":
+            sent = float(nbytes)
+        elif op == "barrier" or group is None:
+            sent = float(nbytes)
+        elif op == "all_to_all":
+            sent = (len(group) - 1) / len(group) * nbytes
+        else:
+            try:
+                sent = bus_factor(op, len(group)) * nbytes
+            except ValueError:
+                sent = float(nbytes)
+        link = "within" if group is not None and len({q // per_node for q in group}) == 1 else "across"
+        out[link] += sent
+        out["ops"].append((link, op, group, round(sent, 1)))
+    return out
+
+
+def _in_words(ops: list, link: str) -> str:
+    shown = [f"{op} over ranks {group}: {sent:g} B" for where, op, group, sent in ops if where == link]
+    return "; ".join(shown[:4]) + (f"; ... ({len(shown)} in all)" if len(shown) > 4 else "") or "nothing"
+
+
+def judge_budget(t, per_rank: list, link: str, per_node: int, calls: range) -> None:
+    """Fail the case when a rank sent more than its budget on ``link`` ("across" or "within") in one of ``calls``."""
+    import torch
+
+    from .ranks import TWO_CALLS
+
+    world = len(per_rank)
+    nodes = world // per_node
+    for call in calls:
+        dtype, shape, _ = TWO_CALLS[call]
+        numel = int(torch.Size(shape).numel())
+        across, within, padded = budgets(numel, getattr(torch, dtype).itemsize, per_node, nodes)
+        limit = across if link == "across" else within
+        sent = [sent_by_link(calls_[call]["events"], r, per_node) for r, calls_ in enumerate(per_rank)]
+        worst = max(range(world), key=lambda r: sent[r][link])
+        if sent[worst][link] > limit + 1e-6:
+            t.fail(_over_why(sent, worst, link, per_node, numel * getattr(torch, dtype).itemsize, limit),
+                   f"at most {limit:g} bytes {link} per rank ({dtype} {tuple(shape)}: S = {padded} bytes padded)",
+                   f"rank {worst}: {sent[worst][link]:g} bytes: {_in_words(sent[worst]['ops'], link)}")
+
+
+def _over_why(sent: list, worst: int, link: str, per_node: int, size: int, limit: float) -> str:
+    """Why one rank went over its budget, naming the known designs."""
+    node = [q for q in range(len(sent)) if q // per_node == worst // per_node]
+    idle = [q for q in node if sent[q]["across"] == 0]
+    if link == "across" and idle:
+        return (f"rank {worst} sent {sent[worst]['across']:g} bytes across nodes while ranks {idle} of its node sent "
+                f"nothing across: one rank carries what the node has to send and the other links stay idle. "
+                f"Every rank has a link to the network; each may send {limit:g} bytes across here")
+    mixed = [(op, group) for on, op, group, b in sent[worst]["ops"] if on == "across" and group is not None
+             and len(group) == per_node and op != "send"]
+    if link == "across" and mixed:
+        return (f"rank {worst}'s {mixed[0][0]} ran in the group of ranks {mixed[0][1]}, as many ranks as a node has "
+                "but from several nodes: torchrun numbers ranks node after node, node = rank // LOCAL_WORLD_SIZE, "
+                "not rank % LOCAL_WORLD_SIZE")
+    where = "across nodes" if link == "across" else "within its node"
+    whole = [op for on, op, group, b in sent[worst]["ops"] if on == link and b >= size * 0.99]
+    if whole:
+        return (f"rank {worst}'s {whole[0]} sent the whole tensor's worth ({size} bytes) or more {where}, and its "
+                f"budget {where} is {limit:g} bytes here: no rank can afford to move the whole tensor that way")
+    return (f"rank {worst} sent {sent[worst][link]:g} bytes {where}, more than its budget of {limit:g}: "
+            "count what each of your collectives sends per rank with the ring costs above")

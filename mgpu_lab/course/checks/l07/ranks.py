@@ -134,3 +134,66 @@ def hier_probe(hierarchical_allreduce) -> dict:
     comm = [[e["profiling_name"].split(":", 1)[-1], groups.get(e["process_group"][0])]
             for e in sorted(entries(), key=lambda e: e["record_id"]) if e["record_id"] not in seen]
     return {"results": results, "comm": comm, "p2p": p2p, "stuck": stuck}
+
+
+# -- two_level_allreduce ------------------------------------------------------------------
+# (dtype, shape, meta) of each call: element counts that neither 2 nor 3 divides; (5,) has fewer elements than the
+# 6 ranks of 2 nodes x 3; the last call runs with torch's default device set to meta, so a tensor made without
+# device= is not on the input's device (on a GPU rank it would be a CPU tensor)
+TWO_CALLS = (("float32", (1001,), False), ("float64", (5, 5), False), ("int64", (7,), False),
+             ("int64", (5,), False), ("float32", (1001,), True))
+
+
+def _event(e: dict) -> list:
+    """What the judges need of a recorded event: [op, bytes, the group's global ranks, the peer, the device]."""
+    return [e["op"], e["bytes"], e["ranks"], e["peer"], e["device"]]
+
+
+def _one_two_level(two_level_allreduce, rank: int, dtype: str, shape: tuple, meta: bool) -> dict:
+    """One call of the learner's function, recorded; its result or error and what this rank communicated."""
+    import torch
+
+    from mgpu_lab.comm.record import record
+
+    x, entry, log = hier_input(rank, dtype, shape), {"result": None, "error": None, "events": []}, None
+    try:
+        with record(two_level_allreduce, expect_device=x.device if meta else None) as log:
+            if meta:
+                torch.set_default_device("meta")
+            try:
+                got = two_level_allreduce(x.clone())
+            finally:
+                if meta:
+                    torch.set_default_device(None)
+        entry["result"] = ([str(got.dtype), list(got.shape), str(got.device),
+                            got.tolist() if got.device.type != "meta" else None]
+                           if isinstance(got, torch.Tensor) else ["not a tensor", type(got).__name__, "", None])
+    except NotImplementedError:
+        raise
+    except Exception as err:  # noqa: BLE001 - judged: a hang, a deadlock, a device mix-up, the answer's own error
+        entry["error"] = f"{type(err).__name__}: " + (str(err).strip().splitlines() or [""])[0][:300]
+        entry["stuck"] = _gave_up(err) or type(err).__name__ == "Deadlock"
+    entry["events"] = [_event(e) for e in (log.events if log is not None else []) if e["op"] != "wait"]
+    return entry
+
+
+def two_level_probe(two_level_allreduce, per_node: int) -> list:
+    """Probe: the learner's function on the calls of :data:`TWO_CALLS`, as nodes of ``per_node`` ranks.
+
+    LOCAL_WORLD_SIZE, LOCAL_RANK and GROUP_RANK are set as torchrun sets them (node = rank // per_node).
+    Every call is recorded with :mod:`mgpu_lab.comm.record` (every collective with its group and bytes,
+    every send and receive with its peer); a collective that waits more than :data:`GROUP_TIMEOUT`
+    seconds, or a deadlock of sends and receives, ends the calls, as does any error.
+    """
+    import torch.distributed as tdist
+
+    rank = tdist.get_rank()
+    os.environ.update(LOCAL_WORLD_SIZE=str(per_node), LOCAL_RANK=str(rank % per_node),
+                      GROUP_RANK=str(rank // per_node))
+    _short_waits(tdist)
+    out = []
+    for dtype, shape, meta in TWO_CALLS:
+        out.append(_one_two_level(two_level_allreduce, rank, dtype, shape, meta))
+        if out[-1]["error"]:
+            break
+    return out
