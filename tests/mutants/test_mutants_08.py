@@ -10,6 +10,7 @@ import functools
 
 import pytest
 
+from batching import shared_mutant_tests
 from mutation import ExerciseMutants, Mutant, Variant, drop_statement, mutant_tests, prelude, replace
 
 pytestmark = pytest.mark.timeout(600)
@@ -313,6 +314,210 @@ def load_full_into_sharded(model, path):
 '''),
 ])
 
+
+# -- MiniFSDP ----------------------------------------------------------------------------------
+GATHER = "            dist.all_gather_single(full, shard.detach().to(dtype))\n"
+MINI = ExerciseMutants("08.MiniFSDP", NB, ("MiniFSDP",), mutants=[
+    Mutant("DDP's all-reduce of the full gradients", replace(
+        "dist.reduce_scatter_single(mine, flat)", "dist.all_reduce(flat)\n                    mine.copy_(flat.chunk(world)[rank])"),
+        "no all-reduce"),
+    Mutant("the sum of the ranks' gradients, not their mean", replace("return (mine / world,", "return (mine,"),
+           "averaged over the ranks"),
+    Mutant("each rank's own gradient, never combined", replace(
+        "dist.reduce_scatter_single(mine, flat)", "mine.copy_(flat.chunk(world)[rank])"), "averaged over the ranks"),
+    Mutant("the module's full weights kept alive", replace("del unit._parameters[name]", "pass"),
+           "full weights of the module it was given"),
+    Mutant("every gathered unit kept (never freed)", (
+        replace("        def gather(k, dtype):", "        kept = []\n\n        def gather(k, dtype):"),
+        replace(GATHER, GATHER + "            kept.append(full)\n")), "still alive"),
+    Mutant("forward's full weights kept for backward", (
+        replace("return run(k, original, gather(k, dtype), inputs)",
+                "ctx.full = gather(k, dtype)\n                    return run(k, original, ctx.full, inputs)"),
+        replace("gather(k, compute_dtype or shard.dtype).items()", "ctx.full.items()")), "autograd keeps them"),
+    Mutant("weights gathered in fp32, cast after (twice the bytes)", replace(
+        "full = torch.empty(shard.numel() * world, dtype=dtype, device=shard.device)\n" + GATHER,
+        "full = torch.empty(shard.numel() * world, dtype=shard.dtype, device=shard.device)\n"
+        "            dist.all_gather_single(full, shard.detach())\n            full = full.to(dtype)\n"),
+        "half the bytes"),
+    Mutant("a buffer on the default device (fails on GPUs)", replace(
+        "torch.empty(shard.numel() * world, dtype=dtype, device=shard.device)",
+        "torch.empty(shard.numel() * world, dtype=dtype)"), ("default device", "meta")),
+    Mutant("torch's own FSDP2 called on the module", replace(
+        "        self.gather = gather\n",
+        "        self.gather = gather\n        torch.distributed.fsdp.fully_shard(module)\n"),
+        "your code calls torch.distributed.fsdp.fully_shard"),
+], variants=[
+    Variant("a unit per block, a shard per parameter, list collectives", '''
+class MiniFSDP(nn.Module):
+    def __init__(self, module, compute_dtype=None):
+        super().__init__()
+        self.world, self.rank, self.dtype = dist.get_world_size(), dist.get_rank(), compute_dtype
+        self._inner = [module]
+        self.pieces = nn.ParameterList()
+        self.units = []  # (unit module, [(owner module, attribute, full name, shape, piece index)])
+        roots = [m for m in module.children()]
+        if list(module.parameters(recurse=False)):
+            roots.append(module)
+        todo = list(module.children())
+        names = {id(m): n for n, m in module.named_modules()}
+        while todo:
+            unit = todo.pop(0)
+            if isinstance(unit, (nn.ModuleList, nn.ModuleDict)):
+                todo = list(unit.children()) + todo
+                continue
+            entries = []
+            for m in list(unit.modules()):
+                for attr, p in list(m.named_parameters(recurse=False)):
+                    per = (p.numel() + self.world - 1) // self.world
+                    padded = torch.zeros(per * self.world, dtype=p.dtype, device=p.device)
+                    padded[:p.numel()] = p.detach().reshape(-1)
+                    self.pieces.append(nn.Parameter(padded[self.rank * per:(self.rank + 1) * per].clone()))
+                    entries.append((m, attr, f"{names[id(m)]}.{attr}", p.shape, len(self.pieces) - 1))
+                    delattr(m, attr)
+            if entries:
+                self.units.append((unit, entries))
+                unit.forward = self._wrap(len(self.units) - 1, unit.forward)
+
+    def _full(self, u, dtype):
+        out = []
+        for m, attr, name, shape, i in self.units[u][1]:
+            piece = self.pieces[i].detach().to(dtype)
+            parts = [torch.empty_like(piece) for _ in range(self.world)]
+            dist.all_gather(parts, piece)
+            out.append(torch.cat(parts)[:shape.numel()].view(shape))
+        return out
+
+    def _call(self, u, fn, weights, xs):
+        entries = self.units[u][1]
+        for (m, attr, *_), w in zip(entries, weights):
+            object.__setattr__(m, attr, w)
+        try:
+            return fn(*xs)
+        finally:
+            for m, attr, *_ in entries:
+                object.__delattr__(m, attr)
+
+    def _wrap(self, u, fn):
+        me = self
+
+        class Unit(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, *args):
+                xs = args[len(me.units[u][1]):]
+                ctx.save_for_backward(*xs)
+                dtype = me.dtype or torch.float32
+                low = [x.to(dtype) if x.is_floating_point() else x for x in xs]
+                return me._call(u, fn, me._full(u, dtype), low)
+
+            @staticmethod
+            def backward(ctx, grad):
+                xs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
+                dtype = me.dtype or torch.float32
+                weights = [w.requires_grad_() for w in me._full(u, dtype)]
+                with torch.enable_grad():
+                    out = me._call(u, fn, weights, [x.to(dtype) if x.is_floating_point() else x for x in xs])
+                    needs = [x for x in xs if x.requires_grad]
+                    got = torch.autograd.grad(out, weights + needs, grad.to(out.dtype))
+                pieces = []
+                for (m, attr, name, shape, i), g in zip(me.units[u][1], got):
+                    target = me.pieces[i]
+                    flat = torch.zeros(target.numel() * me.world, dtype=target.dtype, device=target.device)
+                    flat[:g.numel()] = g.reshape(-1).to(target.dtype)
+                    summed = torch.empty_like(target)
+                    dist.reduce_scatter(summed, list(flat.chunk(me.world)))
+                    pieces.append(summed / me.world)
+                rest = iter(got[len(weights):])
+                return (*pieces, *[next(rest) if x.requires_grad else None for x in xs])
+
+        return lambda *xs: Unit.apply(*[self.pieces[e[4]] for e in self.units[u][1]], *xs)
+
+    def forward(self, *args, **kwargs):
+        return self._inner[0](*args, **kwargs)
+
+    def finish_gradient_synchronization(self):
+        return None
+
+    def gather_full_params(self):
+        with torch.no_grad():
+            return {e[2].lstrip("."): w.float().clone() for u in range(len(self.units))
+                    for e, w in zip(self.units[u][1], self._full(u, torch.float32))}
+'''),
+    Variant("FSDP's way: storage freed and refilled by module hooks, async reduce-scatters finished later", '''
+class MiniFSDP(nn.Module):
+    def __init__(self, module, compute_dtype=None):
+        super().__init__()
+        self.world, self.rank = dist.get_world_size(), dist.get_rank()
+        self.dtype, self.pending, self.owned = compute_dtype, [], []
+        object.__setattr__(self, "inner", module)
+        self.shards = nn.ParameterList()
+        for prefix, layer in list(module.named_modules()):
+            mine = list(layer.named_parameters(recurse=False))
+            for key, p in mine:
+                s = -(-p.numel() // self.world)
+                flat = torch.zeros(s * self.world, dtype=p.dtype, device=p.device)
+                flat[:p.numel()] = p.detach().flatten()
+                shard = nn.Parameter(flat[self.rank * s:(self.rank + 1) * s].clone())
+                self.shards.append(shard)
+                full = torch.empty(p.shape, dtype=compute_dtype or p.dtype, device=p.device, requires_grad=True)
+                full.untyped_storage().resize_(0)  # no memory until the layer computes
+                del layer._parameters[key]
+                setattr(layer, key, full)
+                full.register_post_accumulate_grad_hook(lambda t, shard=shard: self._scatter(t, shard))
+                self.owned.append((f"{prefix}.{key}".lstrip("."), layer, key, shard))
+            if mine:
+                layer.register_forward_pre_hook(self._before)
+                layer.register_forward_hook(lambda m, args, out: self._free(m))
+                layer.register_full_backward_pre_hook(lambda m, grad: self._fill(m))
+
+    def _fill(self, layer):
+        for name, owner, key, shard in self.owned:
+            if owner is layer:
+                full = getattr(layer, key)
+                dtype = full.dtype
+                full.untyped_storage().resize_(shard.numel() * self.world * full.element_size())
+                into = torch.empty(shard.numel() * self.world, dtype=dtype, device=shard.device)
+                dist.all_gather_single(into, shard.detach().to(dtype))
+                full.data.copy_(into[:full.numel()].view(full.shape))
+
+    def _before(self, layer, args):
+        self._fill(layer)
+        if self.dtype is None:
+            return None
+        return tuple(a.to(self.dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
+
+    def _free(self, layer):
+        for name, owner, key, shard in self.owned:
+            if owner is layer:
+                getattr(layer, key).untyped_storage().resize_(0)
+
+    def _scatter(self, full, shard):
+        flat = torch.zeros(shard.numel() * self.world, dtype=shard.dtype, device=shard.device)
+        flat[:full.numel()] = full.grad.flatten().to(shard.dtype)
+        full.grad = None
+        full.untyped_storage().resize_(0)  # its backward is done: the layer's input gradient used it already
+        out = torch.empty_like(shard)
+        self.finish_gradient_synchronization()  # one reduce-scatter in flight at a time: its buffers are a layer's
+        self.pending.append((dist.reduce_scatter_single(out, flat, async_op=True), out, shard))
+
+    def forward(self, *args, **kwargs):
+        return self.inner(*args, **kwargs)
+
+    def finish_gradient_synchronization(self):
+        for work, out, shard in self.pending:
+            work.wait()
+            shard.grad = out / self.world if shard.grad is None else shard.grad + out / self.world
+        self.pending.clear()
+
+    def gather_full_params(self):
+        out = {}
+        for name, layer, key, shard in self.owned:
+            full = torch.empty(shard.numel() * self.world, dtype=shard.dtype, device=shard.device)
+            dist.all_gather_single(full, shard.detach())
+            out[name] = full[:getattr(layer, key).numel()].view(getattr(layer, key).shape).clone()
+        return out
+'''),
+])
+
 SPECS = [SGD, ADAM, BUILD, LOAD]
 
 
@@ -324,5 +529,11 @@ def namespace() -> dict:
     return ns
 
 
-test_mutant_fails_naming_its_bug, test_correct_variant_passes, test_every_exercise_has_five_mutants_and_two_variants = \
-    mutant_tests(SPECS, "08", namespace)
+test_mutant_fails_naming_its_bug, test_correct_variant_passes, _ = mutant_tests(SPECS, "08", namespace)
+_, _, test_every_exercise_has_five_mutants_and_two_variants = mutant_tests(SPECS + [MINI], "08", namespace)
+# MiniFSDP's answers are judged together (tests/mutants/batching.py): one launch of 2 ranks and one of 3 ranks for
+# all of them, instead of two per answer; the verdicts are check()'s
+test_minifsdp_mutant_fails_naming_its_bug, test_minifsdp_variant_passes, _ = shared_mutant_tests([MINI], "08", namespace)
+# the first of them judges all eleven answers (about 90 s on an idle 2-core machine, 9 minutes at a load of 20)
+test_minifsdp_mutant_fails_naming_its_bug = pytest.mark.timeout(1500)(test_minifsdp_mutant_fails_naming_its_bug)
+test_minifsdp_variant_passes = pytest.mark.timeout(1500)(test_minifsdp_variant_passes)

@@ -23,12 +23,14 @@ NOTEBOOK = Path(__file__).resolve().parents[3] / "solutions" / "08_sharding.ipyn
 # every rank then imports that test module, nbformat and all (seconds of CPU per rank).
 _STUBS: dict = {}
 exec("def stub(*args, **kwargs):\n    raise NotImplementedError('write this function')\n", _STUBS)
-POINTS = {"08.sharded_sgd_step": 7, "08.ShardedAdam": 6, "08.build_sharded": 5, "08.load_full_into_sharded": 4}
+POINTS = {"08.sharded_sgd_step": 7, "08.ShardedAdam": 6, "08.build_sharded": 5, "08.load_full_into_sharded": 2,
+          "08.MiniFSDP": 10}
 ANSWERS = {"08.sharded_sgd_step": ("sharded_sgd_step",), "08.ShardedAdam": ("ShardedAdam",),
-           "08.build_sharded": ("build_sharded",), "08.load_full_into_sharded": ("load_full_into_sharded",)}
+           "08.build_sharded": ("build_sharded",), "08.load_full_into_sharded": ("load_full_into_sharded",),
+           "08.MiniFSDP": ("MiniFSDP",)}
 
 
-def test_lesson_08_registers_four_exercises_with_one_point_per_case():
+def test_lesson_08_registers_five_exercises_with_one_point_per_case():
     assert {e.id: e.points for e in exercises("08")} == POINTS
 
 
@@ -95,7 +97,17 @@ exec("import torch\n"
      "def load_full_into_sharded(model, path):\n"
      "    return None\n"
      "def sharded_sgd_step(param, grad, lr):\n"
-     "    return param\n", _NOTHING)
+     "    return param\n"
+     "class MiniFSDP(torch.nn.Module):\n"  # the module as it came, trained alone on each rank, nothing gathered
+     "    def __init__(self, module, compute_dtype=None):\n"
+     "        super().__init__()\n"
+     "        self.inner = module\n"
+     "    def forward(self, *args):\n"
+     "        return self.inner(*args)\n"
+     "    def finish_gradient_synchronization(self):\n"
+     "        pass\n"
+     "    def gather_full_params(self):\n"
+     "        return {}\n", _NOTHING)
 
 
 @pytest.mark.parametrize("exercise_id, name", [(e, n[0]) for e, n in ANSWERS.items()])
@@ -122,7 +134,19 @@ exec("import torch\n"
      "    return fully_shard(model, mesh=mesh)\n"
      "def load_full_into_sharded(model, path):\n"  # every rank reads the whole file
      "    state = torch.load(path, weights_only=True)\n"
-     "    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))\n", _TRIVIAL)
+     "    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))\n"
+     "class MiniFSDP(torch.nn.Module):\n"  # DDP by hand: full weights everywhere, gradients all-reduced
+     "    def __init__(self, module, compute_dtype=None):\n"
+     "        super().__init__()\n"
+     "        self.inner = module\n"
+     "    def forward(self, *args):\n"
+     "        return self.inner(*args)\n"
+     "    def finish_gradient_synchronization(self):\n"
+     "        for p in self.inner.parameters():\n"
+     "            dist.all_reduce(p.grad)\n"
+     "            p.grad /= dist.get_world_size()\n"
+     "    def gather_full_params(self):\n"
+     "        return {k: v.detach().clone() for k, v in self.inner.named_parameters()}\n", _TRIVIAL)
 PASSES = {  # the cases each trivially wrong answer has the behaviour of
     "08.sharded_sgd_step": [],
     "08.ShardedAdam": ["3 ranks, DDP, 5 steps", "betas=(0.8, 0.95)", "two ShardedAdams alive at once",
@@ -130,7 +154,9 @@ PASSES = {  # the cases each trivially wrong answer has the behaviour of
     # the whole model built, then sharded: section 4's demo; its sharding, gathers and training are not evidence
     # of the exercise (a model no rank held whole), so only the weights' case passes
     "08.build_sharded": ["the weights, gathered"],
-    "08.load_full_into_sharded": ["2 ranks: after loading", "every rank ends with exactly its shards"],
+    "08.load_full_into_sharded": ["2 ranks: after loading"],
+    # DDP by hand trains like one process and returns the full fp32 weights by name; it shards nothing
+    "08.MiniFSDP": ["2 ranks, 2 steps of SGD", "2 ranks, Adam and AdamW", "3 ranks, sizes 3", "gather_full_params()"],
 }
 
 
@@ -176,3 +202,26 @@ def test_build_and_load_judges_name_the_whole_model_and_other_ranks_reading():
     assert "other ranks read the file" in _verdict(judges.judge_opened, [{"opened": 1, **loaded}] * 2)
     assert "whole state" in _verdict(judges.judge_not_full, [{}, {"peak": 600, "whole_bytes": 1000,
                                                                    "largest_bytes": 100, **loaded}])
+
+
+def _mini_evidence(collectives, held=(1000,), peak=(1000,)):
+    sizes = {"total": 4000, "count": 4, "whole_bytes": 16000, "layer": 1500, "names": ["w"]}
+    scenario = {"collectives": collectives, "shard_numel": 2000, "dtypes": {"w": "torch.float32"}, "diff": {"w": 0.0},
+                "start": {"w": 1.0}, "fsdp": 1e-6}
+    return [{"sizes": sizes, "scenarios": {"AdamW": scenario},
+             "memory": {"held": list(held), "peak": list(peak), "acts": 100, "shard_bytes": 8000}}] * 2
+
+
+def test_minifsdp_judges_name_the_all_reduce_the_dtype_the_whole_model_and_one_big_gather():
+    right = [("all_gather", 1000, "torch.float32")] * 8 + [("reduce_scatter", 1000, "torch.float32")] * 4
+    assert _verdict(judges.judge_mini_reduce, _mini_evidence(right), "AdamW") == ""
+    assert _verdict(judges.judge_mini_gathers, _mini_evidence(right), "AdamW") == ""
+    assert "all-reduces" in _verdict(judges.judge_mini_reduce, _mini_evidence(
+        right + [("all_reduce", 4000, "torch.float32")]), "AdamW")
+    assert "another dtype" in _verdict(judges.judge_mini_half, _mini_evidence(right), "AdamW", "bfloat16")
+    assert "more than a layer" in _verdict(judges.judge_mini_gathers, _mini_evidence(
+        [("all_gather", 4000, "torch.float32")] * 2), "AdamW")
+    assert "(the whole model)" in _verdict(judges.judge_mini_held, _mini_evidence(right, held=(9000, 17000)))
+    assert _verdict(judges.judge_mini_held, _mini_evidence(right, held=(8000, 8100))) == ""
+    assert "still alive" in _verdict(judges.judge_mini_peak, _mini_evidence(right, peak=(40000,)), "AdamW")
+    assert "not sharded" in _verdict(judges.judge_mini_peak, _mini_evidence([]), "AdamW")

@@ -15,9 +15,10 @@ from .._core import exercise
 from .judges import (judge_adam, judge_adam_state, judge_adam_traffic, judge_built_sharded, judge_collectives,
                      judge_gathers, judge_init, judge_live, judge_loaded, judge_not_full, judge_opened,
                      judge_own_shard, judge_own_shards, judge_pair, judge_replicas, judge_result, judge_sharding, need,
-                     SGD_CASES, SGD_LR)
+                     judge_mini_gathers, judge_mini_half, judge_mini_held, judge_mini_peak, judge_mini_reduce,
+                     judge_mini_shards, judge_mini_dtypes, judge_mini_weights, SGD_CASES, SGD_LR)
 from .ranks import (ADAM_WORLD, BUILD_STEPS, run_adam_state, run_build_sharded, run_load_full, run_sgd_cases,
-                    run_sharded_adam)
+                    run_minifsdp, run_sharded_adam)
 
 FLAT = ("mgpu_lab.sharding.flat:FlatZero", "mgpu_lab.sharding.flat:FlatZero.step")
 
@@ -133,23 +134,78 @@ def _build_sharded(t, build_sharded):
 
 
 # -- load_full_into_sharded ----------------------------------------------------------------
-@exercise("08.load_full_into_sharded", points=4,
+@exercise("08.load_full_into_sharded", points=2,
           description="load_full_into_sharded(model, path): a full torch.save checkpoint into an FSDP2-sharded "
                       "model; only rank 0 reads the file, every rank ends with its shards, no other rank holds the "
                       "full state")
 def _load_full_into_sharded(t, load_full_into_sharded):
     path = t.scratch("mgpu-lab-08-full-")  # where the ranks run (a grader's sandbox)
     ranks = None
-    with t.case("2 ranks: after loading, every parameter (gathered) equals the file's"):
+    with t.case("2 ranks: after loading, every parameter (gathered) equals the file's, and every rank holds exactly "
+                "its shards: DTensors Shard(dim=0) on the model's mesh, rank r's rows chunk r of the file's tensor"):
         ranks = t.ranks(run_load_full, 2, load_full_into_sharded, f"{path}/full.pt", timeout=120)
         judge_loaded(t, ranks)
-    with t.case("every rank ends with exactly its shards: DTensors Shard(dim=0) on the model's mesh, rank r's rows "
-                "those of chunk r of the file's tensor"):
-        need(t, ranks)
         judge_own_shards(t, ranks)
-    with t.case("only rank 0 opens the file"):
+    with t.case("only rank 0 opens the file, and no rank but 0 ever holds the full state (rank 1's live storage "
+                "stays under half of it)"):
         need(t, ranks)
         judge_opened(t, ranks)
-    with t.case("no rank but 0 ever holds the full state: rank 1's live storage stays under half of it"):
-        need(t, ranks)
         judge_not_full(t, ranks)
+
+
+# -- MiniFSDP ------------------------------------------------------------------------------
+@exercise("08.MiniFSDP", points=10, references=(
+    "torch.distributed.fsdp:fully_shard", "torch.distributed.fsdp:FullyShardedDataParallel",
+    "torch.distributed.optim:ZeroRedundancyOptimizer", "mgpu_lab.sharding.flat:FlatZero",
+    "mgpu_lab.sharding.flat:FlatZero.step", "mgpu_lab.sharding.wrap:shard_model"),
+    description="MiniFSDP(module, compute_dtype=None): ZeRO-3 by hand, each rank holding a shard of every "
+                "parameter, full weights only for the unit computing, gradients reduce-scattered to the shards")
+def _mini_fsdp(t, MiniFSDP):
+    two = three = None
+    with t.case("2 ranks, 2 steps of SGD (momentum 0.9), default device 'meta' in forward and backward: "
+                "gather_full_params() equals one process on the whole batch (1e-5)"):
+        two = t.ranks(run_minifsdp, 2, MiniFSDP, timeout=240)
+        judge_mini_weights(t, two, "SGD", tol=1e-5)
+    with t.case("2 ranks, Adam and AdamW: equal to one process within 2x the distance fully_shard meets "
+                "(measured in the same ranks)"):
+        need(t, two)
+        judge_mini_weights(t, two, "AdamW", factor=2.0)
+        judge_mini_weights(t, two, "Adam", factor=2.0, measured="AdamW")
+    with t.case("3 ranks, sizes 3 does not divide, SGD and AdamW: equal to one process"):
+        three = t.ranks(run_minifsdp, 3, MiniFSDP, timeout=240)
+        judge_mini_weights(t, three, "SGD", tol=1e-5)
+        judge_mini_weights(t, three, "AdamW", factor=2.0)
+    with t.case("compute_dtype bfloat16 (2 ranks) and float16 (3 ranks): equal to one process computing every "
+                "layer in that dtype on fp32 master weights, within 4x fully_shard's distance with that "
+                "MixedPrecisionPolicy; every all-gather in that dtype (half the bytes of fp32)"):
+        need(t, two, three)
+        for ranks, name in ((two, "bfloat16"), (three, "float16")):
+            judge_mini_weights(t, ranks, name, factor=4.0)
+            judge_mini_half(t, ranks, name, name)
+    with t.case("gather_full_params(): every parameter of the module by its name there, whole, in fp32 (also "
+                "with a 16-bit compute_dtype)"):
+        need(t, two, three)
+        for ranks, name in ((two, "SGD"), (two, "bfloat16"), (three, "float16")):
+            judge_mini_dtypes(t, ranks, name)
+    with t.case("parameters() are this rank's shards: about 1/W of the elements, on 2 and on 3 ranks"):
+        need(t, two, three)
+        judge_mini_shards(t, two)
+        judge_mini_shards(t, three)
+    with t.case("between steps the storage alive on each rank is its shards (about 1/W of the model), never "
+                "the whole"):
+        need(t, two, three)
+        judge_mini_held(t, two)
+        judge_mini_held(t, three)
+    with t.case("during forward and backward, beyond the shards and the activations, at most one unit's full "
+                "weights (with their gradients and a collective's buffers)"):
+        need(t, two, three)
+        judge_mini_peak(t, two, "AdamW")
+        judge_mini_peak(t, three, "AdamW")
+    with t.case("weights all-gathered in units of at most a layer, in forward and again in backward"):
+        need(t, two, three)
+        judge_mini_gathers(t, two, "AdamW")
+        judge_mini_gathers(t, three, "AdamW")
+    with t.case("gradients reach the shards by reduce-scatter, about the model's size per step, no all-reduce"):
+        need(t, two, three)
+        judge_mini_reduce(t, two, "AdamW")
+        judge_mini_reduce(t, three, "AdamW")

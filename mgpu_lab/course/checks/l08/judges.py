@@ -98,8 +98,8 @@ def judge_own_shard(t, results, k):
                    [round(v, 4) for v in sent.tolist()])
 
 
-def need(t, ev):
-    if ev is None:
+def need(t, *evs):
+    if any(ev is None for ev in evs):
         t.fail("the first case did not finish")
 
 
@@ -374,3 +374,155 @@ def judge_not_full(t, ranks):
                    "before keeping its part; one full tensor at a time is all it needs", f"rank {r}: under "
                    f"{ev['whole_bytes'] // 2} bytes (the full state is {ev['whole_bytes']}, its largest tensor "
                    f"{ev['largest_bytes']})", f"a peak of {ev['peak']} bytes")
+
+
+# -- MiniFSDP ------------------------------------------------------------------------------
+def mini_scenario(t, ranks, name):
+    """The evidence of scenario ``name`` on every rank, or the case fails with the error a rank raised."""
+    found = []
+    for r, ev in enumerate(ranks):
+        got = ev["scenarios"].get(name)
+        if got is None:
+            t.fail("", f"scenario {name}", "not run")
+        if "error" in got:
+            hint = ("a tensor your code made landed on torch's default device ('meta' here) instead of beside the "
+                    "shards: on a GPU machine it is a CPU tensor beside cuda ones and NCCL refuses it; every tensor "
+                    "you make takes the device of the tensors it works with"
+                    if "meta" in got["error"].lower() else "")
+            t.fail(hint, "training runs", f"rank {r} raised {got['error']}")
+        found.append(got)
+    return found
+
+
+def judge_mini_weights(t, ranks, name, tol=None, factor=1.0, measured=None):
+    """Scenario ``name``: the gathered weights equal one process's within ``tol`` (or ``factor`` x fully_shard's
+    measured distance, at least 1e-5); names unchanged weights, missing names, the sum of gradients."""
+    for r, got in enumerate(mini_scenario(t, ranks, name)):
+        fsdp = ranks[r]["scenarios"][measured]["fsdp"] if measured else got.get("fsdp")
+        limit = tol if tol is not None else max(factor * fsdp, 1e-5)
+        missing = sorted(k for k, v in got["diff"].items() if v is None)
+        if missing:
+            t.fail("gather_full_params() returns every parameter of the wrapped module under its name there "
+                   "(as module.named_parameters() names it), with its full shape", "every parameter",
+                   f"missing or misshapen on rank {r}: {missing[:4]}")
+        worst = max(got["diff"].values())
+        if worst > limit:
+            same = max(got["start"].values()) <= limit
+            hint = ("the weights are where they started: the optimizer's steps never reached the tensors the "
+                    "forward uses, or the gradients never reached the tensors the optimizer steps") if worst >= max(
+                got["start"].values()) * 0.99 else ("the weights moved but not as one process's: gradients are "
+                                                    "averaged over the ranks, as DDP averages them, and every "
+                                                    "element of every parameter must be updated exactly once")
+            t.fail("" if same else hint, f"max difference <= {limit:.2g}", f"{worst:.3g} on rank {r} ({name})")
+
+
+def judge_mini_dtypes(t, ranks, name):
+    """gather_full_params() gives fp32 full tensors, also when the compute dtype is 16-bit."""
+    for r, got in enumerate(mini_scenario(t, ranks, name)):
+        if not isinstance(got["dtypes"], dict):
+            t.fail("gather_full_params() returns a dict of tensors by name", "a dict", got["dtypes"])
+        names = ranks[r]["sizes"]["names"]
+        if sorted(got["dtypes"]) != names or any(v is None for v in got["diff"].values()):
+            t.fail("gather_full_params() returns every parameter of the wrapped module under its name there, "
+                   "with its full shape", names[:4], f"rank {r}: {sorted(got['dtypes'])[:4]}")
+        other = {k: v for k, v in got["dtypes"].items() if v != "torch.float32"}
+        if other:
+            t.fail("the full parameters are the fp32 master weights, whatever the compute dtype", "torch.float32",
+                   f"rank {r}: {dict(list(other.items())[:3])}")
+
+
+def judge_mini_shards(t, ranks):
+    """parameters() are the shards: about 1/W of the elements on every rank."""
+    sizes, world = ranks[0]["sizes"], len(ranks)
+    most = sizes["total"] / world + world * sizes["count"]
+    for r, ev in enumerate(ranks):
+        got = next(iter(mini_scenario(t, [ev], next(iter(ev["scenarios"])))))["shard_numel"]
+        if not 0 < got <= most:
+            t.fail("parameters() of the wrapper are what the optimizer steps: this rank's shards, about 1/"
+                   f"{world} of the model (with padding to split sizes {world} does not divide)",
+                   f"at most {int(most)} elements ({sizes['total']} / {world} + padding)", f"{got} on rank {r}")
+
+
+def judge_mini_held(t, ranks):
+    """Between steps each rank's storage alive (created since the model was built) is its shards."""
+    sizes, world = ranks[0]["sizes"], len(ranks)
+    most = 4 * (sizes["total"] / world + world * sizes["count"]) + 4096
+    for r, ev in enumerate(ranks):
+        mem = ev["memory"]
+        if "error" in mem:
+            t.fail("", "training runs", f"rank {r} raised {mem['error']}")
+        worst = max(mem["held"])
+        if worst > most:
+            t.fail("between steps a rank keeps only its shards: the full weights of the module it was given, or "
+                   "weights gathered for computing, are still alive"
+                   + (" (the whole model)" if worst >= sizes["whole_bytes"] else ""),
+                   f"at most {int(most):,} B (1/{world} of {sizes['whole_bytes']:,} B, padding, bookkeeping)",
+                   f"{worst:,} B on rank {r} ({mem['held']})")
+
+
+def judge_mini_peak(t, ranks, name):
+    """During forward + backward the storage beyond the shards stays within the activations and one unit."""
+    sizes, world = ranks[0]["sizes"], len(ranks)
+    for r, ev in enumerate(ranks):
+        mem, got = ev["memory"], mini_scenario(t, [ev], name)[0]
+        if "error" in mem:
+            t.fail("", "training runs", f"rank {r} raised {mem['error']}")
+        unit = max([n for op, n, _ in got["collectives"] if op == "all_gather"], default=0)
+        if not unit:
+            t.fail("no all-gather in a step: the model was not sharded, so there is no unit to hold",
+                   "all-gathers", got["collectives"][:6])
+        shards = 4 * (sizes["total"] / world + world * sizes["count"])
+        budget = shards + 1.5 * mem["acts"] + 4 * 4 * unit
+        worst = max(mem["peak"])
+        if worst > budget:
+            t.fail("while forward and backward run, a rank holds its shards, their gradients, the activations and "
+                   "the full weights of the unit computing now (with its gradients): weights gathered earlier are "
+                   "still alive, or autograd keeps them for backward",
+                   f"at most {int(budget):,} B beyond the storage held at the step's start "
+                   f"(gradient shards {int(shards):,}, 1.5 x activations {mem['acts']:,}, 4 x the largest "
+                   f"unit, {unit} elements, in fp32)", f"{worst:,} B on rank {r} (the whole model: "
+                   f"{sizes['whole_bytes']:,} B)")
+
+
+def judge_mini_gathers(t, ranks, name):
+    """A step all-gathers the weights in units no larger than a layer, every weight in forward and again in
+    backward: at least twice the model's elements."""
+    sizes = ranks[0]["sizes"]
+    for r, got in enumerate(mini_scenario(t, ranks, name)):
+        gathers = [n for op, n, _ in got["collectives"] if op == "all_gather"]
+        if not gathers:
+            t.fail("no all-gather in a step: the weights a rank computes with never came from the other ranks' "
+                   "shards", "all-gathers", got["collectives"][:6])
+        if max(gathers) > sizes["layer"]:
+            t.fail("one all-gather brought more than a layer's weights at once: a unit is at most one layer (a "
+                   "block), so that no rank ever holds much more than one layer's full weights",
+                   f"all-gathers of at most {sizes['layer']} elements", f"one of {max(gathers)} on rank {r}")
+        if sum(gathers) < 2 * sizes["total"]:
+            t.fail("backward needs the full weights again (a layer's input gradient is computed with them), and "
+                   "they were freed after forward: every weight is gathered in forward and again in backward",
+                   f"at least {2 * sizes['total']} elements gathered per step", f"{sum(gathers)} on rank {r}")
+
+
+def judge_mini_reduce(t, ranks, name):
+    """Gradients reach the shards by reduce-scatters of about the model's size, no all-reduce."""
+    sizes = ranks[0]["sizes"]
+    for r, got in enumerate(mini_scenario(t, ranks, name)):
+        ops = got["collectives"]
+        if any(op == "all_reduce" for op, _, _ in ops):
+            t.fail("your step all-reduces gradients, so every rank holds every summed gradient, DDP's way: each "
+                   "rank needs only the sum of its own shard's gradient", "no all-reduce",
+                   [c for c in ops if c[0] == "all_reduce"][:3])
+        scattered = sum(n for op, n, _ in ops if op == "reduce_scatter")
+        if not sizes["total"] <= scattered <= sizes["total"] + len(ranks) * sizes["count"] * 2:
+            t.fail("each gradient element reaches its shard once per step, by a reduce-scatter",
+                   f"reduce-scatters of about {sizes['total']} elements per step", f"{scattered} on rank {r}")
+
+
+def judge_mini_half(t, ranks, name, dtype):
+    """With a 16-bit compute dtype every all-gather moves that dtype: half the bytes of fp32."""
+    for r, got in enumerate(mini_scenario(t, ranks, name)):
+        kinds = sorted({d for op, _, d in got["collectives"] if op == "all_gather"})
+        if kinds != [f"torch.{dtype}"]:
+            t.fail(f"with compute_dtype={dtype} the weights travel in {dtype}, half the bytes of fp32: the "
+                   "all-gathers carried another dtype",
+                   f"all-gathers in torch.{dtype}", f"{kinds} on rank {r}")
