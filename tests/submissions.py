@@ -8,6 +8,8 @@ from pathlib import Path
 import nbformat
 from nbformat.v4 import new_code_cell, new_notebook
 
+from mgpu_lab.course.checks import exercises, get
+
 PICK_DEVICE_BODY = """
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if index is None:
@@ -19,6 +21,8 @@ PICK_DEVICE_BODY = """
 HEADER = "import torch\nfrom mgpu_lab import check\n"
 PICK_DEVICE = HEADER + "def pick_device(index=None):" + PICK_DEVICE_BODY  # right, full marks
 CHECK_PICK_DEVICE = "check('01.pick_device', pick_device)"
+PICK_POINTS = get("01.pick_device").points  # what PICK_DEVICE scores
+LESSON_01_POINTS = sum(e.points for e in exercises("01"))  # what lesson 01's notebook can score
 
 
 def notebook(folder: Path, name: str, *sources: str) -> Path:

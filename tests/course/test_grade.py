@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from submissions import CHECK_PICK_DEVICE, HEADER, PICK_DEVICE, notebook
+from submissions import CHECK_PICK_DEVICE, HEADER, LESSON_01_POINTS, PICK_DEVICE, PICK_POINTS, notebook
 
 from mgpu_lab.cli import main
 
@@ -97,13 +97,13 @@ def test_every_solution_notebook_gets_full_marks_and_every_student_copy_zero(gra
 
 def test_a_hanging_notebook_keeps_earlier_points_and_says_where_it_stopped(graded_class):
     g = graded_class["data"][str(graded_class["subs"]["hang"])]
-    assert _by_id(g)["01.pick_device"]["points"] == 6
+    assert _by_id(g)["01.pick_device"]["points"] == PICK_POINTS
     assert not g["completed"] and f"stopped after {HANG_TIMEOUT} s" in g["reason"] and "cell 2" in g["reason"]
 
 
 def test_a_notebook_that_kills_its_kernel_keeps_earlier_points(graded_class):
     g = graded_class["data"][str(graded_class["subs"]["dies"])]
-    assert _by_id(g)["01.pick_device"]["points"] == 6
+    assert _by_id(g)["01.pick_device"]["points"] == PICK_POINTS
     assert not g["completed"] and g["reason"] == "the kernel died while running cell 2"
 
 
@@ -111,14 +111,15 @@ def test_cli_scores_right_answers_stubs_and_unchecked_exercises_in_a_table_json_
     right, stub, broken = (graded_class["subs"][k] for k in ("right", "stub", "broken"))
     out_csv, out_gs = graded_class["files"]["csv"], graded_class["files"]["gs"]
     text = graded_class["out"]
-    assert text.startswith("sandbox: ") and f"{right}: 6/18" in text and f"{stub}: 0/18" in text
+    assert text.startswith("sandbox: ") and f"{right}: {PICK_POINTS}/{LESSON_01_POINTS}" in text
+    assert f"{stub}: 0/{LESSON_01_POINTS}" in text
     data = [graded_class["data"][str(p)] for p in (right, stub, broken)]
     assert [(d["points"], d["max_points"], d["completed"], d["reason"]) for d in data[:2]] == [
-        (6, 18, True, ""), (0, 18, True, "")]
-    assert (data[2]["points"], data[2]["max_points"], data[2]["completed"]) == (0, 18, False)
+        (PICK_POINTS, LESSON_01_POINTS, True, ""), (0, LESSON_01_POINTS, True, "")]
+    assert (data[2]["points"], data[2]["max_points"], data[2]["completed"]) == (0, LESSON_01_POINTS, False)
     assert data[2]["reason"].startswith("the notebook could not be read: ")
     statuses = [{e["exercise"]: (e["points"], e["status"]) for e in d["exercises"]} for d in data]
-    assert statuses[0] == {"01.pick_device": (6, "passed"), "01.train_step": (0, "not checked"),
+    assert statuses[0] == {"01.pick_device": (PICK_POINTS, "passed"), "01.train_step": (0, "not checked"),
                            "01.visible_devices_env": (0, "not checked")}
     assert statuses[1]["01.pick_device"] == (0, "not attempted")
     rows = [r for r in csv.DictReader(out_csv.open()) if r["notebook"] == str(stub)]
@@ -133,11 +134,13 @@ def test_cli_scores_right_answers_stubs_and_unchecked_exercises_in_a_table_json_
     gs = {d.name.split("__")[-1]: json.loads((d / "results.json").read_text()) for d in folders
           if d.name.endswith(("__01_right", "__01_stub", "__01_broken"))}
     assert set(gs) == {"01_right", "01_stub", "01_broken"}
-    assert (gs["01_right"]["score"], gs["01_stub"]["score"], gs["01_broken"]["score"]) == (6, 0, 0)
+    assert (gs["01_right"]["score"], gs["01_stub"]["score"], gs["01_broken"]["score"]) == (PICK_POINTS, 0, 0)
     tests = gs["01_right"]["tests"]
-    assert sum(t["max_score"] for t in tests) == 18 and sum(t["score"] for t in tests) == 6
+    assert sum(t["max_score"] for t in tests) == LESSON_01_POINTS and sum(t["score"] for t in tests) == PICK_POINTS
     cases = [t for t in tests if t["name"].startswith("01.pick_device #")]
-    assert len(cases) == 6 and all(t["score"] == t["max_score"] == 1 for t in cases)
+    # every case passed, a practice case (no points) among them: Gradescope shows it at 0/0
+    assert len(cases) == 6 and all(t["score"] == t["max_score"] for t in cases)
+    assert sum(t["max_score"] for t in cases) == PICK_POINTS and {t["max_score"] for t in cases} == {0, 1}
     hidden = [t for t in cases if "hidden case" in t["name"]]
     assert hidden and all(t["visibility"] == "after_published" and t["output"] == "" for t in hidden)
     assert all(t["visibility"] == "visible" for t in tests if t not in hidden)
@@ -163,7 +166,7 @@ def test_a_second_run_takes_every_grade_from_the_first(graded_class, capsys):
                  "--timeout", str(HANG_TIMEOUT)]) == 0
     captured = capsys.readouterr()
     assert "grading: 5/5 done (5 kept from an earlier run), 3 incomplete" in captured.err
-    assert f"{graded_class['subs']['right']}: 6/18" in captured.out
+    assert f"{graded_class['subs']['right']}: {PICK_POINTS}/{LESSON_01_POINTS}" in captured.out
 
 
 def test_whatever_breaks_the_grader_on_one_notebook_gives_it_zero_with_the_reason_and_the_batch_goes_on(
@@ -181,7 +184,7 @@ def test_whatever_breaks_the_grader_on_one_notebook_gives_it_zero_with_the_reaso
 
     monkeypatch.setattr(grade_module, "_grade", fake)
     a, b, gone = grade([first, second, missing], timeout=5)
-    assert (a.points, a.max_points, a.completed) == (0, 18, False)
+    assert (a.points, a.max_points, a.completed) == (0, LESSON_01_POINTS, False)
     assert {e.status for e in a.exercises} == {"not judged"}
     assert a.reason.startswith("the grader could not judge this notebook (KeyError: 'points')")
     assert b.completed and b.path == str(second)
@@ -276,7 +279,7 @@ def test_a_notebook_named_without_its_lesson_is_graded_by_its_check_cells_or_ref
     misnamed = _nb(tmp_path, "my homework.ipynb", RIGHT, CHECK)  # lesson 01's answer, its file not named 01_...
     unknown = _nb(tmp_path, "notes.ipynb", "x = 1")  # no prefix, no check cell: no lesson to grade it against
     a, b = grade([misnamed, unknown], timeout=HANG_TIMEOUT)
-    assert (a.points, a.max_points, a.completed) == (18, 18, True), (a.max_points, a.reason)
+    assert (a.points, a.max_points, a.completed) == (LESSON_01_POINTS, LESSON_01_POINTS, True), (a.max_points, a.reason)
     assert {e.exercise[:3] for e in a.exercises} == {"01."}
     assert (b.exercises, b.completed, ran) == ([], False, [misnamed])  # refused, not run
     assert "which lesson" in b.reason and "name it after its lesson (e.g. 04_ddp.ipynb)" in b.reason

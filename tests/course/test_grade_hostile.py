@@ -26,8 +26,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from submissions import (CHECK_PICK_DEVICE, HEADER, PICK_DEVICE, PICK_DEVICE_BODY, instructor_folder, notebook,
-                         readable_by_anyone)
+from submissions import (CHECK_PICK_DEVICE, HEADER, LESSON_01_POINTS, PICK_DEVICE, PICK_DEVICE_BODY, PICK_POINTS,
+                         instructor_folder, notebook, readable_by_anyone)
 
 import mgpu_lab.course.grade as grade_module
 from mgpu_lab.course.grade import grade, report, write_csv, write_json
@@ -277,15 +277,16 @@ def test_hostile_submissions_are_contained_and_the_honest_one_is_graded_right(tm
     points = {name: {e["exercise"]: e["points"] for e in g["exercises"]} for name, g in grades.items()}
 
     # The honest submission is graded as if it were alone.
-    assert points["01_honest"] == {"01.pick_device": 6, "01.train_step": 0, "01.visible_devices_env": 0}
+    assert points["01_honest"] == {"01.pick_device": PICK_POINTS, "01.train_step": 0, "01.visible_devices_env": 0}
     assert grades["01_honest"]["completed"], grades["01_honest"]["reason"]
     # Each hostile one answers pick_device right only if everything it tried was contained.
-    assert points["01_escape"]["01.pick_device"] == 6, grades["01_escape"]
-    assert points["01_bomb"]["01.pick_device"] == 6, grades["01_bomb"]
+    assert points["01_escape"]["01.pick_device"] == PICK_POINTS, grades["01_escape"]
+    assert points["01_bomb"]["01.pick_device"] == PICK_POINTS, grades["01_bomb"]
     # Forged records count for nothing: known ids only, each once, points from the grader's own judging.
     assert points["01_forge"] == {"01.pick_device": 0, "01.train_step": 0, "01.visible_devices_env": 0}
-    assert grades["01_forge"]["max_points"] == 18 and "'99.bonus'" in " ".join(grades["01_forge"]["notes"])
-    assert f"{forge}: 0/18" in report_text
+    assert grades["01_forge"]["max_points"] == LESSON_01_POINTS
+    assert "'99.bonus'" in " ".join(grades["01_forge"]["notes"])
+    assert f"{forge}: 0/{LESSON_01_POINTS}" in report_text
 
     # From outside: no connection, no file changed or left, nothing running, no secret in any output.
     with pytest.raises(socket.timeout):

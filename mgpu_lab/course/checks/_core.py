@@ -71,8 +71,8 @@ class Tester:
 
     @contextmanager
     def case(self, name: str, hidden: bool = False, hint: str = "", points: int = 1):
-        """Judge one case, worth ``points`` (one unless the lesson's idea earns more): it passes unless its
-        body raises.
+        """Judge one case, worth ``points`` (one unless the lesson's idea earns more; 0: practice, reported but
+        unpaid): it passes unless its body raises.
 
         A :class:`CaseFailed` carries the details; an error in the learner's code
         (from :meth:`call`) fails the case with the error; NotImplementedError
@@ -274,7 +274,7 @@ def check(exercise_id: str, *answers, **named) -> CheckResult:
         >>> def pick_device(index=None):               # the exercise cell, not written yet
         ...     raise NotImplementedError
         >>> print(check("01.pick_device", pick_device))
-        01.pick_device: 0/6 points · not attempted
+        01.pick_device: 0/2 points · not attempted
           not attempted: your code still raises NotImplementedError
     """
     ex = get(exercise_id)
@@ -312,4 +312,5 @@ def run_checker(ex: Exercise, t: Tester, answers: tuple = (), named: dict | None
     while sum(c.points for c in t.cases) < ex.points:
         t.cases.append(Case("(not reached)", False, hint="the check stopped before this case"))
     points = sum(c.points for c in t.cases if c.passed)
-    return CheckResult(ex.id, points, ex.points, "passed" if points == ex.points else "failed", t.cases, note)
+    passed = points == ex.points and all(c.passed for c in t.cases)  # a practice case (no points) counts too
+    return CheckResult(ex.id, points, ex.points, "passed" if passed else "failed", t.cases, note)

@@ -15,7 +15,7 @@ class Case:
         hidden: hidden cases report only pass/fail, never their details.
         expected, got: the values compared (text), when the case compares values.
         hint: what the likely bug is, shown when the case fails.
-        points: what the case is worth (1 unless the checker gives the lesson's idea more).
+        points: what the case is worth (1 unless the checker gives the lesson's idea more, 0 for practice).
     """
 
     name: str
@@ -28,7 +28,10 @@ class Case:
 
     @property
     def worth(self) -> str:
-        """`` (3 points)`` after the name of a case worth more than one point, else nothing."""
+        """`` (3 points)`` after the name of a case worth more than one point, `` (practice, no points)`` after
+        one worth none (an exercise that only turns the text into code keeps few points), else nothing."""
+        if self.points == 0:
+            return " (practice, no points)"
         return f" ({self.points} points)" if self.points != 1 else ""
 
     def lines(self) -> list[str]:

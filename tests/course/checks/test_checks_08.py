@@ -24,7 +24,7 @@ NOTEBOOK = Path(__file__).resolve().parents[3] / "solutions" / "08_sharding.ipyn
 _STUBS: dict = {}
 exec("def stub(*args, **kwargs):\n    raise NotImplementedError('write this function')\n", _STUBS)
 POINTS = {"08.sharded_sgd_step": 7, "08.ShardedAdam": 6, "08.build_sharded": 5, "08.load_full_into_sharded": 2,
-          "08.MiniFSDP": 10}
+          "08.MiniFSDP": 20}
 ANSWERS = {"08.sharded_sgd_step": ("sharded_sgd_step",), "08.ShardedAdam": ("ShardedAdam",),
            "08.build_sharded": ("build_sharded",), "08.load_full_into_sharded": ("load_full_into_sharded",),
            "08.MiniFSDP": ("MiniFSDP",)}

@@ -32,6 +32,14 @@ def _weighted(t, double):
     # the last point's case is never reached: the check pads it as "(not reached)", worth one
 
 
+@exercise("99.practice", points=1, description="double(x), the negative case practice only")
+def _practice(t, double):
+    with t.case("double(2) is 4"):
+        t.equal(t.call(double, 2), 4)
+    with t.case("double(-3) is -6", points=0):
+        t.equal(t.call(double, -3), -6)
+
+
 def right(x):
     return 2 * x
 
@@ -81,6 +89,15 @@ def test_a_case_worth_several_points_counts_them_and_says_so():
     assert "FAIL  double(-3) is -6 (3 points)" in str(r) and "double(-3) is -6 (3 points)" in r._repr_html_()
     assert r.cases[2].name == "(not reached)" and "PASS  double(2) is 4\n" in str(r) + "\n"
     assert check("99.weighted", right).points == 4  # the unreached case is never earned
+
+
+def test_a_practice_case_earns_nothing_but_a_failed_one_still_says_not_yet():
+    r = check("99.practice", wrong)  # right for 2 only: the paid case passes, the practice case fails
+    assert (r.points, r.max_points, r.status) == (1, 1, "failed"), r
+    assert r.summary() == "99.practice: 1/1 points · not yet"
+    assert "FAIL  double(-3) is -6 (practice, no points)" in str(r)
+    assert "(practice, no points)" in r._repr_html_()
+    assert (check("99.practice", right).status, check("99.practice", right).points) == ("passed", 1)
 
 
 def test_not_implemented_is_not_attempted_without_traceback():

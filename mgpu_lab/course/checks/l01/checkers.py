@@ -42,11 +42,14 @@ PICK_CASES = [  # name, (gpus, args, CUDA_VISIBLE_DEVICES) calls, expected devic
     ("4 GPUs visible: pick_device(3) is cuda:3", [(4, (3,), None)], [torch.device("cuda", 3)], True, [GIVEN]),
 ]
 BAD_INDEX = [(2, (2,), None), (2, (-1,), None), (2, (7,), None), (0, (0,), None)]
+# The exercise turns the text into code (depth 1): 2 points, for the process's own numbering under
+# CUDA_VISIBLE_DEVICES and the bad index; its other cases are practice (reported, no points)
+PAID_PICK = 2
 RANGE_HINT = ("an index that names no GPU of this process is an error the caller must hear about, with the "
               "number of GPUs it can choose from; a silent fallback hides a wrong index")
 
 
-@exercise("01.pick_device", points=6, description="pick_device(index=None): the GPU this process calls "
+@exercise("01.pick_device", points=2, description="pick_device(index=None): the GPU this process calls "
           "cuda:index, cuda:0 for None, the CPU without GPUs; ValueError naming the visible count for a bad index")
 def _pick_device(t, pick_device):
     """Catches: the index ignored (always cuda:0), no CPU fallback, ``torch.device('cuda')`` for None,
@@ -57,7 +60,7 @@ def _pick_device(t, pick_device):
     got = None
     returned = []
     for i, (name, these, expected, hidden, hints) in enumerate(PICK_CASES):
-        with t.case(name, hidden=hidden, hint=hints[0]):
+        with t.case(name, hidden=hidden, hint=hints[0], points=int(i == PAID_PICK)):
             if i == 0:
                 got = dict(zip(calls, t.call(run_pick, pick_device, calls)))
             need(t, got)
@@ -75,7 +78,7 @@ def _pick_device(t, pick_device):
                 # Strings name devices too ("cuda:1"); the type is judged once, below.
                 if (torch.device(value) if isinstance(value, str) else value) != want:
                     t.fail(hint, f"{call}: {want!r}", f"{call}: {value!r}")
-    with t.case("returns a torch.device, not a string",
+    with t.case("returns a torch.device, not a string", points=0,
                 hint="a string names a device but is not one: it does not compare equal to torch.device('cuda', 1) "
                      "and has no .type or .index"):
         need(t, got)
@@ -98,7 +101,7 @@ MOVE_HINT = ("the {tag} arrive on the CPU and the model is on the device you are
              "'Expected all tensors to be on the same device'")
 
 
-@exercise("01.train_step", points=6, references=("mgpu_lab.parallel.dp_tools:traced_step",),
+@exercise("01.train_step", points=2, references=("mgpu_lab.parallel.dp_tools:traced_step",),
           description="train_step(model, batch, optimizer, loss_fn, device): one optimisation step computed on "
                       "device (a CPU batch), the loss as a float")
 def _train_step(t, train_step):
@@ -107,7 +110,7 @@ def _train_step(t, train_step):
     elsewhere, no ``zero_grad``/``step``, a wrong order, the loss tensor returned (one case), a loss
     computed after the step."""
     runs = None
-    with t.case("returns this batch's loss, before the step, as a Python float",
+    with t.case("returns this batch's loss, before the step, as a Python float", points=0,
                 hint="train_step returns this batch's loss, computed before the weights change, as a Python float"):
         runs = t.call(run_train_step, train_step)
         gpu = runs["gpu"]
@@ -137,19 +140,19 @@ def _train_step(t, train_step):
                 t.fail("the model is already on device and your step moved it elsewhere ('cuda' means cuda:0 "
                        "while the batch is on cuda:1)", f"the model on {gpu['device']}",
                        f"model moved to {sorted(set(gpu['model_moves']))}")
-    with t.case("one call updates the weights exactly like one optimizer step on this batch's loss",
+    with t.case("one call updates the weights exactly like one optimizer step on this batch's loss", points=0,
                 hint="after your step the weights differ from one optimisation step's: the gradient of this "
                      "batch's loss, from zero, applied by the optimizer once"):
         need(t, runs)
         if not runs["gpu"]["same_weights"][0]:
             t.fail("", "weights after one reference step", "different weights")
-    with t.case("three calls in a row match three optimizer steps",
+    with t.case("three calls in a row match three optimizer steps", points=0,
                 hint="one step is right but the next ones drift: each step's gradient was added to the "
                      "previous steps' (gradients accumulate in .grad until they are reset)"):
         need(t, runs)
         if not all(runs["gpu"]["same_weights"]):
             t.fail("", "weights after three reference steps", "different weights")
-    with t.case("device=cpu, a regression model with MSELoss: two steps match the reference", hidden=True,
+    with t.case("device=cpu, a regression model with MSELoss: two steps match the reference", hidden=True, points=0,
                 hint="the same step for any model, loss and device"):
         need(t, runs)
         cpu = runs["cpu"]

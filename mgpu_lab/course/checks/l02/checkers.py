@@ -67,7 +67,9 @@ UNPAIRED = {  # (hint, expected, got) of the "off" case when the "on" case did n
 }
 
 
-@exercise("02.make_loader", points=7, description="make_loader(dataset, batch_size, device, num_workers=0, "
+# make_loader turns the text into code (depth 1): 2 points, for pinning for a GPU and workers kept alive; its
+# other cases are practice (reported, no points)
+@exercise("02.make_loader", points=2, description="make_loader(dataset, batch_size, device, num_workers=0, "
           "train=True): shuffle and drop_last when training only, pin_memory exactly for CUDA, "
           "persistent_workers exactly when num_workers > 0")
 def _make_loader(t, make_loader):
@@ -86,7 +88,7 @@ def _make_loader(t, make_loader):
         return result[1]
 
     with t.case("train=True: shuffles (RandomSampler) and drops the last incomplete batch (10 samples: "
-                "2 batches of 4)", hint=DROP_HINT):
+                "2 batches of 4)", hint=DROP_HINT, points=0):
         got = t.call(run_loaders, make_loader, LOADERS)
         train = loader("train")
         t.equal(describe_fields(train, ("sampler", "drop_last")), "sampler='RandomSampler', drop_last=True")
@@ -97,7 +99,7 @@ def _make_loader(t, make_loader):
                    "samples", str(train["batches"]))
     with t.case("train=False: keeps the order and every sample (batches [0..3], [4..7], [8, 9])",
                 hint="your evaluation loader reorders or loses samples: evaluation sees every sample once, in "
-                     "order, the last partial batch included"):
+                     "order, the last partial batch included", points=0):
         ev = loader("eval")
         fields = ("sampler", "drop_last")
         if describe_fields(loader("train"), fields) == describe_fields(ev, fields):
@@ -108,7 +110,8 @@ def _make_loader(t, make_loader):
                 hint=PIN_HINT + "; every CUDA device counts, cuda:1 as well as cuda"):
         t.equal(loader("cuda:1").get("pin_memory"), True)
     with t.case("device=cpu on a machine with 2 GPUs: pin_memory=False",
-                hint="your loader for the CPU pins its batches: pinning only helps copies to a GPU. " + PIN_HINT):
+                hint="your loader for the CPU pins its batches: pinning only helps copies to a GPU. " + PIN_HINT,
+                points=0):
         if loader("cuda:1").get("pin_memory") is not True:
             t.fail(*UNPAIRED["pin"])
         t.equal(loader("cpu, 2 GPUs").get("pin_memory"), False)
@@ -121,12 +124,12 @@ def _make_loader(t, make_loader):
             t.fail("", "2 batches of 4", str(two["batches"]))
     with t.case("num_workers=0: persistent_workers=False (DataLoader refuses True without workers)",
                 hint="your loader without workers asks to keep workers alive: with num_workers=0 there is no "
-                     "worker to keep, and the DataLoader refuses it"):
+                     "worker to keep, and the DataLoader refuses it", points=0):
         if loader("2 workers").get("persistent_workers") is not True:
             t.fail(*UNPAIRED["persistent"])
         t.equal(loader("eval").get("persistent_workers"), False)
     with t.case("evaluation on torch.device('cuda') with 2 workers: pinned, persistent, in order", hidden=True,
-                hint=PIN_HINT):
+                hint=PIN_HINT, points=0):
         got_ = loader("cuda, 2 workers")
         t.equal(describe_fields(got_, ("sampler", "pin_memory", "persistent_workers", "batch_size")),
                 "sampler='SequentialSampler', pin_memory=True, persistent_workers=True, batch_size=4")

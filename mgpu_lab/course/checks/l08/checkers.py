@@ -154,7 +154,7 @@ def _load_full_into_sharded(t, load_full_into_sharded):
 
 
 # -- MiniFSDP ------------------------------------------------------------------------------
-@exercise("08.MiniFSDP", points=10, references=(
+@exercise("08.MiniFSDP", points=20, references=(
     "torch.distributed.fsdp:fully_shard", "torch.distributed.fsdp:FullyShardedDataParallel",
     "torch.distributed.optim:ZeroRedundancyOptimizer", "mgpu_lab.sharding.flat:FlatZero",
     "mgpu_lab.sharding.flat:FlatZero.step", "mgpu_lab.sharding.wrap:shard_model"),
@@ -163,49 +163,50 @@ def _load_full_into_sharded(t, load_full_into_sharded):
 def _mini_fsdp(t, MiniFSDP):
     two = three = None
     with t.case("2 ranks, 2 steps of SGD (momentum 0.9), default device 'meta' in forward and backward: "
-                "gather_full_params() equals one process on the whole batch (1e-5)"):
+                "gather_full_params() equals one process on the whole batch (1e-5)", points=2):
         two = t.ranks(run_minifsdp, 2, MiniFSDP, timeout=240)
         judge_mini_weights(t, two, "SGD", tol=1e-5)
     with t.case("2 ranks, Adam and AdamW: equal to one process within 2x the distance fully_shard meets "
-                "(measured in the same ranks)"):
+                "(measured in the same ranks)", points=2):
         need(t, two)
         judge_mini_weights(t, two, "AdamW", factor=2.0)
         judge_mini_weights(t, two, "Adam", factor=2.0, measured="AdamW")
-    with t.case("3 ranks, sizes 3 does not divide, SGD and AdamW: equal to one process"):
+    with t.case("3 ranks, sizes 3 does not divide, SGD and AdamW: equal to one process", points=2):
         three = t.ranks(run_minifsdp, 3, MiniFSDP, timeout=240)
         judge_mini_weights(t, three, "SGD", tol=1e-5)
         judge_mini_weights(t, three, "AdamW", factor=2.0)
     with t.case("compute_dtype bfloat16 (2 ranks) and float16 (3 ranks): equal to one process computing every "
                 "layer in that dtype on fp32 master weights, within 4x fully_shard's distance with that "
-                "MixedPrecisionPolicy; every all-gather in that dtype (half the bytes of fp32)"):
+                "MixedPrecisionPolicy; every all-gather in that dtype (half the bytes of fp32)", points=2):
         need(t, two, three)
         for ranks, name in ((two, "bfloat16"), (three, "float16")):
             judge_mini_weights(t, ranks, name, factor=4.0)
             judge_mini_half(t, ranks, name, name)
     with t.case("gather_full_params(): every parameter of the module by its name there, whole, in fp32 (also "
-                "with a 16-bit compute_dtype)"):
+                "with a 16-bit compute_dtype)", points=2):
         need(t, two, three)
         for ranks, name in ((two, "SGD"), (two, "bfloat16"), (three, "float16")):
             judge_mini_dtypes(t, ranks, name)
-    with t.case("parameters() are this rank's shards: about 1/W of the elements, on 2 and on 3 ranks"):
+    with t.case("parameters() are this rank's shards: about 1/W of the elements, on 2 and on 3 ranks", points=2):
         need(t, two, three)
         judge_mini_shards(t, two)
         judge_mini_shards(t, three)
     with t.case("between steps the storage alive on each rank is its shards (about 1/W of the model), never "
-                "the whole"):
+                "the whole", points=2):
         need(t, two, three)
         judge_mini_held(t, two)
         judge_mini_held(t, three)
     with t.case("during forward and backward, beyond the shards and the activations, at most one unit's full "
-                "weights (with their gradients and a collective's buffers)"):
+                "weights (with their gradients and a collective's buffers)", points=2):
         need(t, two, three)
         judge_mini_peak(t, two, "AdamW")
         judge_mini_peak(t, three, "AdamW")
-    with t.case("weights all-gathered in units of at most a layer, in forward and again in backward"):
+    with t.case("weights all-gathered in units of at most a layer, in forward and again in backward", points=2):
         need(t, two, three)
         judge_mini_gathers(t, two, "AdamW")
         judge_mini_gathers(t, three, "AdamW")
-    with t.case("gradients reach the shards by reduce-scatter, about the model's size per step, no all-reduce"):
+    with t.case("gradients reach the shards by reduce-scatter, about the model's size per step, no all-reduce",
+                points=2):
         need(t, two, three)
         judge_mini_reduce(t, two, "AdamW")
         judge_mini_reduce(t, three, "AdamW")
