@@ -6,5 +6,6 @@ puts the shards back together; :mod:`.flops` counts a rank's attention FLOPs wit
 ``torch.utils.flop_counter`` (including the CPU's attention kernel, which the counter
 does not know); :mod:`.gather` is all-gather CP (Llama 3's choice: gather K and V,
 attend locally); :mod:`.measure` runs an attention on W ranks and measures what each
-rank sends, holds and computes, against sequence length and CP degree.
+rank sends, holds and computes, against sequence length and CP degree; :mod:`.figures` draws
+the causal mask cut into ranks' blocks.
 """
