@@ -65,7 +65,7 @@ def _ring_attention(t, ring_attention):
     with t.case("no attention FLOPs on blocks the causal mask empties: each rank's FLOPs (torch.utils.flop_counter) "
                 "are at most its non-empty blocks' worth and at least what its allowed (row, key) pairs need",
                 hint="under a causal mask a rank's rows see no key of some ranks' blocks at all; work on those "
-                     "is thrown away, and the ranks that do it finish last"):
+                     "is thrown away"):
         for world in WORLDS:
             _ready(t, runs, world)
             judged(t, runs[world], world, PLAIN)

@@ -274,7 +274,7 @@ def judge_flops(t, per_rank: list, world: int, scenarios) -> None:
             if flops[r] > blocks[r] * one:
                 t.fail(f"rank {r} spent {flops[r]} FLOPs on attention, {flops[r] / one:g} blocks' worth, but only "
                        f"{blocks[r]} of the {world} blocks of keys hold a key its rows may see ({describe(k)}): "
-                       "the rest is work on blocks the causal mask empties, and that rank finishes last",
+                       "the rest is work on blocks the causal mask empties: thrown away, and paid for in the step's time",
                        f"<= {blocks[r]} x {one}", f"{flops[r]} (per rank: {flops})")
 
 
