@@ -315,7 +315,7 @@ def wheel(tmp_path_factory) -> Path:
 def test_the_wheel_holds_the_student_notebooks_and_scripts_and_no_answer(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     notebooks = sorted(n.removeprefix(COURSE + "notebooks/") for n in names if n.startswith(COURSE + "notebooks/"))
-    assert notebooks == sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb")) and len(notebooks) >= 13
+    assert notebooks == sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb")) and len(notebooks) >= 14
     assert COURSE + "scripts/ddp_train.py" in names and "mgpu_lab/course/checks/__init__.py" in names
     assert not [n for n in names if "solution" in n.lower() or "mutant" in n.lower() or n.startswith("tests/")]
     assert _wheel_check().problems(wheel, ROOT) == []

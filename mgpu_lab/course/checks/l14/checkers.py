@@ -1,0 +1,105 @@
+"""Checks of lesson 14 (long sequences: context parallelism): ring_attention.
+
+One launch of 2 ranks and one of 4 run every scenario of :data:`.ranks.SCENARIOS`
+(contiguous and zig-zag layouts, causal or not, float32 and float64, several shapes,
+logits that overflow a naive softmax, a call with torch's default device set to meta),
+each call recorded: every send and receive, the attention FLOPs torch's FLOP counter
+sees, and the most rows of K or V any one tensor held. The judges recompute the whole
+attention in float64.
+"""
+from __future__ import annotations
+
+from .._core import exercise
+from .judges import (judge_balance, judge_flops, judge_held, judge_ring, judge_rows, judge_stable, judged,
+                     DEVICE_WHY)
+from ..sim.scenarios import launch_scenarios
+from .ranks import entries, LARGE, META, ring_probe, SCENARIOS
+
+WORLDS = (2, 4)
+PLAIN = range(6)  # the scenarios of ordinary logits on the input's device
+ZIGZAG_CAUSAL = (2, 4)
+RING_TIMEOUT = 90.0  # seconds for one launch's nine calls (a few seconds); a deadlocked ring is reported within one
+_CP = "torch.distributed.tensor.experimental._context_parallel._attention:"
+REFERENCES = (_CP + "context_parallel", _CP + "_templated_ring_attention", _CP + "_SDPAMerger",
+              _CP + "_scaled_dot_product_ring_flash_attention", _CP + "_scaled_dot_product_ring_efficient_attention",
+              _CP + "_context_parallel_shard", "mgpu_lab.long_context.gather:allgather_attention")
+ROWS_HINT = ("each rank returns its own rows of attention over the whole sequence (all ranks' keys), in its layout; "
+             "with causal, a position sees itself and every position before it in the whole sequence")
+
+
+@exercise("14.ring_attention", points=8, references=REFERENCES,
+          description="ring_attention(q, k, v, causal, layout): this rank's rows of attention over the whole "
+          "sequence, K and V passed around the ring (W-1 blocks sent per rank), no FLOPs on blocks the causal "
+          "mask empties, zig-zag balanced, stable for large logits; judged on 2 and 4 ranks")
+def _ring_attention(t, ring_attention):
+    """Two launches (2 and 4 ranks), every scenario in each; each case judges what its name says.
+
+    Catches: partial results merged without rescaling to a common maximum; the causal mask on positions
+    within a block; the rank's own (diagonal) block skipped; blocking sends around the ring (a deadlock,
+    reported by the recorder within a second); zig-zag chunks taken in the wrong order; a naive softmax
+    that overflows; an all-gather of K and V; work on blocks the mask empties; a buffer made without
+    device=.
+    """
+    runs = {}
+    for world in WORLDS:
+        with t.case(f"{world} ranks: every rank returns its rows of scaled_dot_product_attention over the whole "
+                    "sequence (contiguous and zig-zag, causal and not, float32 and float64, four shapes)",
+                    hint=ROWS_HINT):
+            runs[world] = _launch(t, world, ring_attention)
+            judge_rows(t, runs[world], world, PLAIN)
+    with t.case("K and V reach the other ranks only as point-to-point messages around the ring: each rank sends "
+                "W-1 blocks of K and W-1 of V to one neighbour and receives as many from the other (every send, "
+                "receive and collective recorded, 2 and 4 ranks)",
+                hint="a block of keys and values that has been around the ring once has been seen by every rank"):
+        for world in WORLDS:
+            _ready(t, runs, world)
+            judged(t, runs[world], world, PLAIN)
+            judge_ring(t, runs[world], world, PLAIN)
+    with t.case("no rank ever holds the whole sequence's K or V: no tensor of the call has S rows as wide as a "
+                "head (every tensor the call made, watched)",
+                hint="at any moment a rank needs only the block of keys and values it is attending to"):
+        for world in WORLDS:
+            _ready(t, runs, world)
+            judged(t, runs[world], world, PLAIN)
+            judge_held(t, runs[world], world, PLAIN)
+    with t.case("no attention FLOPs on blocks the causal mask empties: each rank's FLOPs (torch.utils.flop_counter) "
+                "are at most its non-empty blocks' worth and at least what its allowed (row, key) pairs need",
+                hint="under a causal mask a rank's rows see no key of some ranks' blocks at all; work on those "
+                     "is thrown away"):
+        for world in WORLDS:
+            _ready(t, runs, world)
+            judged(t, runs[world], world, PLAIN)
+            judge_flops(t, runs[world], world, PLAIN)
+    with t.case("zig-zag, causal: every rank's attention FLOPs are equal within one block's worth (2 and 4 ranks)",
+                hint="in the zig-zag layout every rank holds an early and a late chunk; its work must reflect that"):
+        for world in WORLDS:
+            _ready(t, runs, world)
+            judged(t, runs[world], world, ZIGZAG_CAUSAL)
+            judge_balance(t, runs[world], world, ZIGZAG_CAUSAL)
+    with t.case("numerically stable: queries scaled so that logits reach the hundreds (a naive softmax overflows "
+                "float32 and float64) give finite rows equal to the attention",
+                hint="softmax is unchanged when every score of a row is shifted by one constant"):
+        for world in WORLDS:
+            _ready(t, runs, world)
+            judge_stable(t, runs[world], world, LARGE)
+    with t.case("every tensor it makes is on the input's device (a call with torch's default device set to meta: "
+                "a tensor made without device= is not on it, as a CPU tensor on a GPU rank would not be)",
+                hint=DEVICE_WHY):
+        for world in WORLDS:
+            _ready(t, runs, world)
+            judge_rows(t, runs[world], world, [META])
+
+
+def _launch(t, world: int, ring_attention) -> list:
+    """Every scenario in one launch of ``world`` ranks; per rank, an entry per scenario it got to."""
+    evidence = launch_scenarios(t, ring_probe, world, ring_attention, tuple(range(len(SCENARIOS))),
+                                timeout=RING_TIMEOUT)
+    got = entries(evidence.per_rank)
+    if evidence.error is not None and not any(e and e[-1]["error"] for e in got):
+        raise evidence.error  # nothing saved says why (not attempted, a hang, a crash): the launch's own words
+    return got
+
+
+def _ready(t, runs: dict, world: int) -> None:
+    if world not in runs:
+        t.fail(f"not judged: the run on {world} ranks did not finish (see the cases above)")
