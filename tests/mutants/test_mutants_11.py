@@ -111,14 +111,13 @@ def tp_mlp(x, w1_shard, b1_shard, w2_shard, b2):
 '''),
 ])
 
-GATHER_FORWARD = ("        parts = [torch.empty_like(part) for _ in range(dist.get_world_size())]\n"
-                  "        dist.all_gather(parts, part.contiguous())\n        return torch.cat(parts, dim=1)\n")
-SCATTER_FORWARD = ("        pieces = [p.contiguous() for p in partial.chunk(dist.get_world_size(), dim=1)]\n"
-                   "        mine = torch.empty_like(pieces[0])\n        dist.reduce_scatter(mine, pieces)\n"
-                   "        return mine\n")
-GATHER_BACKWARD = ("        pieces = [p.contiguous() for p in grad.chunk(dist.get_world_size(), dim=1)]\n"
-                   "        mine = torch.empty_like(pieces[0])\n        dist.reduce_scatter(mine, pieces)\n"
-                   "        return mine\n")
+GATHER_FORWARD = ("            parts = [torch.empty_like(part) for _ in range(dist.get_world_size())]\n"
+                  "            dist.all_gather(parts, part.contiguous())\n"
+                  "            return torch.cat(parts, dim=1)\n")
+SCATTER_FORWARD = ("            pieces = [p.contiguous() for p in partial.chunk(dist.get_world_size(), dim=1)]\n"
+                   "            mine = torch.empty_like(pieces[0])\n            dist.reduce_scatter(mine, pieces)\n"
+                   "            return mine\n")
+GATHER_BACKWARD = SCATTER_FORWARD.replace("partial.chunk", "grad.chunk")
 NORM_WEIGHTS = "    weight, bias = CopyToTP.apply(norm.weight), CopyToTP.apply(norm.bias)"
 SP_BODY = ("    h = F.layer_norm(x_shard, norm.normalized_shape, weight, bias, norm.eps)\n"
            "    h = F.gelu(F.linear(GatherSequence.apply(h), w1_shard, b1_shard))\n")
@@ -127,8 +126,8 @@ SP = ExerciseMutants("11.sp_mlp", NOTEBOOK, ("sp_mlp",), mutants=[
            replace(NORM_WEIGHTS, "    weight, bias = norm.weight, norm.bias"),
            expect="norm.weight's gradient holds this rank's slice of the sequence's contribution only"),
     Mutant("an all-reduce where a reduce-scatter belongs",
-           replace(SCATTER_FORWARD, "        total = partial.clone()\n        dist.all_reduce(total)\n"
-                                    "        return total.chunk(dist.get_world_size(), dim=1)[dist.get_rank()]"
+           replace(SCATTER_FORWARD, "            total = partial.clone()\n            dist.all_reduce(total)\n"
+                                    "            return total.chunk(dist.get_world_size(), dim=1)[dist.get_rank()]"
                                     ".contiguous()\n"),
            expect="an all-reduce in forward"),
     Mutant("the sequence gathered along the wrong dimension (the batch's)",
@@ -148,7 +147,7 @@ SP = ExerciseMutants("11.sp_mlp", NOTEBOOK, ("sp_mlp",), mutants=[
                             "norm.eps)\n    h = F.gelu(F.linear(h, w1_shard, b1_shard))\n"),
            expect="the norm ran on the whole gathered sequence"),
     Mutant("the gather's backward keeps its own slice of the gradient, unsummed",
-           replace(GATHER_BACKWARD, "        return grad.chunk(dist.get_world_size(), dim=1)[dist.get_rank()]"
+           replace(GATHER_BACKWARD, "            return grad.chunk(dist.get_world_size(), dim=1)[dist.get_rank()]"
                                     ".contiguous()\n"),
            expect=("x_shard's gradient", "brings the gathered sequence's gradient back")),
 ], variants=[
