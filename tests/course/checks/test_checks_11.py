@@ -33,8 +33,8 @@ def test_lesson_11_registers_its_five_exercises_and_sp_mlp_carries_half_the_poin
 
 
 @pytest.mark.parametrize("exercise, answer", [
-    ("11.tp_mlp", (STUB, STUB_FN, STUB_FN)), ("11.sp_mlp", (STUB,)), ("11.tp_plan", (STUB,)), ("11.parallelize_2d", (STUB,)),
-    ("11.tp_bytes", (STUB,))], ids=lambda v: v if isinstance(v, str) else "")
+    ("11.tp_mlp", (STUB, STUB_FN, STUB_FN)), ("11.sp_mlp", (STUB,)), ("11.tp_plan", (STUB,)),
+    ("11.parallelize_2d", (STUB,)), ("11.tp_bytes", (STUB,))], ids=lambda v: v if isinstance(v, str) else "")
 def test_a_stub_is_not_attempted(exercise, answer):
     assert check(exercise, *answer).status == "not attempted"
 

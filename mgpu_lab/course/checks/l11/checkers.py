@@ -5,7 +5,8 @@ whole batch. Everything runs in real ranks with every collective recorded
 (:mod:`mgpu_lab.comm.record`, which also tells each collective's group), so "one
 all-reduce forward and one backward", "no all-reduce with sequence parallelism", "TP's
 collectives inside the TP groups", sequence parallelism's two collectives each way and the
-bytes of a block are judged from what the ranks really did. What runs in the ranks is :mod:`.ranks`; this module judges, in the kernel.
+bytes of a block are judged from what the ranks really did. What runs in the ranks is
+:mod:`.ranks`; this module judges, in the kernel.
 """
 from __future__ import annotations
 
