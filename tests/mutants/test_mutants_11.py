@@ -402,5 +402,18 @@ def namespace() -> dict:
     return ns
 
 
+# mutants right in one case's evidence and wrong in another's: the right case passes (each case judges evidence of
+# its own), at no extra launch
+RIGHT_IN = {"only the root is an FSDP unit": "4 ranks as (dp=2, tp=2)",
+            "norm's gradients left partial (each rank's norm saw only its slice)": "forward:",
+            "the norm applied to the whole gathered sequence": "forward:"}
+
+
+def the_right_case_passes(mutant, result):
+    if mutant.name in RIGHT_IN:
+        passed = [c.passed for c in result.cases if c.name.startswith(RIGHT_IN[mutant.name])]
+        assert passed == [True], f"{mutant.name}: the case {RIGHT_IN[mutant.name]!r} should pass:\n{result}"
+
+
 test_mutant_fails_naming_its_bug, test_correct_variant_passes, test_every_exercise_has_five_mutants_and_two_variants = \
-    mutant_tests(SPECS, "11", namespace)
+    mutant_tests(SPECS, "11", namespace, after=the_right_case_passes)
