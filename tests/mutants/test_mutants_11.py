@@ -111,6 +111,148 @@ def tp_mlp(x, w1_shard, b1_shard, w2_shard, b2):
 '''),
 ])
 
+GATHER_FORWARD = ("            parts = [torch.empty_like(part) for _ in range(dist.get_world_size())]\n"
+                  "            dist.all_gather(parts, part.contiguous())\n"
+                  "            return torch.cat(parts, dim=1)\n")
+SCATTER_FORWARD = ("            pieces = [p.contiguous() for p in partial.chunk(dist.get_world_size(), dim=1)]\n"
+                   "            mine = torch.empty_like(pieces[0])\n            dist.reduce_scatter(mine, pieces)\n"
+                   "            return mine\n")
+GATHER_BACKWARD = SCATTER_FORWARD.replace("partial.chunk", "grad.chunk")
+NORM_WEIGHTS = "    weight, bias = CopyToTP.apply(norm.weight), CopyToTP.apply(norm.bias)"
+SP_BODY = ("    h = F.layer_norm(x_shard, norm.normalized_shape, weight, bias, norm.eps)\n"
+           "    h = F.gelu(F.linear(GatherSequence.apply(h), w1_shard, b1_shard))\n")
+SP = ExerciseMutants("11.sp_mlp", NOTEBOOK, ("sp_mlp",), mutants=[
+    Mutant("norm's gradients left partial (each rank's norm saw only its slice)",
+           replace(NORM_WEIGHTS, "    weight, bias = norm.weight, norm.bias"),
+           expect="norm.weight's gradient holds this rank's slice of the sequence's contribution only"),
+    Mutant("an all-reduce where a reduce-scatter belongs",
+           replace(SCATTER_FORWARD, "            total = partial.clone()\n            dist.all_reduce(total)\n"
+                                    "            return total.chunk(dist.get_world_size(), dim=1)[dist.get_rank()]"
+                                    ".contiguous()\n"),
+           expect="an all-reduce in forward"),
+    Mutant("the sequence gathered along the wrong dimension (the batch's)",
+           replace(GATHER_FORWARD, GATHER_FORWARD.replace("dim=1", "dim=0")),
+           expect="the shapes do not line up"),
+    Mutant("the bias added on every rank before the reduce-scatter",
+           replace("ScatterSequence.apply(F.linear(h, w2_shard)) + CopyToTP.apply(b2)",
+                   "ScatterSequence.apply(F.linear(h, w2_shard, b2))"),
+           expect="b2 counts tp times"),
+    Mutant("b2's gradient left partial", replace("+ CopyToTP.apply(b2)", "+ b2"),
+           expect="b2's gradient holds this rank's slice"),
+    Mutant("the gather's buffers made without device= (CPU tensors on a GPU rank)",
+           replace("parts = [torch.empty_like(part) for", "parts = [torch.empty(part.shape) for"),
+           expect="lands on torch's default device"),
+    Mutant("the norm applied to the whole gathered sequence",
+           replace(SP_BODY, "    h = F.layer_norm(GatherSequence.apply(x_shard), norm.normalized_shape, weight, bias, "
+                            "norm.eps)\n    h = F.gelu(F.linear(h, w1_shard, b1_shard))\n"),
+           expect="the norm ran on the whole gathered sequence"),
+    Mutant("the gather's backward keeps its own slice of the gradient, unsummed",
+           replace(GATHER_BACKWARD, "            return grad.chunk(dist.get_world_size(), dim=1)[dist.get_rank()]"
+                                    ".contiguous()\n"),
+           expect=("x_shard's gradient", "brings the gathered sequence's gradient back")),
+], variants=[
+    Variant("into-tensor collectives on a sequence-first layout; norm's and b2's gradients summed in one all-reduce",
+            """
+class SeqGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, part):
+        local = part.transpose(0, 1).contiguous()
+        out = local.new_empty((local.shape[0] * dist.get_world_size(), *local.shape[1:]))
+        dist.all_gather_into_tensor(out, local)
+        return out.transpose(0, 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        whole = grad.transpose(0, 1).contiguous()
+        out = whole.new_empty((whole.shape[0] // dist.get_world_size(), *whole.shape[1:]))
+        dist.reduce_scatter_tensor(out, whole)
+        return out.transpose(0, 1)
+
+
+class SeqScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, partial):
+        return SeqGather.backward(ctx, partial)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return SeqGather.forward(ctx, grad)
+
+
+class SharedGrads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, *params):
+        ctx.shapes = [p.shape for p in params]
+        return tuple(p.view_as(p) for p in params)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        parts = flat.split([s.numel() for s in ctx.shapes])
+        return tuple(p.view(s) for p, s in zip(parts, ctx.shapes))
+
+
+def sp_mlp(x_shard, norm, w1_shard, b1_shard, w2_shard, b2):
+    weight, bias, out_bias = SharedGrads.apply(norm.weight, norm.bias, b2)
+    normed = F.layer_norm(x_shard, x_shard.shape[-1:], weight, bias, norm.eps)
+    hidden = F.gelu(SeqGather.apply(normed) @ w1_shard.t() + b1_shard)
+    return SeqScatter.apply(hidden @ w2_shard.t()) + out_bias + x_shard
+"""),
+    Variant("explicit group, the norm's parameters summed by hooks on per-call views", """
+class ToWhole(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, part, group):
+        ctx.group = group
+        parts = [torch.zeros_like(part) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, part.contiguous(), group=group)
+        return torch.cat(parts, dim=-2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        pieces = list(grad.contiguous().chunk(dist.get_world_size(ctx.group), dim=-2))
+        out = torch.zeros_like(pieces[0])
+        dist.reduce_scatter(out, [p.contiguous() for p in pieces], op=dist.ReduceOp.SUM, group=ctx.group)
+        return out, None
+
+
+class ToSlice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, partial, group):
+        ctx.group = group
+        pieces = [p.contiguous() for p in partial.chunk(dist.get_world_size(group), dim=-2)]
+        out = torch.zeros_like(pieces[0])
+        dist.reduce_scatter(out, pieces, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        parts = [torch.zeros_like(grad) for _ in range(dist.get_world_size(ctx.group))]
+        dist.all_gather(parts, grad.contiguous(), group=ctx.group)
+        return torch.cat(parts, dim=-2), None
+
+
+def _summed(t):
+    view = t.view_as(t)
+    view.register_hook(lambda g: _all_reduced(g))
+    return view
+
+
+def _all_reduced(g):
+    g = g.clone()
+    dist.all_reduce(g, group=dist.group.WORLD)
+    return g
+
+
+def sp_mlp(x_shard, norm, w1_shard, b1_shard, w2_shard, b2):
+    group = dist.group.WORLD
+    h = F.layer_norm(x_shard, norm.normalized_shape, _summed(norm.weight), _summed(norm.bias), norm.eps)
+    h = torch.addmm(b1_shard, ToWhole.apply(h, group).flatten(0, 1), w1_shard.t())
+    out = F.gelu(h) @ w2_shard.t()
+    return x_shard + _summed(b2) + ToSlice.apply(out.view(x_shard.shape[0], -1, out.shape[-1]), group)
+"""),
+])
+
 PREPARE = ('        "attn": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),\n')
 PREPARE_MLP = PREPARE.replace('"attn"', '"mlp"')
 PLAN = ExerciseMutants("11.tp_plan", NOTEBOOK, ("tp_plan",), mutants=[
@@ -246,17 +388,32 @@ def tp_bytes(batch, seq, hidden, tp, sequence_parallel):
 '''),
 ])
 
-SPECS = [MLP, PLAN, TWO_D, BYTES]
+SPECS = [MLP, SP, PLAN, TWO_D, BYTES]
 
 
 @functools.cache
 def namespace() -> dict:
-    """The notebook's first cell (its imports) and its tp_plan, which parallelize_2d uses."""
+    """The notebook's first cell (its imports), its CopyToTP, which sp_mlp uses, and its tp_plan, which
+    parallelize_2d uses."""
     ns: dict = {}
     exec(compile(prelude(NOTEBOOK), "<prelude 11>", "exec"), ns)
+    exec(compile(solution_cell(NOTEBOOK, "class CopyToTP"), "<tp_mlp 11>", "exec"), ns)
     exec(compile(solution_cell(NOTEBOOK, "def tp_plan"), "<tp_plan 11>", "exec"), ns)
     return ns
 
 
+# mutants right in one case's evidence and wrong in another's: the right case passes (each case judges evidence of
+# its own), at no extra launch
+RIGHT_IN = {"only the root is an FSDP unit": "4 ranks as (dp=2, tp=2)",
+            "norm's gradients left partial (each rank's norm saw only its slice)": "forward:",
+            "the norm applied to the whole gathered sequence": "forward:"}
+
+
+def the_right_case_passes(mutant, result):
+    if mutant.name in RIGHT_IN:
+        passed = [c.passed for c in result.cases if c.name.startswith(RIGHT_IN[mutant.name])]
+        assert passed == [True], f"{mutant.name}: the case {RIGHT_IN[mutant.name]!r} should pass:\n{result}"
+
+
 test_mutant_fails_naming_its_bug, test_correct_variant_passes, test_every_exercise_has_five_mutants_and_two_variants = \
-    mutant_tests(SPECS, "11", namespace)
+    mutant_tests(SPECS, "11", namespace, after=the_right_case_passes)

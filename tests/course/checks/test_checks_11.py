@@ -26,14 +26,15 @@ class StubFn(torch.autograd.Function):
 ''', "StubFn")
 
 
-def test_lesson_11_registers_its_four_exercises_with_one_point_per_case():
+def test_lesson_11_registers_its_five_exercises_and_sp_mlp_carries_half_the_points():
     got = {e.id: e.points for e in exercises("11")}
-    assert got == {"11.tp_mlp": 6, "11.tp_plan": 8, "11.parallelize_2d": 5, "11.tp_bytes": 4}
+    assert got == {"11.tp_mlp": 6, "11.sp_mlp": 14, "11.tp_plan": 4, "11.parallelize_2d": 2, "11.tp_bytes": 2}
+    assert 2 * got["11.sp_mlp"] >= sum(got.values())
 
 
 @pytest.mark.parametrize("exercise, answer", [
-    ("11.tp_mlp", (STUB, STUB_FN, STUB_FN)), ("11.tp_plan", (STUB,)), ("11.parallelize_2d", (STUB,)),
-    ("11.tp_bytes", (STUB,))], ids=lambda v: v if isinstance(v, str) else "")
+    ("11.tp_mlp", (STUB, STUB_FN, STUB_FN)), ("11.sp_mlp", (STUB,)), ("11.tp_plan", (STUB,)),
+    ("11.parallelize_2d", (STUB,)), ("11.tp_bytes", (STUB,))], ids=lambda v: v if isinstance(v, str) else "")
 def test_a_stub_is_not_attempted(exercise, answer):
     assert check(exercise, *answer).status == "not attempted"
 
@@ -94,7 +95,45 @@ def test_a_2d_wrap_that_does_nothing_passes_no_case():
     assert "neither" in case_starting(result, "TP first").got
 
 
-def test_zero_bytes_passes_only_the_case_of_one_rank():
+def test_zero_bytes_passes_no_case():
     result = check("11.tp_bytes", NOTHING_BYTES)
-    assert [c.name for c in result.cases if c.passed] == [
-        "tp=1, with and without SP: a block on one rank hands nothing to collectives"], result
+    assert result.points == 0, result
+    assert "(the recorder's count)" in result.cases[0].expected, result
+
+
+# -- sp_mlp: no case passes without its evidence ------------------------------------------------------------
+LOCAL_SP = by_value('''
+import torch.nn.functional as F
+
+
+def on_my_slice(x_shard, norm, w1_shard, b1_shard, w2_shard, b2):
+    """The block on this rank's slice and weights alone: a norm on the slice, and no communication at all."""
+    return x_shard + F.linear(F.gelu(F.linear(norm(x_shard), w1_shard, b1_shard)), w2_shard, b2)
+''', "on_my_slice")
+AUTOGRAD_COLLECTIVES = by_value('''
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.nn.functional import all_gather, all_reduce
+
+
+def with_torch_collectives(x_shard, norm, w1_shard, b1_shard, w2_shard, b2):
+    """torch's collectives that carry their own backward: the conjugates are not the learner's."""
+    whole = torch.cat(all_gather(norm(x_shard)), dim=1)
+    partial = F.linear(F.gelu(F.linear(whole, w1_shard, b1_shard)), w2_shard)
+    return x_shard + all_reduce(partial).chunk(dist.get_world_size(), dim=1)[dist.get_rank()] + b2
+''', "with_torch_collectives")
+
+
+def test_an_sp_mlp_that_never_communicates_passes_no_case():
+    """Its norm does work on the slice: that case still fails, since the block it is part of is wrong."""
+    result = check("11.sp_mlp", LOCAL_SP)
+    assert result.points == 0, result
+    assert "not judged" in case_starting(result, "every tensor it communicates").hint, result
+    assert "no collective in forward" in case_starting(result, "forward:").hint, result
+
+
+def test_an_sp_mlp_built_on_torch_s_autograd_collectives_fails_every_case_naming_them():
+    result = check("11.sp_mlp", AUTOGRAD_COLLECTIVES)
+    assert result.points == 0, result
+    assert "torch.distributed.nn.functional.all_gather" in str(result), result

@@ -1,4 +1,4 @@
-"""Checks of lesson 11 (tensor parallelism): 11.tp_mlp, 11.tp_plan, 11.parallelize_2d, 11.tp_bytes.
+"""Checks of lesson 11 (tensor parallelism): 11.tp_mlp, 11.sp_mlp, 11.tp_plan, 11.parallelize_2d, 11.tp_bytes.
 
 Every lesson's checks have the same three modules: ``checkers`` (the exercises,
 registered with their cases and hints), ``ranks`` (what runs in the check's fresh

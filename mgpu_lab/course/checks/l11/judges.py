@@ -384,3 +384,159 @@ def bytes_case(t, shapes, answers, measured, picks) -> None:
                     "on, 4 bytes an element")
         shape, value, want, call = wrong[0]
         t.fail(hint, f"{want} (the recorder's count)", f"{call} returned {value}")
+
+
+# -- sp_mlp ---------------------------------------------------------------------------------
+SP_LABELS = {"x": "x_shard", "w1": "w1_shard", "b1": "b1_shard", "w2": "w2_shard", "b2": "b2",
+             "norm.weight": "norm.weight", "norm.bias": "norm.bias"}
+ON_DEVICE = ("a tensor made without naming its device lands on torch's default device: on a GPU rank, the CPU, "
+             "where NCCL refuses it (here the default device was meta); make every buffer on the device of the "
+             "tensor it holds")
+
+
+def _sp_ran(t, rank: int, e: dict) -> None:
+    """Fail with what went wrong when the learner's sp_mlp raised in this rank."""
+    if not e["error"]:
+        return
+    hint = ""
+    if "meta" in e["error"]:
+        hint = ON_DEVICE
+    elif "size" in e["error"] or "shape" in e["error"]:
+        hint = ("the shapes do not line up: x_shard is [batch, seq / tp, d], a slice of the sequence (dim 1); "
+                "the whole sequence is the ranks' slices in rank order along that dimension")
+    t.fail(hint, "sp_mlp runs forward and backward", f"rank {rank}, x of shape {e['shape'][:3]}: {e['error']}")
+
+
+def _sp_where(rank: int, e: dict) -> str:
+    b, s, d, d_ff = e["shape"]
+    return f"rank {rank} of {e['world']}, sequence [{b}, {s}, {d}], d_ff {d_ff}"
+
+
+def sp_output(t, runs, picks) -> None:
+    for rank, e in _mlp_entries(t, runs, picks):
+        _sp_ran(t, rank, e)
+        where, out = _sp_where(rank, e), e["out"]
+        if not isinstance(out, torch.Tensor):
+            t.fail("sp_mlp returns a Tensor: this rank's slice of the block's output", "a Tensor", f"{where}: {out}")
+        if _close(out, e["want"]):
+            continue
+        known = {"whole sequence": "it returned the whole sequence: each rank returns the block's output for its own "
+                                   "slice of the sequence only, the slice x_shard holds",
+                 "bias on every rank": "b2 counts tp times: it was added on every rank before the partial sums "
+                                       "were added up; a bias belongs to the summed output, once",
+                 "no residual": "the residual is missing: the block returns x + the MLP's output"}
+        hint = next((words for name, words in known.items() if _close(out, e["wrong"][name])),
+                    "the output must be this rank's slice of x + fc2(gelu(fc1(norm(x)))) over the whole sequence")
+        t.fail(hint, "the unsplit block's output for this slice", f"{where}: {_diff(out, e['want'])}")
+
+
+def _sp_grad_hint(name: str, got, e: dict) -> str:
+    label, world = SP_LABELS[name], e["world"]
+    if got is None:
+        return (f"no gradient reached {label}: autograd must see every operation between it and the output (a "
+                "collective autograd cannot see passes no gradient through it)")
+    if name in e["own"] and _close(got, e["own"][name]):
+        return (f"{label}'s gradient holds this rank's slice of the sequence's contribution only: this rank's "
+                f"{'norm' if name.startswith('norm') else 'b2'} saw only its slice of the sequence, and the "
+                "whole sequence's gradient, the same on every rank (the copies of a replicated weight must stay "
+                "equal), is the sum over the slices")
+    if _close(got, e["want_grads"][name] * world):
+        return (f"{label}'s gradient is {world} times the unsplit block's: it was summed over the ranks where "
+                "every rank already held all of it")
+    if name == "x":
+        return ("x_shard's gradient must equal the unsplit block's for this slice: x_shard reaches the output "
+                "through the residual, and through the norm into every rank's slice of fc1")
+    return f"{label}'s gradient must equal the unsplit block's (its slice for a shard)"
+
+
+def sp_grads(t, runs, picks, names) -> None:
+    for rank, e in _mlp_entries(t, runs, picks):
+        _sp_ran(t, rank, e)
+        for name in names:
+            got, want = e["grads"].get(name), e["want_grads"][name]
+            if got is None or not _close(got, want):
+                t.fail(_sp_grad_hint(name, got, e), f"the unsplit block's gradient of {SP_LABELS[name]}",
+                       f"{_sp_where(rank, e)}: {_diff(got, want)}")
+
+
+def _sp_whole(e: dict) -> int:
+    b, s, d, _ = e["shape"]
+    return b * s * d
+
+
+def sp_forward(t, runs, picks) -> None:
+    for rank, e in _mlp_entries(t, runs, picks):
+        _sp_ran(t, rank, e)
+        size, ops = _sp_whole(e), e["fwd"]
+        want = [("all_gather", size), ("reduce_scatter", size)]
+        if sorted((op, n) for op, n, _ in ops) == want:
+            continue
+        if _count(ops, "all_reduce"):
+            hint = ("an all-reduce in forward: it hands every rank the whole sum, where each rank needs only the "
+                    "sum for its own slice of the sequence; with sequence parallelism no activation is all-reduced")
+        elif not ops:
+            hint = "no collective in forward: fc1's input is the whole sequence, and each rank holds a slice of it"
+        else:
+            hint = ("forward: the activations cross ranks in exactly two collectives, with the bytes of an "
+                    f"all-gather and a reduce-scatter of the whole sequence [batch, seq, d] ({size} elements)")
+        t.fail(hint, _in_words(want), f"{_sp_where(rank, e)}: {_in_words(ops)}")
+
+
+def sp_backward(t, runs, picks) -> None:
+    for rank, e in _mlp_entries(t, runs, picks):
+        _sp_ran(t, rank, e)
+        size, d = _sp_whole(e), e["shape"][2]
+        ops = [o for o in e["bwd"] if not (o[0] == "all_reduce" and o[1] <= 3 * d)]  # the weights' gradients: free
+        want = [("all_gather", size), ("reduce_scatter", size)]
+        if sorted((op, n) for op, n, _ in ops) == want:
+            continue
+        if _count(ops, "all_reduce"):
+            hint = ("an all-reduce of an activation's gradient in backward: each collective of forward has its "
+                    "conjugate in backward, and neither of them is an all-reduce")
+        elif not ops:
+            hint = ("no collective of the activations' gradients in backward: the gradients of a gathered "
+                    "sequence and of a scattered one cross the ranks too")
+        elif _count(ops, "all_gather") and not _count(ops, "reduce_scatter"):
+            hint = ("in backward no collective brings the gathered sequence's gradient back to the slices: every "
+                    "rank's slice of fc1 contributed to the gradient of every token, and each rank needs the sum for "
+                    "its own tokens")
+        elif _count(ops, "reduce_scatter") and not _count(ops, "all_gather"):
+            hint = ("in backward the output's gradient never crossed the ranks: every rank's slice of fc2 worked on "
+                    "every token, so it needs the output's gradient for every token, not its own slice's only")
+        else:
+            hint = ("backward: the activations' gradients cross ranks in exactly two collectives, the conjugates "
+                    f"of forward's, each of the whole sequence's size ({size} elements); all-reduces of the "
+                    "replicated weights' gradients aside")
+        t.fail(hint, _in_words(want) + " (and all-reduces of weights' gradients)",
+               f"{_sp_where(rank, e)}: {_in_words(e['bwd'])}")
+
+
+def sp_norm_slice(t, runs, picks) -> None:
+    sp_output(t, runs, picks)  # a norm on a slice is no evidence of sequence parallelism in a block that is wrong
+    for rank, e in _mlp_entries(t, runs, picks):
+        b, s, d, _ = e["shape"]
+        mine = [b, s // e["world"], d]
+        if not e["norm_inputs"]:
+            t.fail("no layer norm in the autograd graph of the output: the block normalises with norm, the "
+                   "nn.LayerNorm passed in", f"a layer norm of {mine}", f"{_sp_where(rank, e)}: none")
+        if any(shape != mine for shape in e["norm_inputs"]):
+            hint = ("the norm ran on the whole gathered sequence: every rank normalised, and saved for backward, all "
+                    "the tokens, the work and memory that sequence parallelism exists to split"
+                    if any(shape[1:2] == [s] for shape in e["norm_inputs"]) else
+                    "the norm works on this rank's slice of the sequence only")
+            t.fail(hint, f"the norm's saved input {mine} (1/{e['world']} of one process's)",
+                   f"{_sp_where(rank, e)}: {e['norm_inputs']}")
+
+
+def sp_device(t, runs, k: int) -> None:
+    for rank, e in enumerate(runs.get(t, k)):
+        elsewhere = [o for o in e["fwd"] + e["bwd"] if o[2] and o[2] != "cpu"]
+        if e["error"] or elsewhere:
+            t.fail(ON_DEVICE, "every tensor it communicates on the input's device (cpu)",
+                   f"{_sp_where(rank, e)}: " + (e["error"] or f"{elsewhere[0][0]} of a tensor on {elsewhere[0][2]}"))
+        if not e["fwd"] or not e["bwd"]:
+            t.fail("not judged: the call communicated nothing forward or backward", "collectives",
+                   f"{_sp_where(rank, e)}: {_in_words(e['fwd'] + e['bwd'])}")
+        if not isinstance(e["out"], torch.Tensor) or e["out"].device.type != "cpu" or not _close(e["out"], e["want"]):
+            t.fail("the output must be right, on the input's device", "the unsplit block's output on cpu",
+                   f"{_sp_where(rank, e)}: {_diff(e['out'], e['want'])}")

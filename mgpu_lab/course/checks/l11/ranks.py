@@ -3,6 +3,9 @@
 - :func:`run_tp_mlp`: the learner's ``CopyToTP`` and ``ReduceFromTP`` on their own, then
   ``tp_mlp`` on several shapes, each with every collective recorded forward and backward,
   beside the unsplit MLP computed in the same rank before the learner's code runs;
+- :func:`run_sp_mlp`: the learner's ``sp_mlp`` on each rank's slice of the sequence, forward
+  and backward, every collective recorded, the layer norms' saved inputs read off the autograd
+  graph, beside the unsplit block (and the gradients each rank's slice alone gives);
 - :func:`run_plan`: the learner's plan applied to lesson 11's block with ``parallelize_module``
   over every rank, without and with sequence parallelism: output, one SGD step, each
   direction's collectives, the activation bytes the norms saved, each weight's share;
@@ -308,3 +311,119 @@ def call_tp_bytes(tp_bytes, shapes) -> list:
     from ..sim.outcome import outcome
 
     return [outcome(tp_bytes, *shape) for shape in shapes]
+
+
+# -- sp_mlp ---------------------------------------------------------------------------------
+# (batch, seq, d, d_ff, meta) per world size: seq divides by the ranks; d_ff by them too; the last 2-rank call runs
+# with torch's default device set to meta, so a tensor made without device= is not on the input's device (on a
+# GPU rank it would be a CPU tensor)
+SP_SHAPES = {2: [(2, 8, 6, 16, False), (3, 4, 8, 8, False), (1, 6, 4, 12, True)], 4: [(2, 8, 6, 16, False)]}
+SP_PARAMS = ("w1", "b1", "w2", "b2", "norm.weight", "norm.bias")
+
+
+def _sp_whole(batch: int, seq: int, d: int, d_ff: int) -> dict:
+    """The unsplit block's inputs, the same in every rank: x, the norm's and the MLP's weights, the output's
+    gradient (none of the weights ones or zeros, so that a gradient that misses a term shows)."""
+    g = torch.Generator().manual_seed(1000 * seq + 10 * d + d_ff)
+    return {"x": torch.randn(batch, seq, d, generator=g), "norm.weight": 1 + 0.3 * torch.randn(d, generator=g),
+            "norm.bias": 0.3 * torch.randn(d, generator=g), "w1": torch.randn(d_ff, d, generator=g) / d ** 0.5,
+            "b1": torch.randn(d_ff, generator=g), "w2": torch.randn(d, d_ff, generator=g) / d_ff ** 0.5,
+            "b2": torch.randn(d, generator=g), "g": torch.randn(batch, seq, d, generator=g)}
+
+
+def _sp_reference(w: dict, g: torch.Tensor) -> tuple:
+    """One process: the block's output on the whole sequence and the gradients of ``g`` (plain autograd)."""
+    leaves = {k: w[k].clone().requires_grad_() for k in ("x", *SP_PARAMS)}
+    normed = F.layer_norm(leaves["x"], leaves["x"].shape[-1:], leaves["norm.weight"], leaves["norm.bias"])
+    out = leaves["x"] + F.linear(F.gelu(F.linear(normed, leaves["w1"], leaves["b1"])), leaves["w2"], leaves["b2"])
+    out.backward(g)
+    return out.detach(), {k: v.grad for k, v in leaves.items()}
+
+
+def _layer_norm_inputs(out) -> list:
+    """The shapes of the inputs every layer norm in ``out``'s autograd graph saved for backward."""
+    seen, stack, shapes = set(), [getattr(out, "grad_fn", None)], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if "LayerNorm" in type(node).__name__ and hasattr(node, "_saved_input"):
+            shapes.append(list(node._saved_input.shape))
+        stack.extend(n for n, _ in node.next_functions)
+    return shapes
+
+
+def _sp_expected(shape, rank: int, world: int) -> dict:
+    """What a right answer gives in this rank, and what known wrong ones give."""
+    batch, seq, d, d_ff, _ = shape
+    w = _sp_whole(batch, seq, d, d_ff)
+    want, grads = _sp_reference(w, w["g"])
+    mask = torch.zeros_like(w["g"])
+    mask.chunk(world, dim=1)[rank].fill_(1)  # this rank's slice's gradient only: what its own norm saw
+    _, own = _sp_reference(w, w["g"] * mask)
+    cut = {"w1": lambda t: t.chunk(world)[rank], "b1": lambda t: t.chunk(world)[rank],
+           "w2": lambda t: t.chunk(world, dim=1)[rank], "x": lambda t: t.chunk(world, dim=1)[rank]}
+    keep = lambda k, t: cut.get(k, lambda v: v)(t)  # noqa: E731
+    wrong = {"bias on every rank": want.chunk(world, dim=1)[rank] + (world - 1) * w["b2"],
+             "whole sequence": want, "no residual": (want - w["x"]).chunk(world, dim=1)[rank]}
+    return {"w": w, "want": want.chunk(world, dim=1)[rank],
+            "want_grads": {k: keep(k, v) for k, v in grads.items()},
+            "own": {k: own[k] for k in ("norm.weight", "norm.bias", "b2")}, "wrong": wrong}
+
+
+def _sp_call(sp_mlp, mine: dict, norm, g_slice, meta: bool, entry: dict) -> None:
+    """The learner's ``sp_mlp`` forward and backward, each recorded (torch's default device meta if ``meta``)."""
+    with record(sp_mlp) as fwd:
+        if meta:
+            torch.set_default_device("meta")
+        try:
+            out = sp_mlp(mine["x"], norm, mine["w1"], mine["b1"], mine["w2"], mine["b2"])
+        finally:
+            torch.set_default_device(None)
+    entry["fwd"] = [(e["op"], e["numel"], e["device"]) for e in fwd if e["op"] in COLLECTIVES]
+    if not isinstance(out, torch.Tensor):
+        entry["out"] = type(out).__name__
+        return
+    entry["out"], entry["norm_inputs"] = out.detach().clone(), _layer_norm_inputs(out)
+    if out.requires_grad and out.shape == g_slice.shape:
+        with record(sp_mlp) as bwd:
+            if meta:
+                torch.set_default_device("meta")
+            try:
+                out.backward(g_slice)
+            finally:
+                torch.set_default_device(None)
+        entry["bwd"] = [(e["op"], e["numel"], e["device"]) for e in bwd if e["op"] in COLLECTIVES]
+
+
+def _sp_probe(sp_mlp, shape) -> dict:
+    rank, world = tdist.get_rank(), tdist.get_world_size()
+    e = _sp_expected(shape, rank, world)
+    w = e.pop("w")
+    batch, seq, d, d_ff, meta = shape
+    norm = torch.nn.LayerNorm(d)
+    with torch.no_grad():
+        norm.weight.copy_(w["norm.weight"])
+        norm.bias.copy_(w["norm.bias"])
+    mine = {"x": w["x"].chunk(world, dim=1)[rank], "w1": w["w1"].chunk(world)[rank],
+            "b1": w["b1"].chunk(world)[rank], "w2": w["w2"].chunk(world, dim=1)[rank], "b2": w["b2"]}
+    mine = {k: v.clone().requires_grad_() for k, v in mine.items()}
+    entry = {"shape": list(shape[:4]), "meta": meta, "world": world, "fwd": [], "bwd": [], "grads": {},
+             "norm_inputs": [], "error": "", "out": None, **e}
+    try:
+        _sp_call(sp_mlp, mine, norm, w["g"].chunk(world, dim=1)[rank], meta, entry)
+    except NotImplementedError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - judged: every rank runs the same code, and fails at the same place
+        entry["error"] = _error(exc)
+    params = {**{k: mine[k] for k in ("x", "w1", "b1", "w2", "b2")}, "norm.weight": norm.weight,
+              "norm.bias": norm.bias}
+    entry["grads"] = {k: None if p.grad is None else p.grad.detach().clone() for k, p in params.items()}
+    return entry
+
+
+def run_sp_mlp(sp_mlp, scenarios, log_dir) -> list:
+    """Probe: per scenario ``(batch, seq, d, d_ff, meta)``, the learner's ``sp_mlp`` on this rank's slice of the
+    sequence, forward and backward, every collective recorded, beside the unsplit block computed first."""
+    return run_scenarios(log_dir, lambda shape: _sp_probe(sp_mlp, shape), scenarios)
