@@ -58,13 +58,15 @@ RUN_AS_ROOT = ("tests/course/test_autograder.py",)
 # named here come after these, in their usual order.
 LONGEST_FIRST = [
     "tests/course/test_autograder.py",  # setup.sh installs torch into a fresh venv: minutes, mostly unpacking
-    "tests/course/test_grade.py", "solutions/07_multi_node.ipynb", "tests/browser/test_lab.py",
+    "tests/course/test_grade.py", "tests/mutants/test_mutants_08.py",  # 08.MiniFSDP: 11 answers on 2 and 3 ranks
+    "solutions/07_multi_node.ipynb", "tests/browser/test_lab.py", "tests/mutants/test_mutants_04.py",
     "tests/cluster/test_multinode.py", "solutions/10_failures.ipynb", "tests/cluster/test_troubleshoot.py",
     "tests/cluster/test_slurm_local.py", "tests/mutants/test_mutants_10.py", "tests/mutants/test_mutants_12.py",
     "tests/mutants/test_mutants_11.py", "solutions/12_pipeline_schedules.ipynb", "tests/test_pp_script.py",
-    "tests/test_tp_script.py", "solutions/11_tensor_parallel.ipynb", "tests/course/checks/test_checks_12.py",
+    "tests/test_tp_script.py", "solutions/11_tensor_parallel.ipynb", "solutions/14_long_context.ipynb",
+    "tests/mutants/test_mutants_14.py", "tests/course/checks/test_checks_12.py",
     "tests/mutants/test_mutants_13.py", "solutions/13_time_and_memory.ipynb",
-    "tests/mutants/test_mutants_02.py", "solutions/08_sharding.ipynb", "tests/mutants/test_mutants_08.py",
+    "tests/mutants/test_mutants_02.py", "solutions/08_sharding.ipynb",
     "solutions/02_data_loading.ipynb", "solutions/04_ddp.ipynb", "tests/test_ddp_script.py",
     "solutions/05_balanced_samplers.ipynb", "solutions/09_inside_ddp.ipynb", "solutions/01_devices.ipynb",
     "tests/mutants/test_mutants_07.py", "tests/launcher/test_launch_kernel.py", "tests/devices/test_subset_jobs.py",
