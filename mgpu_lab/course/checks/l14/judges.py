@@ -165,8 +165,8 @@ def _judge_ran(t, per_rank: list, world: int, k: int) -> None:
         err = entry["error"]
         if any(e["stuck"] for _, e in failed):
             t.fail("the ranks deadlocked in the ring: each rank's send waits for the next rank to receive, while "
-                   "that rank is itself waiting in its own send, so no message ever moves (gloo's send, like "
-                   "NCCL's, completes only when its receive is posted)", f"{describe(k)}: every rank returns",
+                   "that rank is itself waiting in its own send, so no message ever moves (gloo's send "
+                   "completes only when its receive is posted)", f"{describe(k)}: every rank returns",
                    f"rank {r}: {err}")
         if "meta" in err:
             t.fail(DEVICE_WHY, f"{describe(k)}: every rank returns", f"rank {r}: {err}")
