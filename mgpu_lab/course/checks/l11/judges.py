@@ -409,7 +409,7 @@ def _sp_ran(t, rank: int, e: dict) -> None:
 
 def _sp_where(rank: int, e: dict) -> str:
     b, s, d, d_ff = e["shape"]
-    return f"rank {rank} of {e['world']}, sequence [{b}, {s}, {d}], d_ff {d_ff}"
+    return f"rank {rank} of {e['world']}, sequence [{b}, {s}, {d}], hidden {d_ff}"
 
 
 def sp_output(t, runs, picks) -> None:
