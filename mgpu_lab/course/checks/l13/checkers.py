@@ -95,7 +95,9 @@ def _stragglers(t, find_straggler) -> dict:
 @exercise("13.find_straggler", points=8, description="find_straggler(traces): from every rank's Chrome trace of a "
           "few DDP steps, the rank that slows the job and whether its data loading or its forward/backward is the "
           "cause, or None", references=("mgpu_lab.course.checks.l13.judges:reference_find_straggler",
-                                        "mgpu_lab.course.checks.l13.judges:straggler_reading"))
+                                        "mgpu_lab.course.checks.l13.judges:straggler_reading",
+                                        "mgpu_lab.course.checks.l13.judges:rank_rows",
+                                        "mgpu_lab.course.checks.l13.judges:step_times"))
 def _find_straggler(t, find_straggler):
     evidence, said = None, set()
     for world in (2, 4):
