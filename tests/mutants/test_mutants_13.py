@@ -349,7 +349,8 @@ def find_straggler(traces):
         return {"rank": None, "cause": None}
     return {"rank": worst, "cause": "data" if extra[1] > extra[2] else "compute"}
 '''),
-    Variant("the waiting as the longest stretch of backward without an operator; loading as the time before forward",
+    Variant("the waiting as the stretches of backward (over a millisecond) without an operator, added up; loading as "
+            "the time before forward",
             '''
 def find_straggler(traces):
     import statistics
@@ -367,8 +368,10 @@ def find_straggler(traces):
             ops = sorted((e["ts"], e["ts"] + e["dur"]) for e in inside if e.get("cat") == "cpu_op"
                          and e["tid"] == step["tid"] and backward["ts"] <= e["ts"] < end)
             waited, reached = 0.0, backward["ts"]
-            for a, b in ops + [(end, end)]:
-                waited, reached = max(waited, a - reached), max(reached, b)
+            for a, b in ops + [(end, end)]:  # DDP waits bucket by bucket: an operator between two of the waits
+                if a - reached > 1000:
+                    waited += a - reached
+                reached = max(reached, b)
             per["step"].append(step["dur"])
             per["wait"].append(waited)
             per["data"].append(forward["ts"] - step["ts"])

@@ -387,6 +387,10 @@ def _verdict_words(answer: dict) -> str:
     return "None" if answer["rank"] is None else f"rank {answer['rank']}, {answer['cause']!r}"
 
 
+#: The known wrong readings whose words speak of a rank the answer named.
+NAMES_A_RANK = ("waits longest", "no threshold", "cause reversed")
+
+
 def diagnose_straggler(rows: list[dict], got: dict) -> str:
     """Name the known wrong readings whose verdict on ``rows`` is ``got`` (all of them, when several are), or
     say what the right reading finds in this recording."""
@@ -394,6 +398,8 @@ def diagnose_straggler(rows: list[dict], got: dict) -> str:
     want = {"rank": right["rank"], "cause": right["cause"]}
     matches = []
     for name, words in WRONG_STRAGGLER.items():
+        if got["rank"] is None and name in NAMES_A_RANK:
+            continue  # its words are about a rank named; this answer named none
         wrong = straggler_reading(rows, wrong=name)
         if {"rank": wrong["rank"], "cause": wrong["cause"]} == got != want:
             matches.append(words)
