@@ -6,5 +6,6 @@ draws a trace's compute and communication lanes per rank and tabulates its opera
 :mod:`.blocks` holds the transformer blocks whose activation memory the lesson counts,
 the formula for a block's activation bytes and a selective-checkpointing policy;
 :mod:`.runs` the lesson's profiled DDP and FSDP2 steps and its measurements of
-checkpointing and compilation.
+checkpointing and compilation; :mod:`.uneven` profiled DDP steps whose ranks do unequal work (a
+slow loader, extra compute, a larger batch on a rank).
 """

@@ -14,9 +14,10 @@ NOTEBOOK = "13_time_and_memory.ipynb"
 
 @pytest.fixture(scope="module", autouse=True)
 def recorded_once(tmp_path_factory):
-    """The ranks record the traces 13.exposed_comm is judged on once for all its mutants and variants."""
+    """The ranks record the traces 13.exposed_comm and 13.find_straggler are judged on once for all their mutants
+    and variants (and for tests/course/checks/test_checks_13.py in the same session)."""
     with pytest.MonkeyPatch.context() as env:
-        env.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("l13-traces")))
+        env.setenv(CACHE_ENV, str(tmp_path_factory.getbasetemp() / "l13-traces"))
         yield
 
 
@@ -278,15 +279,125 @@ def checkpoint_under(model, x, budget_bytes):
 '''),
 ])
 
-SPECS = [EXPOSED, SAVED, CKPT]
+STRAGGLER = ExerciseMutants("13.find_straggler", NOTEBOOK, ("find_straggler",), mutants=[
+    Mutant("names the rank with the longest step",
+           (replace('min(range(len(rows)), key=lambda r: rows[r]["waiting"])',
+                    'max(range(len(rows)), key=lambda r: rows[r]["step"])'),
+            replace('if -beyond_others("waiting") <', 'if beyond_others("step") <')),
+           expect="a step's length does not tell the ranks apart"),
+    Mutant("names the rank that waits longest",
+           (replace('min(range(len(rows)), key=lambda r: rows[r]["waiting"])',
+                    'max(range(len(rows)), key=lambda r: rows[r]["waiting"])'),
+            replace('if -beyond_others("waiting") <', 'if beyond_others("waiting") <')),
+           expect="ready before the others"),
+    Mutant("always names a rank (no threshold)",
+           replace('if -beyond_others("waiting") < typical_step / 3:', "if False:"), expect="a third"),
+    Mutant("reads the waiting from the training thread's c10d:: calls",
+           replace('waiting = exposed_comm({"traceEvents": inside}, main)',
+                   'waiting = on_main(lambda n: n.startswith("c10d::"))'),
+           expect=("c10d:: calls", "gloo:all_reduce")),
+    Mutant("compares only the loaders",
+           (replace('min(range(len(rows)), key=lambda r: rows[r]["waiting"])',
+                    'max(range(len(rows)), key=lambda r: rows[r]["data"])'),
+            replace('if -beyond_others("waiting") <', 'if beyond_others("data") <')),
+           expect="only the loaders were compared"),
+    Mutant("names the rank with the longest forward and backward labels (waits inside)",
+           (replace('min(range(len(rows)), key=lambda r: rows[r]["waiting"])',
+                    'max(range(len(rows)), key=lambda r: rows[r]["compute"] + rows[r]["waiting"])'),
+            replace('if -beyond_others("waiting") <', 'if beyond_others("compute") + beyond_others("waiting") <')),
+           expect="backward label"),
+    Mutant("gives the other cause",
+           replace('"data" if beyond_others("data") > beyond_others("compute") else "compute"',
+                   '"compute" if beyond_others("data") > beyond_others("compute") else "data"'),
+           expect="the other cause"),
+], variants=[
+    Variant("the rank whose own work (its step minus its idle time in backward) is largest", '''
+def find_straggler(traces):
+    import statistics
+
+    def union(spans):
+        out = []
+        for a, b in sorted(spans):
+            if out and a <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], b)
+            else:
+                out.append([a, b])
+        return sum(b - a for a, b in out)
+
+    table = []
+    for path in traces:
+        with open(path) as f:
+            events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+        main = next(e["tid"] for e in events if e["name"].startswith("ProfilerStep#"))
+        mine = [e for e in events if e["tid"] == main]
+        steps = []
+        for back in (e for e in mine if e["name"] == "backward"):
+            a, b = back["ts"], back["ts"] + back["dur"]
+            busy = union((e["ts"], e["ts"] + e["dur"]) for e in mine if e.get("cat") == "cpu_op" and a <= e["ts"] < b)
+            step = next(e for e in mine if e["name"].startswith("ProfilerStep#") and e["ts"] <= a < e["ts"] + e["dur"])
+            s0, s1 = step["ts"], step["ts"] + step["dur"]
+            load = sum(e["dur"] for e in mine if e["name"].startswith("enumerate(DataLoader)") and s0 <= e["ts"] < s1)
+            fwd = sum(e["dur"] for e in mine if e["name"] == "forward" and s0 <= e["ts"] < s1)
+            idle = back["dur"] - busy
+            steps.append((step["dur"], step["dur"] - idle, load, fwd + back["dur"] - idle))
+        table.append([statistics.median(column) for column in zip(*steps)])
+    work = [row[1] for row in table]
+    worst = work.index(max(work))
+    rest = [row for r, row in enumerate(table) if r != worst]
+    extra = [table[worst][i] - statistics.median(row[i] for row in rest) for i in (1, 2, 3)]
+    if extra[0] < statistics.median(row[0] for row in table) / 3:
+        return {"rank": None, "cause": None}
+    return {"rank": worst, "cause": "data" if extra[1] > extra[2] else "compute"}
+'''),
+    Variant("the waiting as the stretches of backward (over a millisecond) without an operator, added up; loading as "
+            "the time before forward",
+            '''
+def find_straggler(traces):
+    import statistics
+
+    rows = []
+    for path in traces:
+        with open(path) as f:
+            events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+        per = collections.defaultdict(list)
+        for step in (e for e in events if e["name"].startswith("ProfilerStep#")):
+            inside = [e for e in events if step["ts"] <= e["ts"] < step["ts"] + step["dur"]]
+            forward = next(e for e in inside if e["name"] == "forward")
+            backward = next(e for e in inside if e["name"] == "backward")
+            end = backward["ts"] + backward["dur"]
+            ops = sorted((e["ts"], e["ts"] + e["dur"]) for e in inside if e.get("cat") == "cpu_op"
+                         and e["tid"] == step["tid"] and backward["ts"] <= e["ts"] < end)
+            waited, reached = 0.0, backward["ts"]
+            for a, b in ops + [(end, end)]:  # DDP waits bucket by bucket: an operator between two of the waits
+                if a - reached > 1000:
+                    waited += a - reached
+                reached = max(reached, b)
+            per["step"].append(step["dur"])
+            per["wait"].append(waited)
+            per["data"].append(forward["ts"] - step["ts"])
+            per["compute"].append(forward["dur"] + backward["dur"] - waited)
+        rows.append({k: statistics.median(v) for k, v in per.items()})
+    typical = statistics.median(r["step"] for r in rows)
+    order = sorted(range(len(rows)), key=lambda r: rows[r]["wait"])
+    s, others = order[0], [rows[r] for r in order[1:]]
+    gap = {k: rows[s][k] - statistics.median(o[k] for o in others) for k in ("wait", "data", "compute")}
+    if -gap["wait"] >= typical / 3:
+        return {"rank": s, "cause": max(("data", "compute"), key=gap.get)}
+    return {"rank": None, "cause": None}
+'''),
+])
+
+SPECS = [EXPOSED, SAVED, CKPT, STRAGGLER]
 
 
 @functools.cache
 def namespace() -> dict:
-    """The notebook's first cell (its imports) and the solution's saved_bytes, which checkpoint_under uses."""
+    """The notebook's first cell (its imports), the solution's saved_bytes, which checkpoint_under uses, and its
+    exposed_comm, which find_straggler uses."""
     ns: dict = {}
     exec(compile(prelude(NOTEBOOK), "<prelude 13>", "exec"), ns)
     exec(compile(solution_cell(NOTEBOOK, "def saved_bytes"), "<saved_bytes 13>", "exec"), ns)
+    exec(compile(solution_cell(NOTEBOOK, "def exposed_comm"), "<exposed_comm 13>", "exec"), ns)
     return ns
 
 

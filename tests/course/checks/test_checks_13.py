@@ -10,23 +10,25 @@ from mgpu_lab.course.checks.l13 import judges
 from mgpu_lab.course.checks.l13.ranks import CACHE_ENV
 
 pytestmark = pytest.mark.timeout(300)
-NAMES = ("exposed_comm", "saved_bytes", "checkpoint_under")
+NAMES = ("exposed_comm", "saved_bytes", "checkpoint_under", "find_straggler")
 
 
 @pytest.fixture(scope="module", autouse=True)
 def recorded_once(tmp_path_factory):
-    """The ranks record lesson 13's traces once for this file and reuse them (the check's own cache)."""
+    """The ranks record lesson 13's traces once for this session and reuse them (the check's own cache; the
+    mutants of tests/mutants/test_mutants_13.py share it)."""
     with pytest.MonkeyPatch.context() as env:
-        env.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("l13-traces")))
+        env.setenv(CACHE_ENV, str(tmp_path_factory.getbasetemp() / "l13-traces"))
         yield
 
 
 ANSWERS = {"stub": by_value("def stub(*args, **kwargs):\n    raise NotImplementedError('write this')\n", "stub")}
 
 
-def test_lesson_13_registers_its_three_exercises_with_one_point_per_case():
+def test_lesson_13_registers_its_four_exercises_find_straggler_with_half_the_points():
     got = {e.id: e.points for e in exercises("13")}
-    assert got == {"13.exposed_comm": 5, "13.saved_bytes": 5, "13.checkpoint_under": 4}
+    assert got == {"13.exposed_comm": 2, "13.saved_bytes": 2, "13.checkpoint_under": 4, "13.find_straggler": 8}
+    assert 2 * got["13.find_straggler"] >= sum(got.values())
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -44,6 +46,11 @@ def library_saved(model, x):
     from mgpu_lab.course.checks.l13 import ranks
     return ranks.reference_saved_bytes(model, x)
 ''', "library_saved")
+ANSWERS["library_straggler"] = by_value('''
+def library_straggler(traces):
+    from mgpu_lab.course.checks.l13 import judges
+    return judges.reference_find_straggler(traces)
+''', "library_straggler")
 ANSWERS["library_checkpoint"] = by_value('''
 def library_checkpoint(model, x, budget_bytes):
     from mgpu_lab.course.checks.l13.ranks import reference_checkpoint_under
@@ -55,6 +62,7 @@ def library_checkpoint(model, x, budget_bytes):
     ("13.exposed_comm", "library_exposed", "judges.reference_exposed_comm"),
     ("13.saved_bytes", "library_saved", "ranks.reference_saved_bytes"),
     ("13.checkpoint_under", "library_checkpoint", "ranks.reference_checkpoint_under"),
+    ("13.find_straggler", "library_straggler", "judges.reference_find_straggler"),
 ])
 def test_an_answer_that_calls_a_reference_fails_every_case_naming_it(exercise, answer, says):
     result = check(exercise, ANSWERS[answer])
@@ -69,6 +77,20 @@ def zeros(model, x):
     return {name: 0 for name, _ in model.named_children()}
 ''', "zeros")
 ANSWERS["unchanged"] = by_value("def unchanged(model, x, budget_bytes):\n    return model\n", "unchanged")
+
+
+ANSWERS["nobody"] = by_value("def nobody(traces):\n    return {'rank': None, 'cause': None}\n", "nobody")
+ANSWERS["rank_zero"] = by_value("def rank_zero(traces):\n    return {'rank': 0, 'cause': 'data'}\n", "rank_zero")
+ANSWERS["last_rank"] = by_value(
+    "def last_rank(traces):\n    return {'rank': len(traces) - 1, 'cause': 'compute'}\n", "last_rank")
+
+
+@pytest.mark.parametrize("answer", ["nobody", "rank_zero", "last_rank"])
+def test_a_find_straggler_that_does_not_read_the_traces_passes_no_case(answer):
+    """None is right for balanced ranks and a fixed rank is right wherever the draw put the straggler there: neither
+    passes, since the same verdict for every recording is no evidence of reading them."""
+    result = check("13.find_straggler", ANSWERS[answer])
+    assert result.points == 0, result
 
 
 def test_an_exposed_comm_of_zero_passes_no_case():
@@ -147,3 +169,69 @@ def test_a_hint_is_given_once_later_cases_with_the_same_reading_point_back_to_it
         hints.append(failed.value.args[0])
     assert hints[0] == judges.WRONG["sum"]
     assert "same reading as in a failed case above" in hints[1] and judges.WRONG["sum"] not in hints[1]
+
+
+# -- find_straggler: the reading of a hand-made trace, and no case without its evidence --------------------------
+def _rank(step_ms, load_ms, fb_ms, wait_ms, tid=1, steps=3):
+    """A trace of ``steps`` steps: loading, then forward and backward (whose last ``wait_ms`` the training thread
+    spends waiting for a gloo all-reduce on thread 9), then the optimizer."""
+    events, t0 = [], 0.0
+    for i in range(steps):
+        us = lambda ms: ms * 1e3  # noqa: E731
+        fwd = fb_ms / 3
+        events += [_x(f"ProfilerStep#{i + 1}", tid, t0, us(step_ms), "user_annotation"),
+                   _x("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", tid, t0, us(load_ms),
+                      "user_annotation"),
+                   _x("forward", tid, t0 + us(load_ms), us(fwd), "user_annotation"),
+                   _x("aten::addmm", tid, t0 + us(load_ms), us(fwd)),
+                   _x("backward", tid, t0 + us(load_ms + fwd), us(fb_ms - fwd + wait_ms), "user_annotation"),
+                   _x("aten::mm", tid, t0 + us(load_ms + fwd), us(fb_ms - fwd)),
+                   _x("c10d::allreduce_", tid, t0 + us(load_ms + fwd + 1), 50.0),
+                   _x("gloo:all_reduce", 9, t0 + us(load_ms + fwd + 1), us(fb_ms - fwd - 1 + wait_ms),
+                      "user_annotation"),
+                   _x("optimizer", tid, t0 + us(load_ms + fb_ms + wait_ms), us(1), "user_annotation")]
+        t0 += us(step_ms)
+    return {"traceEvents": events}
+
+
+def test_the_reference_reads_hand_made_traces_as_worked_out():
+    # rank 1 loads 60 ms longer; rank 0 waits for it at the end of backward. Steps of 100 ms.
+    rows = judges.rank_rows([_rank(100, 10, 30, 59), _rank(100, 70, 29, 0)])
+    # the 50 us inside the c10d:: call count as waiting too: the thread is in a communication call, not computing
+    assert rows[0]["wait"] == pytest.approx(59.05) and rows[1]["wait"] == pytest.approx(0.05)
+    assert rows[0]["compute"] == pytest.approx(29.95) and rows[1]["load"] == pytest.approx(70)
+    reading = judges.straggler_reading(rows)
+    assert (reading["rank"], reading["cause"]) == (1, "data") and reading["share"] == pytest.approx(0.59, abs=0.01)
+    assert judges.straggler_reading(rows, wrong="waits longest")["rank"] == 0
+    assert judges.straggler_reading(rows, wrong="longest step")["rank"] is None
+    even = judges.rank_rows([_rank(100, 10, 30, 5), _rank(100, 10, 33, 2)])
+    assert judges.straggler_reading(even)["rank"] is None
+
+
+def _evidence(kind, clear=True, answers=None):
+    rows = judges.rank_rows([_rank(100, 10, 30, 59), _rank(100, 70, 29, 0)])
+    even = judges.rank_rows([_rank(100, 10, 30, 5), _rank(100, 10, 33, 2)])
+    recorded = [{"kind": "loader", "rank": 1, "rows": rows, "reading": judges.straggler_reading(rows),
+                 "clear": clear, "tries": 3},
+                {"kind": "balanced", "rank": None, "rows": even, "reading": judges.straggler_reading(even),
+                 "clear": True, "tries": 1}]
+    answers = answers or [("ok", {"rank": 1, "cause": "data"}), ("ok", {"rank": None, "cause": None})]
+    return {2: {"recorded": recorded, "answers": answers}}
+
+
+def test_a_right_answer_on_a_recording_that_does_not_show_its_design_fails_saying_so():
+    judges.straggler_case(_Case(), _evidence("loader"), 2, "loader")  # clear: the right answer passes
+    with pytest.raises(_Failed) as failed:
+        judges.straggler_case(_Case(), _evidence("loader", clear=False), 2, "loader")
+    assert "rerun the check" in failed.value.args[0]
+
+
+def test_the_same_verdict_for_every_recording_passes_no_case_and_a_wrong_one_is_diagnosed():
+    same = [("ok", {"rank": None, "cause": None})] * 2
+    with pytest.raises(_Failed) as failed:
+        judges.straggler_case(_Case(), _evidence("balanced", answers=same), 2, "balanced")
+    assert "same verdict" in failed.value.args[0]
+    waiting = [("ok", {"rank": 0, "cause": "compute"}), ("ok", {"rank": None, "cause": None})]
+    with pytest.raises(_Failed) as failed:
+        judges.straggler_case(_Case(), _evidence("loader", answers=waiting), 2, "loader")
+    assert judges.WRONG_STRAGGLER["waits longest"] in failed.value.args[0]

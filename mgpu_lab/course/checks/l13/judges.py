@@ -7,6 +7,7 @@ wrong readings of that trace (:data:`WRONG`) are computed too, and a match names
 """
 from __future__ import annotations
 
+import statistics
 from collections import defaultdict
 
 PREFIXES = ("c10d::", "gloo:", "nccl:")
@@ -276,3 +277,188 @@ def ckpt_unreachable(t, evidence) -> None:
     if kind != "ValueError" or not any(s in message for s in (str(least), f"{least:,}", f"{least:_}")):
         t.fail("the message must give the smallest reachable saved size in bytes (every block checkpointed), "
                "so the caller knows what budget can work", f"ValueError naming {least}", f"{kind}: {message}")
+
+
+# -- find_straggler: the reference reading and the known wrong ones -----------------------------------
+LOADER = "enumerate(DataLoader)"
+#: The kinds of recording ``13.find_straggler`` is judged on, and the cause each is made with.
+KINDS = {"loader": "data", "compute": "compute", "batch": "compute", "balanced": None}
+#: A rank slows the job when, with its loading and forward/backward as fast as the other ranks' (their
+#: median), the job's typical step would be at least this share shorter.
+SLOWS = 1 / 3
+
+
+def _median(values) -> float:
+    return statistics.median(list(values))
+
+
+def step_times(trace: dict) -> list[dict]:
+    """Per kept step of one rank's trace, in ms: the step, the loader's fetches, forward and backward without
+    the waiting in them, the waiting (communication that the training thread's operators do not hide), and the
+    training thread's ``c10d::`` calls."""
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    steps = sorted((e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")), key=lambda e: e["ts"])
+    if not steps:
+        raise ValueError("the trace has no ProfilerStep# span: record it with a profiler schedule (profile_steps)")
+    main, out = steps[0]["tid"], []
+    for step in steps:
+        inside = [e for e in events if step["ts"] <= e["ts"] < step["ts"] + step["dur"]]
+
+        def on_main(keep) -> float:
+            return sum(e["dur"] for e in inside if e["tid"] == main and keep(str(e.get("name", "")))) / 1e3
+
+        wait = reference_exposed_comm({"traceEvents": inside}, main)
+        labels = on_main(lambda n: n in ("forward", "backward"))
+        out.append({"step": step["dur"] / 1e3, "load": on_main(lambda n: n.startswith(LOADER)),
+                    "compute": labels - wait, "labels": labels, "wait": wait,
+                    "calls": on_main(lambda n: n.startswith("c10d::"))})
+    return out
+
+
+def rank_rows(traces: list) -> list[dict]:
+    """Per rank, the median over its kept steps of every number of :func:`step_times`."""
+    rows = []
+    for trace in traces:
+        steps = step_times(trace)
+        rows.append({key: _median(s[key] for s in steps) for key in steps[0]})
+    return rows
+
+
+def _excess(values: list, rank: int) -> float:
+    return values[rank] - _median(v for r, v in enumerate(values) if r != rank)
+
+
+def straggler_reading(rows: list[dict], wrong: str | None = None) -> dict:
+    """The reference reading of per-rank rows (:func:`rank_rows`): the rank whose own work (its step without
+    its waiting) exceeds the others' median by at least :data:`SLOWS` of the typical step, and whether its
+    loading or its forward/backward exceeds theirs more. ``wrong`` names one of :data:`WRONG_STRAGGLER`'s readings
+    instead. Also returns the share of the step lost (``share``) and the excesses in ms."""
+    measure = {"longest step": "step", "waits longest": "wait", "loader only": "load",
+               "labels with waits": "labels"}.get(wrong)
+    if measure is not None:
+        values = [r[measure] for r in rows]
+    elif wrong == "c10d calls only":
+        values = [r["step"] - r["calls"] for r in rows]
+    else:
+        values = [r["step"] - r["wait"] for r in rows]
+    rank = max(range(len(rows)), key=values.__getitem__)
+    step = _median(r["step"] for r in rows)
+    share = _excess(values, rank) / step if step > 0 else 0.0
+    data = _excess([r["load"] for r in rows], rank)
+    compute = _excess([r["compute"] for r in rows], rank)
+    cause = "data" if data > compute else "compute"
+    if wrong == "cause reversed":
+        cause = "compute" if cause == "data" else "data"
+    slows = share >= SLOWS or wrong == "no threshold"
+    return {"rank": rank if slows else None, "cause": cause if slows else None, "candidate": rank,
+            "share": share, "data_ms": data, "compute_ms": compute}
+
+
+def reference_find_straggler(traces: list) -> dict:
+    """``{"rank", "cause"}`` of :func:`straggler_reading` on Chrome trace files (one per rank, in rank order)."""
+    from mgpu_lab.profiling.traces import load_trace
+
+    reading = straggler_reading(rank_rows([load_trace(p) for p in traces]))
+    return {"rank": reading["rank"], "cause": reading["cause"]}
+
+
+#: Known wrong readings of a recording, and what to tell an answer whose verdict one of them gives.
+WRONG_STRAGGLER = {
+    "longest step": "the steps were compared: every rank's step lasts about as long as the slowest rank's, since "
+                    "no rank can finish a step before the gradient all-reduce has every rank's bucket, so a step's "
+                    "length does not tell the ranks apart",
+    "waits longest": "you named a rank that spends its time waiting, in the gradient all-reduce, with no operator "
+                     "of its own running: waiting there is what a rank does when it is ready before the others",
+    "c10d calls only": "the waiting was read from the training thread's c10d:: calls, which only hand a bucket to "
+                       "the backend and return: the all-reduce runs in the backend's gloo:all_reduce events on its "
+                       "own threads, and the training thread waits for it at the end of backward, outside any "
+                       "operator",
+    "loader only": "only the loaders were compared: a rank can fall behind in its forward and backward too",
+    "labels with waits": "the forward and backward labels' lengths were taken as computing: the backward label "
+                         "also holds the time a rank waits at its end for the all-reduce to complete",
+    "no threshold": "a rank was named on balanced ranks: some rank always does a little more than the others; it "
+                    "slows the job only when the typical step would be at least a third shorter without its excess",
+    "cause reversed": "the right rank, the other cause: compare its loading with the other ranks' loading, and its "
+                      "forward/backward with theirs",
+}
+
+
+def _verdict_words(answer: dict) -> str:
+    return "None" if answer["rank"] is None else f"rank {answer['rank']}, {answer['cause']!r}"
+
+
+#: The known wrong readings whose words speak of a rank the answer named.
+NAMES_A_RANK = ("waits longest", "no threshold", "cause reversed")
+
+
+def diagnose_straggler(rows: list[dict], got: dict) -> str:
+    """Name the known wrong readings whose verdict on ``rows`` is ``got`` (all of them, when several are), or
+    say what the right reading finds in this recording."""
+    right = straggler_reading(rows)
+    want = {"rank": right["rank"], "cause": right["cause"]}
+    matches = []
+    for name, words in WRONG_STRAGGLER.items():
+        if got["rank"] is None and name in NAMES_A_RANK:
+            continue  # its words are about a rank named; this answer named none
+        wrong = straggler_reading(rows, wrong=name)
+        if {"rank": wrong["rank"], "cause": wrong["cause"]} == got != want:
+            matches.append(words)
+        elif name in ("waits longest", "labels with waits") and got["rank"] is not None \
+                and got["rank"] == wrong["candidate"] != want["rank"]:
+            matches.append(words)
+    if matches:
+        return matches[0] if len(matches) == 1 else "your verdict fits several known mistakes: " + "; or ".join(matches)
+    if want["rank"] is None:
+        return (f"no rank slows the job here: without the largest excess the typical step would be only "
+                f"{right['share']:.0%} shorter, less than a third")
+    return (f"rank {want['rank']} slows the job: its loading took {right['data_ms']:.0f} ms and its forward/backward "
+            f"{right['compute_ms']:.0f} ms more per step than the other ranks' (their median); without that the "
+            f"typical step would be {right['share']:.0%} shorter")
+
+
+def _answer_of(t, world: int, index: int, got: tuple) -> dict:
+    """The answer as ``{"rank", "cause"}``, or the case fails saying what came back instead."""
+    where = f"{world} ranks, recording {index + 1}"
+    if got[0] == "raised":
+        t.fail("", "a dict", f"{where}: your code raised {got[1]}: {got[2]}")
+    answer = got[1]
+    if not isinstance(answer, dict) or set(answer) != {"rank", "cause"}:
+        t.fail('return a dict with exactly the keys "rank" and "cause"', '{"rank": ..., "cause": ...}',
+               f"{where}: {answer!r}")
+    if answer["rank"] is not None and (not isinstance(answer["rank"], int) or isinstance(answer["rank"], bool)):
+        t.fail("the rank is an int, the index of its trace in traces, or None", "an int or None",
+               f"{where}: {answer['rank']!r}")
+    if answer["cause"] not in ("data", "compute", None) or (answer["rank"] is None) != (answer["cause"] is None):
+        t.fail('the cause is "data" or "compute" when a rank is named, None when none is', '"data", "compute" or None',
+               f"{where}: {answer!r}")
+    return answer
+
+
+def straggler_case(t, evidence: dict, world: int, kind: str, said: set | None = None) -> None:
+    """Fail unless the answer on the recording of ``kind`` in ``world`` ranks is what the recording was made for.
+
+    Judged only on a recording that shows its design clearly (the reference reads it with a margin), and only
+    when the answer tells that world's recordings apart: an answer that gives every recording the same verdict
+    does not read them, whatever the case."""
+    if evidence is None or world not in evidence:
+        t.fail("the ranks did not finish recording")
+    recorded, answers = evidence[world]["recorded"], evidence[world]["answers"]
+    index = next(i for i, s in enumerate(recorded) if s["kind"] == kind)
+    scenario = recorded[index]
+    if not scenario["clear"]:
+        r = scenario["reading"]
+        t.fail("the machine was too busy: the recording did not show what it was made for clearly enough to judge "
+               "an answer (it was recorded " f"{scenario['tries']} times): rerun the check",
+               "a recording that shows its design", f"the reference reads a share of {r['share']:.0%} for rank "
+               f"{r['candidate']}")
+    got = _answer_of(t, world, index, answers[index])
+    want = {"rank": scenario["rank"], "cause": KINDS[kind] if scenario["rank"] is not None else None}
+    if got != want:
+        hint = diagnose_straggler(scenario["rows"], got)
+        t.fail(_once(said, hint), _verdict_words(want), f"recording {index + 1}: {_verdict_words(got)}")
+    verdicts = {repr((a[1].get("rank"), a[1].get("cause")) if a[0] == "ok" and isinstance(a[1], dict) else a)
+                for a in answers}
+    if len(verdicts) == 1:
+        t.fail(f"your answer gave every recording of {world} ranks the same verdict, balanced or not: a verdict that "
+               "does not depend on the traces is no evidence of reading them", "different verdicts for different "
+               "recordings", f"{_verdict_words(got)} for all {len(answers)}")

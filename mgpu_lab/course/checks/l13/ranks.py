@@ -11,6 +11,11 @@
 - :func:`run_checkpoint`: the learner's ``checkpoint_under`` on a stack of unequal blocks for
   several budgets, with every block's saved bytes before and after, the fewest blocks that
   can meet each budget (every subset tried) and the gradients against the unmodified model's.
+- :func:`record_stragglers`: in 2 or 4 real ranks, every recording of :func:`straggler_plan` (DDP
+  steps with a slow loader, extra compute or a larger batch on a rank drawn at random, and balanced
+  ranks: :func:`mgpu_lab.profiling.uneven.uneven_ddp_trace`), each recorded again until the
+  reference reads its design with a margin (:func:`shows_design`); :func:`run_find_straggler`:
+  the learner's ``find_straggler`` on every recording, in a fresh process.
 
 :func:`reference_saved_bytes` and :func:`reference_checkpoint_under` are the references of ``13.saved_bytes``
 and ``13.checkpoint_under``; the reference of ``13.exposed_comm`` is :func:`.judges.reference_exposed_comm`.
@@ -30,6 +35,7 @@ from torch import nn
 from mgpu_lab.profiling.blocks import Block, BlockStack, tokens
 from .. import _references
 from ..sim.outcome import one_thread, outcome
+from .judges import KINDS
 
 
 # -- references -----------------------------------------------------------------------------
@@ -301,3 +307,110 @@ def run_checkpoint(checkpoint_under) -> dict:
         plan = budgets()
     return {name: _one_budget(checkpoint_under, budget) for name, budget in plan.items()}
 
+
+
+# -- find_straggler ------------------------------------------------------------------------------
+#: A recording counts as evidence when the reference reads its design with a margin: a straggler whose excess
+#: is at least this share of the step (the verdict's threshold is ``judges.SLOWS``), ...
+CLEAR_SLOW = 0.5
+#: ... and balanced ranks whose largest excess stays below this share.
+CLEAR_BALANCED = 0.2
+
+
+def straggler_plan(world: int, seed=None) -> list[dict]:
+    """The recordings of one world size, in a random order: a slow loader, extra compute and a larger batch,
+    each on a random rank (on different ranks where there are enough), and balanced ranks; slowdowns drawn too."""
+    import random
+
+    rng = random.Random(seed)
+    picks = [rng.randrange(world) for _ in range(3)]
+    while len(set(picks)) < min(world, 3) - (world == 2):  # 2 ranks: both appear; 4 ranks: three different
+        picks = [rng.randrange(world) for _ in range(3)]
+    changes = ({"delay": round(rng.uniform(0.2, 0.28), 3)}, {"extra": rng.choice((5, 6))},
+               {"batch": rng.choice((1024, 1280))})
+    plan = [{"kind": kind, "rank": r, "ranks": {r: change}}
+            for kind, r, change in zip(("loader", "compute", "batch"), picks, changes)]
+    plan.append({"kind": "balanced", "rank": None, "ranks": {}})
+    rng.shuffle(plan)
+    return plan
+
+
+def shows_design(reading: dict, scenario: dict) -> bool:
+    """Whether the reference's ``reading`` of a recording shows the ``scenario`` it was made for, with a margin."""
+    if scenario["rank"] is None:
+        return reading["share"] <= CLEAR_BALANCED
+    mine, other = ((reading["data_ms"], reading["compute_ms"]) if KINDS[scenario["kind"]] == "data"
+                   else (reading["compute_ms"], reading["data_ms"]))
+    return reading["candidate"] == scenario["rank"] and reading["share"] >= CLEAR_SLOW and mine > 2 * max(other, 0.0)
+
+
+def _record_one(scenario: dict, folder: str, index: int, tries: int = 3) -> dict:
+    """In a rank: record ``scenario`` until the reference reads its design clearly (at most ``tries`` times)."""
+    from mgpu_lab.profiling.traces import load_trace
+    from mgpu_lab.profiling.uneven import uneven_ddp_trace
+
+    from .judges import rank_rows, straggler_reading
+
+    world, out = torch.distributed.get_world_size(), {}
+    for attempt in range(tries):
+        name = f"w{world}-s{index}-try{attempt}-rank"
+        uneven_ddp_trace(folder, scenario["ranks"], name=name)
+        torch.distributed.barrier()  # every rank's trace is written
+        paths = [os.path.join(folder, f"{name}{r}.json") for r in range(world)]
+        clear = torch.tensor([0])
+        if torch.distributed.get_rank() == 0:
+            with _references.allowed():
+                rows = rank_rows([load_trace(p) for p in paths])
+                reading = straggler_reading(rows)
+            out = {"kind": scenario["kind"], "rank": scenario["rank"], "paths": paths, "rows": rows,
+                   "reading": reading, "tries": attempt + 1}
+            clear[0] = int(shows_design(reading, scenario))
+        torch.distributed.broadcast(clear, 0)
+        if clear.item():
+            break
+    return out | {"clear": bool(clear.item())}
+
+
+def _cache_file(world: int):
+    cache = os.environ.get(CACHE_ENV)
+    return os.path.join(cache, f"stragglers-w{world}.pt") if cache else None
+
+
+def cached_stragglers(world: int):
+    """The recordings of ``world`` ranks that the folder :data:`CACHE_ENV` names holds (tests set it), or None."""
+    path = _cache_file(world)
+    return torch.load(path, weights_only=False) if path and os.path.exists(path) else None
+
+
+def record_stragglers(find_straggler, plan: list, folder: str):
+    """Probe (2 or 4 ranks): every recording of ``plan`` (its traces in ``folder``, or in the tests' cache), each
+    with the reference's reading; rank 0 returns them. An answer not written yet stops before any recording."""
+    one_thread()
+    outcome(find_straggler, [])
+    cache = _cache_file(torch.distributed.get_world_size())
+    if cache:
+        folder = os.path.dirname(cache)
+    out = [_record_one(scenario, folder, i) for i, scenario in enumerate(plan)]
+    if cache and torch.distributed.get_rank() == 0:
+        torch.save(out, cache)
+    return out if torch.distributed.get_rank() == 0 else None
+
+
+def _plain(answer):
+    """What a ``find_straggler`` answer travels back as: a dict of plain values, or its repr."""
+    if isinstance(answer, dict):
+        return {str(k): (v if v is None or isinstance(v, (str, int, float)) else repr(v)[:60]) for k, v in answer.items()}
+    return repr(answer)[:100]
+
+
+def run_find_straggler(find_straggler, recorded: dict) -> dict:
+    """In a fresh process: ``{world: [outcome of find_straggler(paths), ...]}`` in each world's recorded order."""
+    one_thread()
+    out = {}
+    for world, scenarios in recorded.items():
+        answers = []
+        for scenario in scenarios:
+            got = outcome(find_straggler, list(scenario["paths"]))
+            answers.append(("ok", _plain(got[1])) if got[0] == "ok" else got)
+        out[world] = answers
+    return out
