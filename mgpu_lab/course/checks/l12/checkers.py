@@ -13,7 +13,7 @@ process or the ranks is :mod:`.ranks`; :mod:`.judges` turns evidence into words.
 from __future__ import annotations
 
 from .._core import exercise
-from ..sim.scenarios import launch_scenarios
+from ..sim.scenarios import launch_scenarios, Scenarios
 from . import ranks as R
 from .judges import (ORDER_HINT, bubble_problem, bubble_problem_of_orders, in_flight_problem, orders_problem,
                      replay_problem)
@@ -292,28 +292,39 @@ def _each(t, runs, judge) -> None:
                "; the case 'no deadlock' says why)")
 
 
+def _launch_runs(t, run_schedule) -> dict:
+    """``{n_ranks: (evidence, scenarios)}`` for 2 and 4 ranks, new random orders each time; the 4 ranks are not
+    launched when the 2 stopped early (their cases then say not run)."""
+    import random
+
+    rng = random.Random(random.SystemRandom().randrange(2 ** 32))  # orders no one has seen before
+    runs = {}
+    for n_ranks in (2, 4):
+        scenarios = schedule_scenarios(n_ranks, rng)
+        if runs and runs[2][0].complete < len(runs[2][1]):
+            runs[n_ranks] = (Scenarios([[] for _ in range(n_ranks)]), scenarios)
+            continue
+        runs[n_ranks] = (launch_scenarios(t, R.probe_schedule, n_ranks, run_schedule, scenarios,
+                                          timeout=SCHEDULE_TIMEOUT), scenarios)
+    return runs
+
+
 @exercise("12.run_schedule", points=12, description="run_schedule(stages, placement, actions, inputs, targets, "
           "loss_fn) -> float | None: run this rank's forwards and backwards of a pipeline in the given order, on real "
           "ranks; one process's gradients, the mean loss, no deadlock, activations freed, one message each",
           references=SCHEDULE_REFERENCES)
 def _run_schedule(t, run_schedule):
-    """One launch of 2 ranks and one of 4, every scenario of each inside (:func:`.ranks.probe_schedule`).
+    """One launch of 2 ranks and one of 4 (not made when the 2 ranks stopped early), every scenario of each
+    inside (:func:`.ranks.probe_schedule`).
 
     Catches: blocking sends (a deadlock, found by the recorder), messages matched by their order (the wrong
     micro-batch, or a rank aborted by a larger message), one receive buffer for every micro-batch, activations
     kept after their backward, losses summed, a loss never divided, the activations passed within a rank with
     their graph, torch's own pipelining.
     """
-    import random
-
     from .judges import finished_problem, held_problem, loss_problem, messages_problem, ran_problem
 
-    rng = random.Random(random.SystemRandom().randrange(2 ** 32))  # orders no one has seen before
-    runs = {}
-    for n_ranks in (2, 4):
-        scenarios = schedule_scenarios(n_ranks, rng)
-        runs[n_ranks] = (launch_scenarios(t, R.probe_schedule, n_ranks, run_schedule, scenarios,
-                                          timeout=SCHEDULE_TIMEOUT), scenarios)
+    runs = _launch_runs(t, run_schedule)
     names = {"gpipe": "GPipe (every forward, then every backward)", "1f1b": "1F1B",
              "interleaved": "interleaved 1F1B: two stages per rank in a loop (rank r holds stages r and r + p)",
              "zbv": "a V: two stages per rank, rank r holds stages r and 2p - 1 - r, so the turn at the bottom "
