@@ -164,102 +164,174 @@ def bubble(schedule, n_stages, n_micro, t_f, t_b, t_w=0.0, virtual=1):
 '''),
 ])
 
-TRAIN = ExerciseMutants("12.pipeline_train", NOTEBOOK, ("pipeline_train",), mutants=[
-    Mutant("the state not gathered on rank 0", replace("return {k: v for part in parts for k, v in part.items()}",
-                                                       "return mine"), "lacks"),
-    Mutant("interleaved stages side by side, not in a loop",
-           replace("ids = [rank, rank + n_stages]", "ids = [2 * rank, 2 * rank + 1]"), "r + n_stages"),
-    Mutant("zbv's stages in a loop, not a V", replace("ids = [rank, total - 1 - rank]", "ids = [rank, rank + n_stages]"),
-           "2 x n_stages - 1 - r"),
-    Mutant("stage k starts at layer k, not k x its length (stages overlap)",
-           replace("list(model)[k * size:(k + 1) * size]", "list(model)[k:k + size]"), "equal runs of consecutive layers"),
-    Mutant("gradients never cleared", replace("        optimizer.zero_grad()\n", ""), "clear the gradients"),
-    Mutant("the micro-batch losses summed (scale_grads=False)",
-           replace("loss_fn=loss_fn)", "loss_fn=loss_fn, scale_grads=False)", count=0), "divide by n_micro"),
-    Mutant("the loss divided by n_micro, as torch's schedules do too (scaled twice)",
-           replace("loss_fn = nn.MSELoss()", "loss_fn = lambda out, y: nn.functional.mse_loss(out, y) / n_micro"),
-           ("divided by n_micro twice", "1/n_micro of one process's")),
-    Mutant("zbv's stages listed last first", replace("ids = [rank, total - 1 - rank]", "ids = [total - 1 - rank, rank]"),
-           ("scheduleZBVZeroBubble its stages in the order", "increasing order of their index")),
-    Mutant("the library's pp_train.train", replace("    ### BEGIN SOLUTION\n", "    ### BEGIN SOLUTION\n"
-                                                   "    from mgpu_lab.parallel.pp_train import train as lib\n"
-                                                   "    return lib(model_fn, n_stages, schedule, n_micro, batches, "
-                                                   "lr)\n"), "pp_train.train"),
+SCHEDULE = ExerciseMutants("12.run_schedule", NOTEBOOK, ("run_schedule",), mutants=[
+    Mutant("blocking sends (a rank waits in its send while its receiver waits for it)",
+           (replace('sends.append(tdist.isend(out.detach(), placement[s + 1], tag=tag(s + 1, i, "F")))',
+                    'tdist.send(out.detach(), placement[s + 1], tag=tag(s + 1, i, "F"))'),
+            replace('sends.append(tdist.isend(x.grad, placement[s - 1], tag=tag(s - 1, i, "B")))',
+                    'tdist.send(x.grad, placement[s - 1], tag=tag(s - 1, i, "B"))')),
+           ("deadlock", "blocking send")),
+    Mutant("one receive buffer reused across micro-batches",
+           replace("x = torch.empty(known[s])", 'x = known.setdefault(("buffer", s), torch.empty(known[s]))'),
+           ("its own tensor", "received into the input tensor of micro-batch")),
+    Mutant("activations never freed (kept in the dicts after their backward)",
+           (replace("out = outs.pop((s, i))", "out = outs[s, i]"), replace("x = ins.pop((s, i))", "x = ins[s, i]")),
+           ("held the activations of", "no longer")),
+    Mutant("the losses summed, not averaged",
+           (replace("(out / n_micro).backward()", "out.backward()"),
+            replace("return sum(losses) / len(losses)", "return sum(losses)")),
+           ("summed, not averaged", "the sum of the micro-batches' losses")),
+    Mutant("the loss kept with its graph (a list of loss tensors, averaged at the end)",
+           (replace("losses.append(out.item())", "losses.append(out)"),
+            replace("return sum(losses) / len(losses)", "return float(sum(losses) / len(losses))")),
+           ("held the activations of", "a list of losses")),
+    Mutant("messages matched by their order (no tags)",
+           (replace(', tag=tag(s, i, "F"))', ")"), replace(', tag=tag(s, i, "B"))', ")"),
+            replace(', tag=tag(s + 1, i, "F")))', "))"), replace(', tag=tag(s - 1, i, "B")))', "))")),
+           "whatever order the sender sent its messages in"),
+    Mutant("the shape sent with every micro-batch",
+           (replace("if s not in known:", "if True:"), replace("if s + 1 not in known:", "if True:")),
+           ("message(s) to rank", "travels once")),
 ], variants=[
-    Variant("the schedule class by name, stages from a list of layers, all_gather_object", '''
-def pipeline_train(model_fn, n_stages, schedule, n_micro, batches, lr):
-    from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining.schedules import get_schedule_class
-    rank, world = tdist.get_rank(), tdist.get_world_size()
-    model = model_fn()
-    multi = schedule in ("interleaved", "zbv")
-    total = 2 * world if multi else world
-    size = len(model) // total
-    mine_ids = [rank] if not multi else [rank, rank + world] if schedule == "interleaved" else [rank, total - 1 - rank]
-    parts = {k: model[k * size:(k + 1) * size] for k in mine_ids}  # a slice keeps the layers and their names
-    stages = [PipelineStage(parts[k], k, total, torch.device("cpu")) for k in mine_ids]
-    names = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B", "zbv": "ZBVZeroBubble"}
-    cls = get_schedule_class(names[schedule])
-    sched = cls(stages if multi else stages[0], n_micro, loss_fn=nn.MSELoss())
-    params = [p for m in parts.values() for p in m.parameters()]
-    opt = torch.optim.SGD(params, lr=lr)
-    for x, y in batches:
-        for p in params:
-            p.grad = None
-        sched.step(*((x,) if 0 in mine_ids else ()), **({"target": y} if total - 1 in mine_ids else {}))
-        opt.step()
-    state = {name: t.clone() for m in parts.values() for name, t in m.state_dict().items()}
-    everyone = [None] * world
-    tdist.all_gather_object(everyone, state)
-    return {k: v for part in everyone for k, v in part.items()} if rank == 0 else None
-'''),
-    Variant("sends of the state to rank 0 by tensors, stage lists from the stage count", '''
-def pipeline_train(model_fn, n_stages, schedule, n_micro, batches, lr):
-    import torch.distributed.pipelining as pp
-    rank = tdist.get_rank()
-    per_rank = 2 if schedule in ("interleaved", "zbv") else 1
-    total = per_rank * n_stages
-    layers = list(model_fn())
-    per = len(layers) // total
-    if schedule == "zbv":
-        ids = sorted({rank, total - 1 - rank})
-    else:
-        ids = list(range(rank, total, n_stages))
-    offsets = {k: k * per for k in ids}
-    mods = {k: nn.Sequential(*layers[k * per:(k + 1) * per]) for k in ids}
-    stages = [pp.PipelineStage(mods[k], k, total, torch.device("cpu")) for k in ids]
-    kind = {"gpipe": pp.ScheduleGPipe, "1f1b": pp.Schedule1F1B, "interleaved": pp.ScheduleInterleaved1F1B,
-            "zbv": pp.ScheduleZBVZeroBubble}[schedule]
-    run = kind(stages[0] if per_rank == 1 else stages, n_microbatches=n_micro, loss_fn=nn.functional.mse_loss)
-    sgd = torch.optim.SGD([p for m in mods.values() for p in m.parameters()], lr=lr)
-    for x, y in batches:
-        sgd.zero_grad(set_to_none=False)
-        if 0 in ids and total - 1 in ids:
-            run.step(x, target=y)
-        elif 0 in ids:
-            run.step(x)
-        elif total - 1 in ids:
-            run.step(target=y)
+    Variant("tags from an index of every message, the shape padded to four numbers, gradients divided at the end", """
+def run_schedule(stages, placement, actions, inputs, targets, loss_fn):
+    me = tdist.get_rank()
+    n = len(placement)
+    m = 1 + max(i for _, _, i in actions)
+    index = {key: k for k, key in enumerate((kind, s, i) for kind in "FB" for s in range(n) for i in range(m))}
+    inp, res, grads_here, shapes, pending, total = {}, {}, {}, {}, [], 0.0
+    for kind, s, i in actions:
+        if kind == "F":
+            src = placement[s - 1] if s else me
+            if s == 0:
+                a = inputs[i]
+            elif src == me:
+                a = res[(s - 1, i)].detach().requires_grad_(True)
+            else:
+                if s not in shapes:
+                    dims = torch.zeros(4, dtype=torch.int64)
+                    tdist.irecv(dims, src, tag=len(index) + s).wait()
+                    shapes[s] = tuple(int(d) for d in dims if d > 0)
+                a = torch.zeros(shapes[s])
+                tdist.irecv(a, src, tag=index[("F", s, i)]).wait()
+                a.requires_grad_(True)
+            y = stages[s](a)
+            if s == n - 1:
+                y = loss_fn(y, targets[i])
+                total += y.item()
+            elif placement[s + 1] != me:
+                if (s + 1) not in shapes:
+                    shapes[s + 1] = tuple(y.shape)
+                    dims = torch.tensor(list(y.shape) + [0] * (4 - y.dim()))
+                    pending.append(tdist.isend(dims, placement[s + 1], tag=len(index) + s + 1))
+                pending.append(tdist.isend(y.detach().clone(), placement[s + 1], tag=index[("F", s + 1, i)]))
+            inp[(s, i)], res[(s, i)] = a, y
         else:
-            run.step()
-        sgd.step()
-    full = model_fn()
-    for k, m in mods.items():
-        for i, layer in enumerate(m):
-            full[offsets[k] + i].load_state_dict(layer.state_dict())
-    for k in range(total):
-        owner = k if k < n_stages else (total - 1 - k if schedule == "zbv" else k - n_stages)
-        for t in nn.Sequential(*list(full)[k * per:(k + 1) * per]).state_dict().values():
-            if owner != 0:
-                if rank == owner:
-                    tdist.send(t.contiguous(), 0)
-                elif rank == 0:
-                    tdist.recv(t, owner)
-    return full.state_dict() if rank == 0 else None
-'''),
+            y = res.pop((s, i))
+            if s == n - 1:
+                g = None
+            elif placement[s + 1] == me:
+                g = grads_here.pop((s, i))
+            else:
+                g = torch.zeros_like(y)
+                tdist.irecv(g, placement[s + 1], tag=index[("B", s, i)]).wait()
+            torch.autograd.backward(y, g)
+            del y
+            a = inp.pop((s, i))
+            if s > 0:
+                if placement[s - 1] == me:
+                    grads_here[(s - 1, i)] = a.grad
+                else:
+                    pending.append(tdist.isend(a.grad, placement[s - 1], tag=index[("B", s - 1, i)]))
+            del a
+        pending = [w for w in pending if not w.is_completed()]
+    for w in pending:
+        w.wait()
+    for module in stages.values():
+        for p in module.parameters():
+            if p.grad is not None:
+                p.grad /= m
+    return total / m if (n - 1) in stages else None
+"""),
+    Variant("an executor class: a mailbox per message key, receives posted when the action comes", """
+class _Executor:
+    def __init__(self, stages, placement, n_micro):
+        self.stages, self.placement, self.m = stages, placement, n_micro
+        self.rank = tdist.get_rank()
+        self.saved, self.local, self.shape, self.works = {}, {}, {}, []
+
+    def key(self, direction, boundary, i):
+        return (boundary * self.m + i) * 2 + (direction == "down")
+
+    def get(self, direction, boundary, i, peer, like=None):
+        if like is None:
+            if boundary not in self.shape:
+                header = torch.zeros(6, dtype=torch.int64)
+                tdist.irecv(header, peer, tag=10 ** 6 + boundary).wait()
+                self.shape[boundary] = tuple(int(v) for v in header[1:1 + int(header[0])])
+            buf = torch.empty(self.shape[boundary])
+        else:
+            buf = torch.empty_like(like)
+        tdist.irecv(buf, peer, tag=self.key(direction, boundary, i)).wait()
+        return buf
+
+    def put(self, tensor, direction, boundary, i, peer, with_shape=False):
+        if with_shape:
+            dims = list(tensor.shape)
+            self.works.append(tdist.isend(torch.tensor([len(dims)] + dims + [0] * (5 - len(dims))), peer,
+                                          tag=10 ** 6 + boundary))
+        self.works.append(tdist.isend(tensor.detach().contiguous(), peer, tag=self.key(direction, boundary, i)))
+
+    def forward(self, s, i, inputs, targets, loss_fn, losses):
+        last = len(self.placement) - 1
+        if s == 0:
+            x = inputs[i]
+        elif (s - 1) in self.stages:
+            x = self.local.pop(("act", s, i)).requires_grad_()
+        else:
+            x = self.get("up", s, i, self.placement[s - 1]).requires_grad_()
+        y = self.stages[s](x)
+        if s == last:
+            y = loss_fn(y, targets[i]) / self.m
+            losses.append(float(y) * self.m)
+        elif (s + 1) in self.stages:
+            self.local[("act", s + 1, i)] = y.detach()
+        else:
+            self.put(y, "up", s + 1, i, self.placement[s + 1], with_shape=(s + 1) not in self.shape)
+            self.shape.setdefault(s + 1, tuple(y.shape))
+        self.saved[(s, i)] = (x, y)
+
+    def backward(self, s, i):
+        x, y = self.saved.pop((s, i))
+        last = len(self.placement) - 1
+        if s == last:
+            y.backward()
+        elif (s + 1) in self.stages:
+            y.backward(self.local.pop(("grad", s, i)))
+        else:
+            y.backward(self.get("down", s, i, self.placement[s + 1], like=y))
+        if s > 0 and (s - 1) in self.stages:
+            self.local[("grad", s - 1, i)] = x.grad
+        elif s > 0:
+            self.put(x.grad, "down", s - 1, i, self.placement[s - 1])
+
+
+def run_schedule(stages, placement, actions, inputs, targets, loss_fn):
+    n_micro = len({i for _, _, i in actions})
+    ex = _Executor(stages, placement, n_micro)
+    losses = []
+    for kind, s, i in actions:
+        if kind == "F":
+            ex.forward(s, i, inputs, targets, loss_fn, losses)
+        else:
+            ex.backward(s, i)
+    for w in ex.works:
+        w.wait()
+    return sum(losses) / n_micro if len(placement) - 1 in stages else None
+"""),
 ])
 
-SPECS = [ORDER, BUBBLE, TRAIN]
+SPECS = [SCHEDULE, ORDER, BUBBLE]
 
 
 test_mutant_fails_naming_its_bug, test_correct_variant_passes, test_every_exercise_has_five_mutants_and_two_variants = \

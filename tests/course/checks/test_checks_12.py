@@ -19,9 +19,9 @@ from mgpu_lab.course.checks import check, exercises
 pytestmark = pytest.mark.timeout(300)
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 NOTEBOOK = Path(__file__).resolve().parents[3] / "solutions" / "12_pipeline_schedules.ipynb"
-SOLUTION = solutions_from(NOTEBOOK, ("one_f_one_b", "bubble", "pipeline_train"),
+SOLUTION = solutions_from(NOTEBOOK, ("one_f_one_b", "bubble", "run_schedule"),
                           {"__name__": "__main__", "torch": torch, "nn": nn, "tdist": tdist})
-IDS = ["12.one_f_one_b", "12.bubble", "12.pipeline_train"]
+IDS = ["12.one_f_one_b", "12.bubble", "12.run_schedule"]
 
 
 def stub(*args, **kwargs):
@@ -45,9 +45,10 @@ def formula_everywhere(schedule, n_stages, n_micro, t_f, t_b, t_w=0.0, virtual=1
     return (n_stages - 1) / (n_micro + n_stages - 1)
 
 
-def test_the_lesson_registers_three_exercises_with_one_point_per_case():
-    assert {e.id: e.points for e in exercises("12")} == {"12.one_f_one_b": 6, "12.bubble": 6,
-                                                        "12.pipeline_train": 6}
+def test_the_lesson_registers_three_exercises_and_the_executor_carries_half_the_points():
+    points = {e.id: e.points for e in exercises("12")}
+    assert points == {"12.one_f_one_b": 6, "12.bubble": 6, "12.run_schedule": 12}
+    assert 2 * points["12.run_schedule"] >= sum(points.values())
 
 
 @pytest.mark.parametrize("exercise_id", IDS)
@@ -79,24 +80,36 @@ def test_the_closed_formula_passes_only_where_it_holds():
     assert result.cases[1].expected.startswith("bubble('interleaved', 4, 8, 1.0, 2.0, 0.0, 2) = 0.1579"), str(result)
 
 
-def one_process_on_rank_0(model_fn, n_stages, schedule, n_micro, batches, lr):
-    """The visible part without the pipeline: rank 0 trains the whole model alone; its weights are right."""
-    if tdist.get_rank() != 0:
-        return None
-    model = model_fn()
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    for x, y in batches:
-        optimizer.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        optimizer.step()
-    return model.state_dict()
+def one_rank_runs_everything(stages, placement, actions, inputs, targets, loss_fn):
+    """No pipeline: each rank runs its own stages' forwards on its own micro-batches or zeros, sends nothing."""
+    for kind, s, i in actions:
+        if kind == "F":
+            module = stages[s]
+            x = inputs[i] if inputs is not None and s == 0 else torch.zeros(2, module.inner[0].in_features)
+            module(x).sum().backward()
+    return None
 
 
-def test_weights_right_without_a_pipeline_fail_the_case_that_the_schedule_ran():
-    result = check("12.pipeline_train", one_process_on_rank_0)
-    assert [c.passed for c in result.cases] == [True, True, True, True, True, False], str(result)
-    ran = result.cases[-1]
-    assert ran.name.startswith("the schedule really ran") and "rank 0 built no ScheduleGPipe" in ran.got, str(result)
+def test_an_executor_without_messages_passes_no_case():
+    result = check("12.run_schedule", one_rank_runs_everything)
+    assert not any(c.passed for c in result.cases), str(result)
+
+
+def test_the_random_orders_need_messages_out_of_the_order_they_were_sent():
+    import random
+
+    from mgpu_lab.course.checks.l12.checkers import NAMED, RANDOM, schedule_scenarios
+    from mgpu_lab.course.checks.l12.judges import implied_peak, out_of_order
+
+    for n_ranks in (2, 4):
+        scenarios = schedule_scenarios(n_ranks, random.Random(n_ranks))
+        for placement, actions, n_micro, _ in scenarios[len(NAMED):len(NAMED) + len(RANDOM)]:
+            assert out_of_order(placement, actions), (placement, actions)
+            assert sorted(a for acts in actions.values() for a in acts) == sorted(
+                (k, s, i) for k in "FB" for s in range(len(placement)) for i in range(n_micro))
+            assert all(placement[s] == r for r, acts in actions.items() for _, s, _ in acts)
+        gpipe = scenarios[0][1]
+        assert [implied_peak(gpipe[r]) for r in range(n_ranks)] == [4] * n_ranks
 
 
 def warmup_reversed(rank, n_stages, n_micro):

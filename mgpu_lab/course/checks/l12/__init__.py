@@ -1,4 +1,4 @@
-"""Checks of lesson 12 (pipeline schedules): 12.one_f_one_b, 12.bubble, 12.pipeline_train.
+"""Checks of lesson 12 (pipeline schedules): 12.one_f_one_b, 12.bubble, 12.run_schedule.
 
 Every lesson's checks have the same three modules: ``checkers`` (the exercises,
 registered with their cases and hints), ``ranks`` (what runs in the check's fresh

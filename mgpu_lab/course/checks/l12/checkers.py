@@ -1,21 +1,22 @@
-"""Checks of lesson 12 (pipeline schedules): one_f_one_b, bubble, pipeline_train.
+"""Checks of lesson 12 (pipeline schedules): one_f_one_b, bubble, run_schedule.
 
 ``one_f_one_b`` runs in 4 real ranks (gloo): every rank's order is replayed with
 ``isend`` and blocking receives (bounded by :data:`.ranks.RECV_TIMEOUT`, so a
 deadlock is reported with where each rank waits), every scenario in one launch;
 other depths are judged without ranks on the same rules. ``bubble`` is judged in
 one process against every schedule's order replayed with the given times
-(:func:`.judges.reference_bubble`). ``pipeline_train`` runs in 2 real ranks,
-every schedule in one launch, against one process. What runs in the fresh
+(:func:`.judges.reference_bubble`). ``run_schedule`` runs in 2 and in 4 real
+ranks, one launch each with every scenario inside (named schedules and random
+orders made at check time), against one process, its messages recorded. What runs in the fresh
 process or the ranks is :mod:`.ranks`; :mod:`.judges` turns evidence into words.
 """
 from __future__ import annotations
 
 from .._core import exercise
-from ..sim.scenarios import launch_scenarios
+from ..sim.scenarios import launch_scenarios, Scenarios
 from . import ranks as R
 from .judges import (ORDER_HINT, bubble_problem, bubble_problem_of_orders, in_flight_problem, orders_problem,
-                     ran_problem, replay_problem, returns_problem, state_problem)
+                     replay_problem)
 
 ORDER_REFERENCES = ("mgpu_lab.parallel.pp_orders:orders",
                     "torch.distributed.pipelining.schedules:_get_1f1b_rank_ops",
@@ -23,10 +24,10 @@ ORDER_REFERENCES = ("mgpu_lab.parallel.pp_orders:orders",
 ORDER_TIMEOUT = 60.0  # seconds for the launch; a deadlock ends after RECV_TIMEOUT on its own
 MAIN = [(4, 8), (4, 4), (4, 6)]
 FEW = [(4, 2), (4, 1)]
-FLIGHT_HINT = ("a rank must run a backward as soon as n_stages - rank micro-batches are alive (or all of them, "
-               "when there are fewer): 1F1B's memory bound is what it has over GPipe")
-IDLE_HINT = ("1F1B keeps GPipe's bubble while bounding the memory: a rank that warms up with fewer forwards than "
-             "n_stages - rank - 1 waits for gradients when it could be working")
+FLIGHT_HINT = ("your order keeps more micro-batches alive on a rank than 1F1B's bound allows (also when there are fewer "
+               "micro-batches than stages): that bound is what 1F1B has over GPipe")
+IDLE_HINT = ("1F1B keeps GPipe's bubble while bounding the memory: replayed with equal times, your order leaves a rank "
+             "waiting for a gradient at moments when it could still run a forward within its memory bound")
 DEPTHS = [(p, m) for p in (2, 3, 5, 8) for m in (1, 2, 3, 7, 16)]
 CALLS = [(r, p, m) for p, m in DEPTHS for r in range(p)]
 
@@ -190,95 +191,185 @@ def _bubble(t, bubble):
                 t.fail(*problem)
 
 
-# -- pipeline_train --------------------------------------------------------------------
-TRAIN_REFERENCES = ("mgpu_lab.parallel.pp_train:train", "mgpu_lab.parallel.pp_train:_build",
-                    "mgpu_lab.parallel.pp_train:split_layers", "mgpu_lab.parallel.pp_train:stage_ids",
-                    "mgpu_lab.parallel.pp_train:make_schedule", "mgpu_lab.parallel.pp_train:_gather_state")
-TRAIN_SCENARIOS = [("small", "gpipe", 4, 0.1), ("small", "1f1b", 4, 0.1), ("small", "interleaved", 2, 0.1),
-                   ("small", "zbv", 4, 0.1), ("deep", "1f1b", 2, 0.05), ("deep", "zbv", 2, 0.05)]
-# Seconds for the launch: the six scenarios take about a second on 2 idle cores, so 20 s is a wide margin for a
-# loaded grader; a pipeline whose stages never meet (e.g. ZBV's stages in a loop) waits in torch's receive, with
-# no timeout of its own, until this ends the launch, so the learner waits this long for the verdict.
-TRAIN_TIMEOUT = 20.0
+# -- run_schedule ----------------------------------------------------------------------
+SCHEDULE_REFERENCES = ("torch.distributed.pipelining.stage:PipelineStage",
+                       "torch.distributed.pipelining.schedules:PipelineScheduleSingle",
+                       "torch.distributed.pipelining.schedules:PipelineScheduleMulti",
+                       "mgpu_lab.parallel.pp_train:train")
+# Seconds for each launch: a right answer judges every scenario of a world size in a few seconds; a deadlock ends
+# at once (the recorder's deadlock finder), so only a hang outside sends and receives waits this long.
+SCHEDULE_TIMEOUT = 60.0
+NAMED = [("gpipe", "one"), ("1f1b", "one"), ("interleaved", "loop"), ("zbv", "v")]
+N_MICRO = {2: 4, 4: 4}
+RANDOM = [("one", 3), ("loop", 3), ("v", 3)]
+EXTRA = {2: [("gpipe", "one", 1)], 4: [("1f1b", "one", 2)]}  # one micro-batch; fewer micro-batches than ranks
+
+WAITS = ("every receive needs its send on the other rank, reached in an order both ranks' actions allow: a send "
+         "that waits for its receiver (a blocking send) stops the sender while its receiver may be waiting for "
+         "something the sender has yet to send")
+DIED_HINT = ("a rank's process died without a Python error: gloo aborts a process that receives a message larger "
+             "than the tensor it receives into, e.g. when a receive is matched with a message meant for another one")
+ORDER_WORDS = ("each receive must get the message its action needs, whatever order the sender sent its messages in: "
+               "between two ranks, the actions may need messages in another order than they were sent")
+SHARED_WORDS = ("each micro-batch's input is its own tensor: a receive into the tensor another micro-batch used as its "
+                "input overwrites what autograd saved for that one's backward, and the input's .grad adds up over "
+                "the micro-batches")
 
 
-@exercise("12.pipeline_train", points=6, description="pipeline_train(model_fn, n_stages, schedule, n_micro, "
-          "batches, lr) -> dict | None: train with torch.distributed.pipelining and the named schedule; rank 0 "
-          "returns the whole model's state_dict, equal to one process's", references=TRAIN_REFERENCES)
-def _pipeline_train(t, pipeline_train):
-    """One launch of 2 ranks, every schedule in turn, against one process (:func:`.ranks.reference_state`).
+def schedule_scenarios(n_ranks: int, rng) -> list:
+    """The scenarios of one world size: the named schedules, random orders (each with a receiver that needs some
+    messages out of the order they were sent, when one is found), then the hidden extras."""
+    from .judges import out_of_order, placements, random_actions, schedule_actions
 
-    Catches: no gather (rank 0's stages only), a state on every rank, the wrong split (stages of the
-    wrong length, or ZBV's stages in a loop), gradients not cleared, the sum of the micro-batch losses.
-    """
-    evidence = launch_scenarios(t, R.probe_train, 2, pipeline_train, TRAIN_SCENARIOS, timeout=TRAIN_TIMEOUT)
-    for k, (name, hint) in enumerate((
-            ("GPipe, 2 ranks, a Sequential of 8 modules, 4 micro-batches, 3 steps: rank 0 returns the whole "
-             "model's state_dict and the weights equal one process's; the other rank returns None",
-             "stage k holds the k-th of n_stages equal runs of consecutive layers (the stages' outputs must be "
-             "the next stages' inputs), trained with the named schedule"),
-            ("1F1B: the same as one process", ""),
-            ("interleaved 1F1B, two stages per rank (stages 0, 2 on rank 0; 1, 3 on rank 1), 2 micro-batches: "
-             "the same as one process", "interleaved: the model cut into 2 x n_stages runs of layers, rank r "
-             "holding stages r and r + n_stages"),
-            ("ZBV, two stages per rank in a V (rank 0: stages 0 and 3; rank 1: 1 and 2): the same as one process",
-             "ZBV: the model cut into 2 x n_stages runs of layers, rank r holding stages r and 2 x n_stages - 1 - r"),
-    )):
-        with t.case(name, hint=hint):
-            _judge_train(t, _returned(_scenario(t, evidence, k)), TRAIN_SCENARIOS[k])
-    with t.case("8 layers with 1F1B and ZBV, 2 micro-batches, lr 0.05: the same as one process", hidden=True):
-        for k in (4, 5):
-            _judge_train(t, _returned(_scenario(t, evidence, k)), TRAIN_SCENARIOS[k])
-    with t.case("the schedule really ran on the ranks: in every schedule above, each rank built torch's schedule "
-                "of that name with its stages, each stage ran every micro-batch's forward and backward once per "
-                "step, the ranks sent each other messages, and the weights of every stage changed",
-                hint="train with torch.distributed.pipelining's schedule of the named kind on every rank, each rank "
-                     "running its own stages; the check records what torch's stages and schedules did"):
-        if evidence.complete < 4:
-            t.fail("every schedule must first run to the end (the cases above say where one stopped)",
-                   "torch's schedule run on every rank", "not judged: not every schedule ran to the end")
-        for k in range(4):
-            per_rank = evidence.get(t, k)
-            _, schedule, n_micro, _ = TRAIN_SCENARIOS[k]
-            problem = ran_problem([r["ran"] for r in per_rank], schedule, n_micro, len(R.train_batches("small")))
-            if problem:
-                t.fail("", "torch's schedule run on every rank", f"{schedule}: {problem}")
-        per_rank = _returned(evidence.get(t, 0))
-        problem = returns_problem(per_rank)
-        if problem:
-            t.fail("", "rank 0: the state_dict", problem)
-        ref0 = R.train_model("small").state_dict()
-        unchanged = [k for k, v in per_rank[0][1].items() if k in ref0 and v.shape == ref0[k].shape
-                     and bool((v == ref0[k]).all())]
-        if unchanged or len(per_rank[0][1]) < len(ref0):
-            t.fail("every stage must train", "every tensor changed", f"unchanged or missing: {unchanged[:4]}")
+    where = placements(n_ranks)
+    out = [(where[p], schedule_actions(name, n_ranks, N_MICRO[n_ranks]), N_MICRO[n_ranks], "l1" if k == 1 else "mse")
+           for k, (name, p) in enumerate(NAMED)]
+    for p, m in RANDOM:
+        for _ in range(200):
+            actions = random_actions(where[p], m, rng)
+            if out_of_order(where[p], actions):
+                break
+        out.append((where[p], actions, m, "mse"))
+    out += [(where[p], schedule_actions(name, n_ranks, m), m, "mse") for name, p, m in EXTRA[n_ranks]]
+    return out
 
 
-def _scenario(t, evidence, k: int) -> list:
-    """Scenario ``k``'s evidence; a rank's stages given to a schedule out of order is said in words."""
-    from mgpu_lab.launcher.errors import LaunchError
+def _schedule_evidence(t, runs, n_ranks: int, k: int) -> list:
+    """Scenario ``k`` of the ``n_ranks`` launch, every rank's evidence; a raise there fails the case in words."""
+    from mgpu_lab.launcher.errors import LaunchError, LaunchTimeout
 
+    from .._core import _error_text
+
+    evidence, _ = runs[n_ranks]
     try:
         return evidence.get(t, k)
-    except LaunchError as exc:
-        said = str(exc).splitlines()[0]
-        if "increasing order of their index" in said:
-            t.fail("a schedule of several stages per rank takes the rank's stages in increasing order of their "
-                   "index", "each rank's stages in increasing order", said)
+    except LaunchTimeout:
         raise
+    except LaunchError as exc:
+        if exc.exc_type in ("NotImplementedError", "ReferenceCalled"):
+            raise
+        said = _error_text(exc)
+        hint = WAITS if exc.exc_type == "Deadlock" else DIED_HINT if not exc.exc_type else \
+            "your code raised in a rank: the error and its line are above"
+        t.fail(hint, got=said)
 
 
-def _returned(per_rank: list) -> list:
-    return [r["returned"] for r in per_rank]
+def _what(scenario) -> str:
+    placement, actions, n_micro, _ = scenario
+    return f"{len(set(placement))} ranks, stages on ranks {placement}, {n_micro} micro-batches"
 
 
-def _judge_train(t, per_rank, scenario):
-    kind, schedule, n_micro, lr = scenario
-    problem = returns_problem(per_rank)
-    if problem:
-        t.fail("rank 0 gathers the weights and returns them; every other rank returns None",
-               "rank 0: the whole model's state_dict; every other rank: None", problem)
-    hint, problem = state_problem(per_rank[0][1], R.reference_state(kind, lr), n_micro, lr,
-                                  scaled=lambda c: R.reference_state(kind, lr * c))
-    if problem:
-        t.fail(hint, "one process's weights", f"{schedule}: {problem}")
+def _judge_grads(t, runs, n_ranks: int, k: int) -> None:
+    from .judges import grads_problem, ran_problem
+
+    per_rank = _schedule_evidence(t, runs, n_ranks, k)
+    scenario = runs[n_ranks][1][k]
+    hint, got = grads_problem(per_rank, scenario[2])
+    if got:
+        shared = next((ev["shared"] for ev in per_rank if ev["shared"]), None)
+        if shared:
+            stage, i, j = shared[0]
+            hint = SHARED_WORDS
+            got += f"; stage {stage}'s forward of micro-batch {i} received into the input tensor of micro-batch {j}"
+        elif ran_problem(per_rank, scenario[1]):
+            hint = ORDER_WORDS
+            got += f"; {ran_problem(per_rank, scenario[1])}"
+        t.fail(hint, "one process's gradients", f"{_what(scenario)}: {got}")
+
+
+def _each(t, runs, judge) -> None:
+    """``judge(per_rank, scenario)`` -> problem, on every scenario of both launches that ran to the end; fail at
+    the first problem, or, when some scenario did not run to the end, saying it was not judged."""
+    for n_ranks, (evidence, scenarios) in runs.items():
+        for k, scenario in enumerate(scenarios[:evidence.complete]):
+            problem = judge(evidence.get(t, k), scenario)
+            if problem:
+                t.fail("", "", f"{_what(scenario)}: {problem}")
+    stopped = [f"{n_ranks} ranks: {len(scenarios) - evidence.complete} of {len(scenarios)}"
+               for n_ranks, (evidence, scenarios) in runs.items() if evidence.complete < len(scenarios)]
+    if stopped:
+        t.fail("", "every scenario judged", f"not judged: scenarios that did not run to the end ({'; '.join(stopped)}"
+               "; the case 'no deadlock' says why)")
+
+
+def _launch_runs(t, run_schedule) -> dict:
+    """``{n_ranks: (evidence, scenarios)}`` for 2 and 4 ranks, new random orders each time; the 4 ranks are not
+    launched when the 2 stopped early (their cases then say not run)."""
+    import random
+
+    rng = random.Random(random.SystemRandom().randrange(2 ** 32))  # orders no one has seen before
+    runs = {}
+    for n_ranks in (2, 4):
+        scenarios = schedule_scenarios(n_ranks, rng)
+        if runs and runs[2][0].complete < len(runs[2][1]):
+            runs[n_ranks] = (Scenarios([[] for _ in range(n_ranks)]), scenarios)
+            continue
+        runs[n_ranks] = (launch_scenarios(t, R.probe_schedule, n_ranks, run_schedule, scenarios,
+                                          timeout=SCHEDULE_TIMEOUT), scenarios)
+    return runs
+
+
+@exercise("12.run_schedule", points=12, description="run_schedule(stages, placement, actions, inputs, targets, "
+          "loss_fn) -> float | None: run this rank's forwards and backwards of a pipeline in the given order, on real "
+          "ranks; one process's gradients, the mean loss, no deadlock, activations freed, one message each",
+          references=SCHEDULE_REFERENCES)
+def _run_schedule(t, run_schedule):
+    """One launch of 2 ranks and one of 4 (not made when the 2 ranks stopped early), every scenario of each
+    inside (:func:`.ranks.probe_schedule`).
+
+    Catches: blocking sends (a deadlock, found by the recorder), messages matched by their order (the wrong
+    micro-batch, or a rank aborted by a larger message), one receive buffer for every micro-batch, activations
+    kept after their backward, losses summed, a loss never divided, the activations passed within a rank with
+    their graph, torch's own pipelining.
+    """
+    from .judges import finished_problem, held_problem, loss_problem, messages_problem, ran_problem
+
+    runs = _launch_runs(t, run_schedule)
+    names = {"gpipe": "GPipe (every forward, then every backward)", "1f1b": "1F1B",
+             "interleaved": "interleaved 1F1B: two stages per rank in a loop (rank r holds stages r and r + p)",
+             "zbv": "a V: two stages per rank, rank r holds stages r and 2p - 1 - r, so the turn at the bottom "
+                    "(stages p - 1 and p) stays on one rank"}
+    for k, (name, _) in enumerate(NAMED):
+        with t.case(f"{names[name]}, on 2 and 4 ranks: every stage's gradients equal one process's over the whole "
+                    "batch", hint=WAITS if k == 1 else ""):
+            for n_ranks in (2, 4):
+                _judge_grads(t, runs, n_ranks, k)
+    for n_ranks in (2, 4):
+        with t.case(f"orders the lesson never shows, on {n_ranks} ranks: random orders that respect the dependencies "
+                    "(one stage per rank, a loop, a V), where a receiver needs some messages in another order than "
+                    "they were sent: one process's gradients"):
+            for k in range(len(NAMED), len(NAMED) + len(RANDOM)):
+                _judge_grads(t, runs, n_ranks, k)
+    with t.case("no deadlock: every scenario on 2 and on 4 ranks ran to the end, every rank's stages running all its "
+                "actions and the rank sending its messages (a deadlock is found and reported while it happens)",
+                hint=WAITS):
+        for n_ranks, (evidence, scenarios) in runs.items():
+            if evidence.complete < len(scenarios):
+                _schedule_evidence(t, runs, n_ranks, evidence.complete)
+        _each(t, runs, lambda per_rank, sc: finished_problem(per_rank, sc[0], sc[1]))
+    with t.case("the loss: the last stage's rank returns the mean loss over the micro-batches, a float, one "
+                "process's loss over the whole batch; every other rank returns None",
+                hint="the whole batch's loss is the mean of the micro-batches' losses when they are equal in size"):
+        _each(t, runs, lambda per_rank, sc: loss_problem(per_rank, sc[0], sc[2]))
+    with t.case("in the given order: each rank's stages ran its actions in the order of `actions`, each forward on "
+                "the micro-batch its action names (recorded by the stages)", hint=ORDER_WORDS):
+        _each(t, runs, lambda per_rank, sc: ran_problem(per_rank, sc[1]))
+    with t.case("memory: at every forward, each rank held the activations (inputs, outputs, losses) of exactly as "
+                "many micro-batches as its order implies: forwards run minus backwards run (recorded)",
+                hint="a micro-batch's activations are needed from its forward until its backward, and no longer: "
+                     "whatever still references them afterwards (a dict, a list of losses, a send in progress) "
+                     "keeps them in memory"):
+        _each(t, runs, lambda per_rank, sc: held_problem(per_rank, sc[1]))
+    with t.case("messages: one per activation and per gradient that crosses ranks (and at most one per boundary to "
+                "tell its shape), none between stages of one rank (recorded)",
+                hint="a tensor that crosses ranks travels once; a stage's neighbour on the same rank needs no message"):
+        _each(t, runs, lambda per_rank, sc: messages_problem(per_rank, sc[0], sc[1]))
+    with t.case("one micro-batch (GPipe, 2 ranks) and fewer micro-batches than ranks (1F1B, 2 on 4 ranks): "
+                "one process's gradients and loss", hidden=True):
+        for n_ranks in (2, 4):
+            k = len(runs[n_ranks][1]) - 1
+            _judge_grads(t, runs, n_ranks, k)
+            problem = loss_problem(_schedule_evidence(t, runs, n_ranks, k), runs[n_ranks][1][k][0],
+                                   runs[n_ranks][1][k][2])
+            if problem:
+                t.fail("", "the mean loss", problem)

@@ -1,9 +1,11 @@
-"""Lesson 12's verdicts, in words: replayed 1F1B orders, bubbles against the replayed schedules, pipeline training.
+"""Lesson 12's verdicts, in words: replayed 1F1B orders, bubbles against the replayed schedules, a pipeline run.
 
 The references a value is judged against are :func:`reference_bubble` (every schedule's
 order from :mod:`mgpu_lab.parallel.pp_orders`, replayed with the given times) and
-:func:`.ranks.reference_state` (training in one process); each judge names the known
-wrong answer a value matches when it recognises one.
+:func:`.ranks.schedule_reference` (one process over the whole batch); each judge names the
+known wrong answer a value matches when it recognises one. The orders a pipeline run is
+judged on are the named schedules' (:func:`schedule_actions`) and random ones that respect
+the dependencies (:func:`random_actions`).
 """
 from __future__ import annotations
 
@@ -84,9 +86,9 @@ def orders_problem(orders: dict, n_stages: int, n_micro: int) -> str:
     return ""
 
 
-ORDER_HINT = ("each rank forwards a few micro-batches to fill the pipeline, then takes turns: one forward, one "
-              "backward, and ends with the backwards left; the last rank runs each backward right after its "
-              "forward, and each rank further from the end fills one more")
+ORDER_HINT = ("a deadlock: each rank above waits in a receive whose message the other rank sends only after an "
+              "action it cannot reach yet; follow one micro-batch from the first rank to the last and back, and "
+              "check that every rank's order lets its neighbours' sends happen before it needs them")
 
 
 # -- bubble ----------------------------------------------------------------------------
@@ -143,98 +145,197 @@ def bubble_problem(args: tuple, got: tuple) -> tuple[str, str, str] | None:
             "the schedule's order as soon as what they need has ended", expected, f"{value:.4f}")
 
 
-# -- pipeline_train --------------------------------------------------------------------
-def returns_problem(per_rank: list) -> str:
-    """Rank 0 returns a state_dict of tensors, the others None ('' when so)."""
-    first, *rest = per_rank
-    if first[0] != "state":
-        return f"rank 0 returned {first[1] if first[0] == 'other' else 'None'}, not the model's state_dict"
-    for rank, got in enumerate(rest, 1):
-        if got[0] != "none":
-            return f"rank {rank} returned {got[1] if got[0] == 'other' else 'a state_dict'}, not None"
-    return ""
-
-
-TRAIN_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
-                 "zbv": "ScheduleZBVZeroBubble"}
-
-
-def stages_of(schedule: str, rank: int, world: int) -> list[int]:
-    """The stages ``rank`` holds: one, two in a loop (interleaved), two in a V (ZBV)."""
-    if schedule == "interleaved":
-        return [rank, rank + world]
-    if schedule == "zbv":
-        return [rank, 2 * world - 1 - rank]
-    return [rank]
-
-
-def ran_problem(ran: list, schedule: str, n_micro: int, steps: int) -> str:
-    """'' when, on every rank, torch's schedule of that name was built with the rank's stages, each stage ran
-    every micro-batch's forward and backward once per step, and the rank sent messages; else what is missing.
-
-    ``ran``: each rank's record (:func:`.ranks.recording_pipelining`).
+# -- run_schedule ----------------------------------------------------------------------
+def placements(n_ranks: int) -> dict[str, list[int]]:
+    """Stage -> rank for one stage per rank, two in a loop (interleaved) and two in a V.
 
     Example:
-        >>> seen = {"schedules": [("Schedule1F1B", [0])], "actions": {"F0": 8, "B0": 8}, "sends": 8}
-        >>> ran_problem([seen, dict(seen, schedules=[("Schedule1F1B", [1])], actions={"F1": 8, "B1": 8})],
-        ...             "1f1b", 4, 2)
-        ''
-        >>> ran_problem([seen, {"schedules": [], "actions": {}, "sends": 0}], "1f1b", 4, 2)
-        'rank 1 built no Schedule1F1B (it built none)'
+        >>> placements(2)
+        {'one': [0, 1], 'loop': [0, 1, 0, 1], 'v': [0, 1, 1, 0]}
     """
-    want = TRAIN_CLASSES[schedule]
-    for rank, seen in enumerate(ran):
-        built = [name for name, _ in seen["schedules"]]
-        if want not in built:
-            return f"rank {rank} built no {want} (it built {', '.join(built) or 'none'})"
-        for stage in stages_of(schedule, rank, len(ran)):
-            forwards = seen["actions"].get(f"F{stage}", 0)
-            backwards = seen["actions"].get(f"B{stage}", 0) + seen["actions"].get(f"I{stage}", 0)
-            if forwards < n_micro * steps or backwards < n_micro * steps:
-                return (f"stage {stage} on rank {rank} ran {forwards} forwards and {backwards} backwards in torch's "
-                        f"pipeline stage, where {steps} steps of {n_micro} micro-batches run {n_micro * steps} of each")
-        if not seen["sends"]:
-            return f"rank {rank}'s stages sent no message to the other rank"
+    return {"one": list(range(n_ranks)), "loop": [s % n_ranks for s in range(2 * n_ranks)],
+            "v": [s if s < n_ranks else 2 * n_ranks - 1 - s for s in range(2 * n_ranks)]}
+
+
+def schedule_actions(schedule: str, n_ranks: int, n_micro: int) -> dict[int, list[tuple]]:
+    """Each rank's ``("F", stage, micro-batch)`` / ``("B", ...)`` under a named schedule (ZBV's input gradient as
+    the backward, its weight gradient dropped)."""
+    from mgpu_lab.parallel.pp_record import parse
+
+    out = {}
+    for rank, labels in pp_orders.orders(schedule, n_ranks, n_micro, 2 if schedule == "interleaved" else 1).items():
+        acts = [parse(label) for label in labels]
+        out[rank] = [("F" if kind == "F" else "B", stage, i) for kind, i, stage in acts if kind != "W"]
+    return out
+
+
+def _needs(kind: str, s: int, i: int, last: int) -> list[tuple]:
+    if kind == "F":
+        return [("F", s - 1, i)] if s > 0 else []
+    return [("F", s, i)] + ([("B", s + 1, i)] if s < last else [])
+
+
+def random_actions(placement: list, n_micro: int, rng) -> dict[int, list[tuple]]:
+    """A random order of every forward and backward that respects their dependencies, each rank's part of it."""
+    last = len(placement) - 1
+    todo = {(k, s, i) for k in "FB" for s in range(last + 1) for i in range(n_micro)}
+    done, out = set(), {r: [] for r in sorted(set(placement))}
+    while todo:
+        ready = sorted(a for a in todo if all(n in done for n in _needs(*a, last)))
+        action = ready[rng.randrange(len(ready))]
+        todo.discard(action)
+        done.add(action)
+        out[placement[action[1]]].append(action)
+    return out
+
+
+def channels(placement: list, actions: dict) -> tuple[dict, dict]:
+    """Per ``(from rank, to rank)``: the messages in the order the sender sends them and in the order the
+    receiver needs them (``(kind, receiving stage, micro-batch)``)."""
+    last, sent, needed = len(placement) - 1, {}, {}
+    for rank, acts in actions.items():
+        for kind, s, i in acts:
+            to = s + 1 if kind == "F" else s - 1
+            if 0 <= to <= last and placement[to] != rank:
+                sent.setdefault((rank, placement[to]), []).append((kind, to, i))
+            frm = s - 1 if kind == "F" else s + 1
+            if 0 <= frm <= last and placement[frm] != rank:
+                needed.setdefault((placement[frm], rank), []).append((kind, s, i))
+    return sent, needed
+
+
+def out_of_order(placement: list, actions: dict) -> bool:
+    """Whether some receiver needs two messages of one sender in another order than they were sent."""
+    sent, needed = channels(placement, actions)
+    return any(sent[c] != needed.get(c) for c in sent)
+
+
+def implied_peak(actions: list) -> int:
+    """The most micro-batches forwarded and not yet backwarded at once in one rank's order (per stage)."""
+    alive = peak = 0
+    for kind, _, _ in actions:
+        alive += 1 if kind == "F" else -1
+        peak = max(peak, alive)
+    return peak
+
+
+def ran_problem(per_rank: list, actions: dict) -> str:
+    """'' when every rank's stages ran its actions in the given order (each forward on the micro-batch the action
+    names); else the first difference, in words."""
+    for rank, ev in enumerate(per_rank):
+        want, got = [tuple(a) for a in actions[rank]], [tuple(a) for a in ev["ran"]]
+        for k, (w, g) in enumerate(zip(want, got)):
+            if w != g:
+                if w[0] == g[0] == "F" and w[1] == g[1]:
+                    said = (f"no micro-batch's activations (what stage {g[1]} received matches none)" if g[2] < 0
+                            else f"the activations of micro-batch {g[2]}")
+                    return (f"rank {rank}'s action {k}, {w}, ran stage {w[1]}'s forward on {said}: the message it "
+                            f"received was not the one the action needs")
+                return f"rank {rank}'s action {k} is {w}, but its stages ran {g} there"
+        if ev.get("wrong_grads"):
+            s, i, j = ev["wrong_grads"][0]
+            return (f"rank {rank}'s backward of micro-batch {i} on stage {s} started from the gradient of micro-batch "
+                    f"{j}: the message it received was not the one the action needs")
+        if len(got) != len(want):
+            more = got[len(want):] or want[len(got):]
+            return (f"rank {rank}'s stages ran {len(got)} forwards and backwards for {len(want)} actions "
+                    f"({'extra' if len(got) > len(want) else 'missing'}: {more[:3]})")
     return ""
 
 
-def state_problem(state: dict, ref: dict, n_micro: int, lr: float, scaled=None) -> tuple[str, str]:
-    """How the gathered weights differ from one process's: ``(hint, got)``, ``("", "")`` when equal.
-
-    ``scaled(c)``: one process's weights with every gradient multiplied by ``c`` (SGD: the learning rate times
-    ``c``), to recognise the micro-batch losses summed (``c = n_micro``) or divided twice (``c = 1 / n_micro``).
-    """
-    hint, got = "", _state_difference(state, ref)
-    if "differs from one process's" in got:
-        hint = ("every tensor has the model's name and shape, with other values: the step must use the mean loss "
-                f"over the whole batch (torch's schedules divide by n_micro={n_micro} when scale_grads=True), clear "
-                f"the gradients every step, and step with SGD(lr={lr}) once per batch")
-    if got and scaled is not None and "differs from one process's" in got:
-        for c, words in ((n_micro, "the micro-batch losses summed, not averaged: the gradients are n_micro times "
-                                   "one process's (torch's schedules already divide by n_micro when "
-                                   "scale_grads=True, which a loss that is a mean over its micro-batch needs)"),
-                         (1 / n_micro, "the loss divided by n_micro twice: the gradients are 1/n_micro of one "
-                                       "process's (torch's schedules already divide by n_micro when "
-                                       "scale_grads=True; a loss that is a mean over its micro-batch needs no more)")):
-            if not _state_difference(state, scaled(c)):
-                hint = f"the weights are those of {words}"
-    return hint, got
+def grads_problem(per_rank: list, n_micro: int) -> tuple[str, str]:
+    """``(hint, got)`` when some stage's gradients are not one process's; ``("", "")`` when all are."""
+    for rank, ev in enumerate(per_rank):
+        for s, verdict in sorted(ev["grads"].items()):
+            if verdict == "same":
+                continue
+            if verdict == "times":
+                return (f"the gradients are n_micro={n_micro} times one process's: the losses of the micro-batches "
+                        "summed, not averaged", f"stage {s} on rank {rank}: {n_micro} x one process's gradients")
+            if verdict == "over":
+                return (f"the gradients are 1/n_micro of one process's: the loss divided by n_micro={n_micro} twice",
+                        f"stage {s} on rank {rank}: 1/{n_micro} of one process's gradients")
+            if verdict == "none":
+                return ("a stage's parameters got no gradient: every backward must reach every stage",
+                        f"stage {s} on rank {rank}: no gradient")
+            return ("", f"stage {s} on rank {rank}: gradients differ from one process's by {verdict}")
+    return "", ""
 
 
-def _state_difference(state: dict, ref: dict) -> str:
-    """How the gathered weights differ from one process's ('' when equal)."""
-    missing = [k for k in ref if k not in state]
-    if missing:
-        return (f"rank 0's state_dict lacks {missing[:4]}{' ...' if len(missing) > 4 else ''} (it holds "
-                f"{sorted(state)[:6]}): gather every stage's weights on rank 0, named as in model_fn()'s state_dict")
-    extra = [k for k in state if k not in ref]
-    if extra:
-        return f"rank 0's state_dict has keys the model lacks: {extra[:4]}; name them as in model_fn()'s state_dict"
-    worst = max(ref, key=lambda k: float((state[k].float() - ref[k]).abs().max()) if state[k].shape == ref[k].shape
-                else float("inf"))
-    if state[worst].shape != ref[worst].shape:
-        return f"{worst} has shape {tuple(state[worst].shape)}, the model's {tuple(ref[worst].shape)}"
-    diff = float((state[worst].float() - ref[worst]).abs().max())
-    if diff <= 1e-5:
+def loss_problem(per_rank: list, placement: list, n_micro: int) -> str:
+    """'' when the last stage's rank returned the mean loss (a float) and every other rank None."""
+    last = placement[-1]
+    for rank, ev in enumerate(per_rank):
+        got = ev["returned"]
+        if rank != last and got[0] != "none":
+            return f"rank {rank} (not the last stage's) returned {got[1] if got[0] != 'none' else None}, not None"
+    got, want = per_rank[last]["returned"], per_rank[last]["ref_loss"]
+    if got[0] != "float":
+        return f"rank {last} (the last stage's) returned {got[1] if got[0] == 'other' else None}, not a float"
+    if abs(got[1] - want) <= 1e-5 * max(1.0, abs(want)):
         return ""
-    return f"{worst} differs from one process's by {diff:.2e}"
+    if abs(got[1] - n_micro * want) <= 1e-5 * max(1.0, abs(n_micro * want)):
+        return f"rank {last} returned {got[1]:.5f}, the sum of the micro-batches' losses; their mean is {want:.5f}"
+    return f"rank {last} returned {got[1]:.5f}; the mean loss over the micro-batches is {want:.5f}"
+
+
+def held_problem(per_rank: list, actions: dict) -> str:
+    """'' when every rank held at most as many micro-batches' activations at once as its order implies, and that
+    many at its peak."""
+    for rank, ev in enumerate(per_rank):
+        want = implied_peak(actions[rank])
+        if ev["peak"] != want:
+            return (f"rank {rank} held the activations of {ev['peak']} micro-batches at once (counted at each "
+                    f"forward: {ev['counts']}), where its order holds at most {want}")
+    return ""
+
+
+def messages_problem(per_rank: list, placement: list, actions: dict) -> str:
+    """'' when each rank sent one message per activation and per gradient that crosses ranks (and at most one
+    more per boundary whose activations it sends: the shape); else the first rank that did not.
+
+    ``per_rank[r]["sends"]``: the rank each message went to, None for an object sent (``send_object_list``,
+    recorded without its peer), which counts as a shape message.
+
+    Example:
+        >>> acts = {0: [("F", 0, 0), ("B", 0, 0)], 1: [("F", 1, 0), ("B", 1, 0)]}
+        >>> messages_problem([{"sends": [1, 1]}, {"sends": [0]}], [0, 1], acts)
+        ''
+        >>> messages_problem([{"sends": [1, 1, 1]}, {"sends": [0]}], [0, 1], acts)
+        'rank 0 sent 3 message(s) to rank 1, where its actions send 1 activations and gradients (and at most 1 shape message(s))'
+    """
+    sent, _ = channels(placement, actions)
+    spare = {}
+    for s in range(len(placement) - 1):
+        if placement[s] != placement[s + 1]:
+            spare[placement[s], placement[s + 1]] = spare.get((placement[s], placement[s + 1]), 0) + 1
+    for rank, ev in enumerate(per_rank):
+        if rank in ev["sends"]:
+            return f"rank {rank} sent a message to itself"
+        for peer in sorted(set(placement) - {rank}):
+            got, want = ev["sends"].count(peer), len(sent.get((rank, peer), []))
+            more = spare.get((rank, peer), 0)
+            if not want <= got <= want + more:
+                return (f"rank {rank} sent {got} message(s) to rank {peer}, where its actions send {want} activations "
+                        f"and gradients" + (f" (and at most {more} shape message(s))" if more else ""))
+        allowed = sum(len(v) for (a, _), v in sent.items() if a == rank) + sum(
+            n for (a, _), n in spare.items() if a == rank)
+        if len(ev["sends"]) > allowed:
+            return (f"rank {rank} sent {len(ev['sends'])} messages ({ev['sends'].count(None)} of them objects), where "
+                    f"its actions send at most {allowed} with the shapes")
+    return ""
+
+
+def finished_problem(per_rank: list, placement: list, actions: dict) -> str:
+    """'' when every rank's stages ran as many forwards and backwards as it has actions and the rank sent at least
+    the messages its actions send; else the first rank that did not (a scenario that "ran to the end" doing
+    nothing is no run)."""
+    sent, _ = channels(placement, actions)
+    for rank, ev in enumerate(per_rank):
+        if len(ev["ran"]) < len(actions[rank]):
+            return f"rank {rank}'s stages ran {len(ev['ran'])} forwards and backwards for its {len(actions[rank])} actions"
+        want = sum(len(v) for (a, _), v in sent.items() if a == rank)
+        got = sum(1 for p in ev["sends"] if p is not None)
+        if got < want:
+            return f"rank {rank} sent {got} message(s) where its actions send {want}"
+    return ""

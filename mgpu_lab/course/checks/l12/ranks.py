@@ -1,4 +1,4 @@
-"""What lesson 12's checks run: the learner's 1F1B orders replayed on real ranks, bubbles, pipeline training.
+"""What lesson 12's checks run: the learner's 1F1B orders replayed on real ranks, bubbles, a pipeline executor.
 
 :func:`probe_orders` asks the learner's ``one_f_one_b`` for every rank's order in
 each scenario and replays the orders on real ranks (gloo): a forward receives the
@@ -10,7 +10,8 @@ orders disagree are caught at the first message. The evidence per scenario:
 the orders, whether they ran to the end (or where each rank waited), the
 gradients against one process's, and the most micro-batches alive at once per
 rank. :func:`orders_of` calls the learner's function for many depths in one
-process; :func:`probe_train` runs ``pipeline_train`` for each schedule in one launch.
+process; :func:`probe_schedule` runs ``run_schedule`` on every scenario of a world
+size in one launch, its stages recording what they ran and held (:class:`Held`).
 """
 from __future__ import annotations
 
@@ -186,127 +187,186 @@ def evaluate(fn, calls) -> list:
     return outcomes(fn, calls, keep=number)
 
 
-# -- pipeline_train ------------------------------------------------------------------
-def train_model(kind: str) -> nn.Sequential:
-    """The models pipeline_train is judged on: 4 or 8 layers (runs of equal layers for 2 or 4 stages)."""
+# -- run_schedule ----------------------------------------------------------------------
+WIDTHS = (3, 5, 4, 6, 2, 5, 3, 4, 3)  # stage k maps WIDTHS[k] features to WIDTHS[k + 1]: every boundary its own shape
+MICRO_ROWS = 2  # rows per micro-batch
+LOSSES = {"mse": nn.functional.mse_loss, "l1": nn.functional.l1_loss}  # both a mean over the micro-batch
+
+
+def schedule_stages(n_stages: int) -> list[nn.Module]:
+    """The stages a schedule runs: a linear layer and tanh each, widths from :data:`WIDTHS`."""
     with _SEEDED:
-        torch.manual_seed(7)
-        if kind == "small":
-            return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
-                                 nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4), nn.Identity())
-        return nn.Sequential(*[nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(8)])
+        torch.manual_seed(12)
+        return [nn.Sequential(nn.Linear(WIDTHS[k], WIDTHS[k + 1]), nn.Tanh()) for k in range(n_stages)]
 
 
-def train_batches(kind: str, steps: int = 3, batch: int = 8) -> list:
-    g = torch.Generator().manual_seed(11)
-    width = 4 if kind == "small" else 6
-    return [(torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g)) for _ in range(steps)]
+def schedule_data(n_stages: int, n_micro: int):
+    g = torch.Generator().manual_seed(100 * n_stages + n_micro)
+    rows = n_micro * MICRO_ROWS
+    return torch.randn(rows, WIDTHS[0], generator=g), torch.randn(rows, WIDTHS[n_stages], generator=g)
 
 
-def reference_state(kind: str, lr: float) -> dict:
-    """The weights after training in one process (whole batch, MSE, SGD)."""
-    model = train_model(kind)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    for x, y in train_batches(kind):
-        optimizer.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        optimizer.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+def schedule_reference(n_stages: int, n_micro: int, loss: str) -> dict:
+    """One process over the whole batch: every stage's gradients, the loss, and each stage's input per
+    micro-batch (how the check tells which micro-batch a forward ran)."""
+    stages = schedule_stages(n_stages)
+    x, y = schedule_data(n_stages, n_micro)
+    inputs, outputs, h = [], [], x
+    for stage in stages:
+        inputs.append([c.detach().clone() for c in h.chunk(n_micro)])
+        h = stage(h)
+        h.retain_grad()
+        outputs.append(h)
+    value = LOSSES[loss](h, y)
+    value.backward()
+    return {"grads": [[p.grad.clone() for p in s.parameters()] for s in stages], "loss": float(value.detach()),
+            "inputs": inputs, "out_grads": [[c.clone() for c in out.grad.chunk(n_micro)] for out in outputs]}
 
 
-def _plain(value):
+class Held:
+    """What this rank's stages did: every forward and backward in the order they ran (``ran``), and at each
+    forward how many micro-batches' activations were alive (``counts``, the largest ``peak``); ``shared``: the
+    forwards whose received input was the very tensor of a micro-batch still waiting for its backward.
+
+    A micro-batch's activations on a stage are the stage's input (received; the first stage's inputs are the
+    caller's) and output tensors; they count from the forward until both are freed. One whose backward
+    ran since the previous forward is not counted yet (a loop's local variable may hold it until the next
+    action); from the forward after that on, it counts while it is alive.
+    """
+
+    def __init__(self, inputs: list, out_grads: list):
+        import itertools
+
+        self.out_grads, self.wrong_grads = out_grads, []  # (stage, micro-batch, the one whose gradient it got)
+        self.inputs, self.ran, self.counts, self.peak, self.shared = inputs, [], [], 0, []
+        self._inputs = {}  # entry -> (stage, micro-batch, storage of the received input) while that input lives
+        self._ids, self._alive, self._backward_at, self._forwards = itertools.count(), {}, {}, 0
+
+    def which(self, stage: int, x) -> int:
+        """The micro-batch whose input to ``stage`` ``x`` is (-1 if none)."""
+        x = x.detach()
+        return next((i for i, want in enumerate(self.inputs[stage])
+                     if x.shape == want.shape and torch.allclose(x, want, atol=1e-5)), -1)
+
+    def forward(self, stage: int, i: int, tensors: list) -> None:
+        import gc
+        import weakref
+
+        entry = next(self._ids)
+        if len(tensors) > 1:  # a received input: is it the memory of another micro-batch's input, still alive?
+            storage = tensors[0].untyped_storage().data_ptr()
+            self.shared += [(stage, i, j) for s, j, ptr in self._inputs.values() if s == stage and ptr == storage]
+            self._inputs[entry] = (stage, i, storage)
+            weakref.finalize(tensors[0], self._inputs.pop, entry, None)
+        self._alive[entry] = len(tensors)
+        for tensor in tensors:
+            weakref.finalize(tensor, self._freed, entry)
+        self.ran.append(("F", stage, i))
+        out = tensors[-1]
+        if out.requires_grad:
+            out.register_hook(lambda grad, entry=entry, stage=stage, i=i: self._backward(entry, stage, i, grad))
+        self._forwards += 1
+        count = self._count()
+        if count > self.peak:
+            gc.collect(1)  # a young reference cycle is no holding (a full collection costs ~0.5 s)
+            count = self._count()
+        self.counts.append(count)
+        self.peak = max(self.peak, count)
+
+    def _count(self) -> int:
+        recent = self._forwards - 1  # backwards since the previous forward: not counted yet
+        return sum(1 for e in self._alive if self._backward_at.get(e, recent + 1) < recent
+                   or e not in self._backward_at)
+
+    def _backward(self, entry: int, stage: int, i: int, grad) -> None:
+        self.ran.append(("B", stage, i))
+        wants = self.out_grads[stage]
+        n = len(wants)
+
+        def like(j):  # the gradient of micro-batch j's output, whatever the loss's scale (1, n or 1/n)
+            return grad.shape == wants[j].shape and any(torch.allclose(grad, c * wants[j], atol=1e-6, rtol=1e-3)
+                                                        for c in (1.0, float(n), 1.0 / n))
+        if 0 <= i < n and not like(i):
+            other = next((j for j in range(n) if like(j)), -1)
+            if other >= 0:
+                self.wrong_grads.append((stage, i, other))
+        self._backward_at[entry] = self._forwards
+
+    def _freed(self, entry: int) -> None:
+        self._alive[entry] -= 1
+        if not self._alive[entry]:
+            del self._alive[entry]
+
+
+class TrackedStage(nn.Module):
+    """A stage that tells :class:`Held` what it ran, and which tensors are its activations."""
+
+    def __init__(self, inner: nn.Module, stage: int, held: Held):
+        super().__init__()
+        self.inner, self.stage, self.held = inner, stage, held
+
+    def forward(self, x):
+        i = self.held.which(self.stage, x)
+        out = self.inner(x)
+        self.held.forward(self.stage, i, ([x] if self.stage > 0 else []) + [out])
+        return out
+
+
+def _grads_verdict(got: list, want: list, n_micro: int) -> str:
+    """'same', 'none' (a gradient missing), 'times' / 'over' (n_micro times, 1/n_micro of it) or the difference."""
+    if any(g is None for g in got):
+        return "none"
+    for words, c in (("same", 1.0), ("times", float(n_micro)), ("over", 1.0 / n_micro)):
+        if all(g.shape == w.shape and torch.allclose(g, c * w, atol=1e-6, rtol=1e-4) for g, w in zip(got, want)):
+            return words
+    return f"{max(float((g - w).abs().max()) if g.shape == w.shape else float('inf') for g, w in zip(got, want)):.2e}"
+
+
+def _returned_value(value) -> tuple:
     if value is None:
         return ("none",)
-    if isinstance(value, dict) and all(isinstance(v, torch.Tensor) for v in value.values()):
-        return ("state", {str(k): v.detach().cpu().clone() for k, v in value.items()})
+    if isinstance(value, float):
+        return ("float", value)
     return ("other", type(value).__name__, repr(value)[:80])
 
 
-@contextmanager
-def recording_pipelining():
-    """Inside the block, record what ``torch.distributed.pipelining`` does in this rank.
+def probe_schedule(run_schedule, scenarios: list, log_dir: str) -> list:
+    """In every rank, per scenario ``(placement, {rank: actions}, n_micro, loss)``: this rank's stages run by the
+    learner's ``run_schedule`` inside a recording of its messages (:func:`mgpu_lab.comm.record.record`, whose
+    deadlock finder ends a deadlock at once). Returns per scenario what the rank returned, its stages' gradients
+    against one process's, what its stages ran and held (:class:`Held`) and the messages it sent."""
+    import gc
 
-    Yields a dict: ``"schedules"``, the schedules built (class name, the stage ids in the order the rank
-    passed them); ``"actions"``, ``{"F<stage>": n, "B<stage>": n, ...}`` the forwards, backwards (``B``,
-    or ``I`` and ``W`` when split) each stage ran; ``"sends"``, the messages this rank's stages sent.
-    """
-    from torch.distributed.pipelining import schedules, stage
+    import torch.distributed as tdist
 
-    seen = {"schedules": [], "actions": {}, "sends": 0}
-    base, multi, single = stage._PipelineStageBase, schedules.PipelineScheduleMulti, schedules.PipelineScheduleSingle
-    own = {(cls, name): cls.__dict__[name] for cls, name in (
-        (base, "forward_one_chunk"), (base, "backward_one_chunk"), (base, "backward_weight_one_chunk"),
-        (base, "get_fwd_send_ops"), (base, "get_bwd_send_ops"), (multi, "__init__"), (single, "__init__"))}
+    from mgpu_lab.comm.record import record
 
-    def count(kind_of):
-        def wrap(method):
-            def counted(self, *args, **kwargs):
-                key = f"{kind_of(kwargs)}{self.stage_index}"
-                seen["actions"][key] = seen["actions"].get(key, 0) + 1
-                return method(self, *args, **kwargs)
-            return counted
-        return wrap
-
-    def sends(method):
-        def counted(self, *args, **kwargs):
-            ops = method(self, *args, **kwargs)
-            seen["sends"] += len(ops)
-            return ops
-        return counted
-
-    def built(method, many):
-        def init(self, *args, **kwargs):
-            given = args[0] if args else kwargs.get("stages" if many else "stage")
-            ids = [getattr(s, "stage_index", None) for s in (given if many else [given])]
-            seen["schedules"].append((type(self).__name__, ids))
-            return method(self, *args, **kwargs)
-        return init
-
-    wrapped = {(base, "forward_one_chunk"): count(lambda kw: "F"),
-               (base, "backward_one_chunk"): count(lambda kw: "B" if kw.get("full_backward", True) else "I"),
-               (base, "backward_weight_one_chunk"): count(lambda kw: "W"),
-               (base, "get_fwd_send_ops"): sends, (base, "get_bwd_send_ops"): sends,
-               (multi, "__init__"): lambda m: built(m, True), (single, "__init__"): lambda m: built(m, False)}
-    for (cls, name), method in own.items():
-        setattr(cls, name, wrapped[cls, name](method))
-    try:
-        yield seen
-    finally:
-        for (cls, name), method in own.items():
-            setattr(cls, name, method)
-
-
-def _in_words(exc: Exception, built: list) -> Exception:
-    """The learner's error, with what went wrong said in words when a rank listed its stages out of order."""
-    for name, ids in built:
-        if len(ids) > 1 and None not in ids and ids != sorted(ids):
-            return RuntimeError(
-                f"rank {tdist.get_rank()} gave {name} its stages in the order {ids}, and torch's schedule failed "
-                f"inside its step: a schedule of several stages per rank takes the rank's stages in increasing "
-                f"order of their index ({sorted(ids)})")
-    return exc
-
-
-def probe_train(pipeline_train, scenarios: list, log_dir: str) -> list:
-    """Per ``(kind, schedule, n_micro, lr)``: what this rank's ``pipeline_train`` returned (plain) and what
-    torch's pipelining did in this rank meanwhile (:func:`recording_pipelining`)."""
-    from functools import partial
-
+    from ..sim.outcome import one_thread
     from ..sim.scenarios import run_scenarios
 
-    torch.set_num_threads(1)
-    world = tdist.get_world_size()
+    one_thread()
+    rank = tdist.get_rank()
 
     def one(scenario):
-        kind, schedule, n_micro, lr = scenario
-        with recording_pipelining() as seen:
-            try:
-                got = pipeline_train(partial(train_model, kind), world, schedule, n_micro, train_batches(kind), lr)
-            except NotImplementedError:
-                raise
-            except Exception as exc:
-                raise _in_words(exc, seen["schedules"]) from exc
+        placement, actions, n_micro, loss = scenario
+        n = len(placement)
+        ref = schedule_reference(n, n_micro, loss)
+        modules, (x, y) = schedule_stages(n), schedule_data(n, n_micro)
+        held = Held(ref["inputs"], ref["out_grads"])
+        mine = {s: TrackedStage(modules[s], s, held) for s in range(n) if placement[s] == rank}
+        inputs = list(x.chunk(n_micro)) if placement[0] == rank else None
+        targets = list(y.chunk(n_micro)) if placement[-1] == rank else None
+        with record() as log:
+            got = run_schedule(mine, list(placement), [tuple(a) for a in actions[rank]], inputs, targets,
+                               LOSSES[loss])
+        got = _returned_value(got)
+        gc.collect(1)
         tdist.barrier()
-        return {"returned": _plain(got), "ran": seen}
+        return {"returned": got, "ref_loss": ref["loss"], "ran": held.ran, "peak": held.peak, "counts": held.counts,
+                "shared": held.shared, "wrong_grads": held.wrong_grads,
+                "grads": {s: _grads_verdict([p.grad for p in modules[s].parameters()], ref["grads"][s], n_micro)
+                          for s in mine},
+                "sends": [e["peer"] for e in log if e["op"] in ("send", "send_object_list")]}
 
-    return run_scenarios(log_dir, one, scenarios)
+    with record():  # installed once for every scenario (each scenario's own recording nests inside)
+        return run_scenarios(log_dir, one, scenarios)
