@@ -26,7 +26,7 @@ Example:
     >>> unanswered = Path(__file__).parents[2] / "notebooks" / "01_devices.ipynb"   # a student copy, as given out
     >>> grades = grade([unanswered], timeout=300)   # in a sandbox: a fresh kernel runs it, the grader judges
     >>> grades[0].points, grades[0].max_points, {e.status for e in grades[0].exercises}
-    (0, 18, {'not attempted'})
+    (0, 10, {'not attempted'})
 """
 from __future__ import annotations
 

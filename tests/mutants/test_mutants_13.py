@@ -23,7 +23,7 @@ def recorded_once(tmp_path_factory):
 
 EXPOSED = ExerciseMutants("13.exposed_comm", NOTEBOOK, ("exposed_comm",), mutants=[
     Mutant("adds up the communication durations", replace("    points = []\n", "    return sum(e['dur'] for e in comm) / 1000\n"),
-           expect=("added up the durations", "same reading as in a failed case above")),
+           expect="added up the durations"),  # a loaded machine's numbers may fit other mistakes too
     Mutant("counts collectives in flight together once each",
            replace("exposed += ts - last", "exposed += (ts - last) * depth['comm']"), expect="counted once each"),
     Mutant("lets every thread's operators hide communication",

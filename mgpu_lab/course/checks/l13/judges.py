@@ -434,6 +434,9 @@ def _answer_of(t, world: int, index: int, got: tuple) -> dict:
     return answer
 
 
+TOO_BUSY = "the machine was too busy"  # the words of a case whose recording could not judge any answer
+
+
 def straggler_case(t, evidence: dict, world: int, kind: str, said: set | None = None) -> None:
     """Fail unless the answer on the recording of ``kind`` in ``world`` ranks is what the recording was made for.
 
@@ -447,7 +450,7 @@ def straggler_case(t, evidence: dict, world: int, kind: str, said: set | None = 
     scenario = recorded[index]
     if not scenario["clear"]:
         r = scenario["reading"]
-        t.fail("the machine was too busy: the recording did not show what it was made for clearly enough to judge "
+        t.fail(f"{TOO_BUSY}: the recording did not show what it was made for clearly enough to judge "
                "an answer (it was recorded " f"{scenario['tries']} times): rerun the check",
                "a recording that shows its design", f"the reference reads a share of {r['share']:.0%} for rank "
                f"{r['candidate']}")

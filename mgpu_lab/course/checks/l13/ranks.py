@@ -344,7 +344,7 @@ def shows_design(reading: dict, scenario: dict) -> bool:
     return reading["candidate"] == scenario["rank"] and reading["share"] >= CLEAR_SLOW and mine > 2 * max(other, 0.0)
 
 
-def _record_one(scenario: dict, folder: str, index: int, tries: int = 3) -> dict:
+def _record_one(scenario: dict, folder: str, index: int, tries: int = 5) -> dict:
     """In a rank: record ``scenario`` until the reference reads its design clearly (at most ``tries`` times)."""
     from mgpu_lab.profiling.traces import load_trace
     from mgpu_lab.profiling.uneven import uneven_ddp_trace
