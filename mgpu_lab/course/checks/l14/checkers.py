@@ -51,43 +51,27 @@ def _ring_attention(t, ring_attention):
                 "W-1 blocks of K and W-1 of V to one neighbour and receives as many from the other (every send, "
                 "receive and collective recorded, 2 and 4 ranks)",
                 hint="a block of keys and values that has been around the ring once has been seen by every rank"):
-        for world in WORLDS:
-            _ready(t, runs, world)
-            judged(t, runs[world], world, PLAIN)
-            judge_ring(t, runs[world], world, PLAIN)
+        _on_every_world(t, runs, PLAIN, judged, judge_ring)
     with t.case("no rank ever holds the whole sequence's K or V: no tensor of the call has S rows as wide as a "
                 "head (every tensor the call made, watched)",
                 hint="at any moment a rank needs only the block of keys and values it is attending to"):
-        for world in WORLDS:
-            _ready(t, runs, world)
-            judged(t, runs[world], world, PLAIN)
-            judge_held(t, runs[world], world, PLAIN)
+        _on_every_world(t, runs, PLAIN, judged, judge_held)
     with t.case("no attention FLOPs on blocks the causal mask empties: each rank's FLOPs (torch.utils.flop_counter) "
                 "are at most its non-empty blocks' worth and at least what its allowed (row, key) pairs need",
                 hint="under a causal mask a rank's rows see no key of some ranks' blocks at all; work on those "
                      "is thrown away"):
-        for world in WORLDS:
-            _ready(t, runs, world)
-            judged(t, runs[world], world, PLAIN)
-            judge_flops(t, runs[world], world, PLAIN)
+        _on_every_world(t, runs, PLAIN, judged, judge_flops)
     with t.case("zig-zag, causal: every rank's attention FLOPs are equal within one block's worth (2 and 4 ranks)",
                 hint="in the zig-zag layout every rank holds an early and a late chunk; its work must reflect that"):
-        for world in WORLDS:
-            _ready(t, runs, world)
-            judged(t, runs[world], world, ZIGZAG_CAUSAL)
-            judge_balance(t, runs[world], world, ZIGZAG_CAUSAL)
+        _on_every_world(t, runs, ZIGZAG_CAUSAL, judged, judge_balance)
     with t.case("numerically stable: queries scaled so that logits reach the hundreds (a naive softmax overflows "
                 "float32 and float64) give finite rows equal to the attention",
                 hint="softmax is unchanged when every score of a row is shifted by one constant"):
-        for world in WORLDS:
-            _ready(t, runs, world)
-            judge_stable(t, runs[world], world, LARGE)
+        _on_every_world(t, runs, LARGE, judge_stable)
     with t.case("every tensor it makes is on the input's device (a call with torch's default device set to meta: "
                 "a tensor made without device= is not on it, as a CPU tensor on a GPU rank would not be)",
                 hint=DEVICE_WHY):
-        for world in WORLDS:
-            _ready(t, runs, world)
-            judge_rows(t, runs[world], world, [META])
+        _on_every_world(t, runs, [META], judge_rows)
 
 
 def _launch(t, world: int, ring_attention) -> list:
@@ -98,6 +82,15 @@ def _launch(t, world: int, ring_attention) -> list:
     if evidence.error is not None and not any(e and e[-1]["error"] for e in got):
         raise evidence.error  # nothing saved says why (not attempted, a hang, a crash): the launch's own words
     return got
+
+
+def _on_every_world(t, runs: dict, scenarios, *judges) -> None:
+    """Judge ``scenarios`` of the run on each of :data:`WORLDS` with ``judges`` in turn (each run must have
+    finished)."""
+    for world in WORLDS:
+        _ready(t, runs, world)
+        for judge in judges:
+            judge(t, runs[world], world, scenarios)
 
 
 def _ready(t, runs: dict, world: int) -> None:
