@@ -81,11 +81,9 @@ def reference_exposed_comm(trace: dict, rank_thread=None, wrong: str | None = No
 #: Known wrong readings of a trace, and what to tell an answer that gives one.
 WRONG = {
     "sum": "you added up the durations of the communication events: time the main thread spent computing while "
-           "a collective ran is hidden, not exposed; take the union of the communication intervals and remove "
-           "the parts the main thread's operators cover",
+           "a collective ran is hidden, not exposed",
     "per event": "collectives in flight at the same time (on gloo's threads, or the c10d call and the backend's "
-                 "work) were counted once each: exposed time is wall time, so take the union of the communication "
-                 "intervals first",
+                 "work) were counted once each: exposed time is wall time",
     "all threads": "operators of other threads (here a helper thread) hid communication: only the main thread's "
                    "computing, the training loop's, hides it",
     "annotations": "labels (record_function, ProfilerStep#, the backend's user_annotation events) counted as "
