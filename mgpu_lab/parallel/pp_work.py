@@ -5,9 +5,9 @@ depends on what the other ranks do at that moment, and the shape of a
 pipeline schedule drowns in that noise. A :class:`Work` layer is a real linear
 layer (its gradients are exact) that also *sleeps* a set time: ``t_f`` in
 forward, ``t_b`` in the backward towards its input and ``t_w`` in the backward
-towards its weight. A sleeping rank uses no core, so every rank keeps its
-timing however many share the machine, and a schedule's drawing shows its
-shape. Timelines made with these layers are *simulated work, really
+towards its weight. A sleeping rank uses no core, so its timing depends far
+less on how many share the machine (a busy machine still wakes a sleeping rank
+late now and then), and a schedule's drawing shows its shape. Timelines made with these layers are *simulated work, really
 scheduled*: the waits between ranks are real, the compute is not.
 
 Where a schedule splits backward (zero-bubble), ``t_b`` is spent in the
