@@ -69,3 +69,29 @@ def test_ring_cp_x_dp_under_torchrun_trains_like_one_process_and_one_process_res
     assert sorted(_losses(resumed)) == [3, 4], resumed
     loss_diff, weight_diff = _diffs(resumed)
     assert loss_diff < 1e-10 and weight_diff < 1e-6, resumed
+
+
+def _bench():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_long_context", ROOT / "bench" / "long_context.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_benchmark_prints_ring_beside_all_gather_with_ratios_and_checks_its_arguments():
+    bench = _bench()
+    row = lambda seq, kib_in, kib_peak, rows: {"seq": seq, "bytes_in": kib_in * 1024, "peak_bytes": kib_peak * 1024,
+                                               "kv_rows": rows, "flops": 0}
+    per_rank = [{"all-gather": [row(64, 8, 100, 64)], "ring": [row(64, 8, 40, 32)]},
+                {"all-gather": [row(64, 8, 120, 64)], "ring": [row(64, 8, 30, 32)]}]
+    header, line = bench.table(2, per_rank).splitlines()
+    assert "KiB in all-gather" in header and "KiB peak all-gather" in header and "ratio" in header
+    # the largest over the ranks: peak 120 against 40, a ratio of 0.33; bytes equal; half the rows
+    assert line.split() == ["2", "64", "|", "8.0", "8.0", "1.00", "|", "120.0", "40.0", "0.33", "|",
+                            "64.0", "32.0", "0.50"], line
+    for argv in (["--world", "1"], ["--world", "4", "--seqs", "12"]):
+        with pytest.raises(SystemExit):
+            bench.main(argv)
+    assert bench.ring_function().__name__ == "ring_attend"
