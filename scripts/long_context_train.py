@@ -115,12 +115,16 @@ def _scores(q, k, diagonal: bool, scale: float) -> torch.Tensor:
 
 
 def _pass_on(tensors: list, ring: list[int], me: int, group) -> tuple[list, list]:
-    """Start sending ``tensors`` to the next rank of the ring and receiving the previous rank's."""
+    """Start sending ``tensors`` to the next rank of the ring and receiving the previous rank's.
+
+    One batch of non-blocking sends and receives: with NCCL, whose point-to-point calls queue on one
+    stream, separate blocking-in-order sends of every rank to its neighbour could wait on each other.
+    """
     world = len(ring)
     got = [torch.empty_like(t) for t in tensors]
-    works = [tdist.isend(t, ring[(me + 1) % world], group=group) for t in tensors]
-    works += [tdist.irecv(g, ring[(me - 1) % world], group=group) for g in got]
-    return got, works
+    ops = [tdist.P2POp(tdist.isend, t, ring[(me + 1) % world], group) for t in tensors]
+    ops += [tdist.P2POp(tdist.irecv, g, ring[(me - 1) % world], group) for g in got]
+    return got, tdist.batch_isend_irecv(ops)
 
 
 def _arrived(works: list) -> None:
