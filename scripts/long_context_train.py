@@ -3,7 +3,8 @@
 Runs unchanged under torchrun, on GPUs or CPUs:
 
     torchrun --standalone --nproc-per-node=4 scripts/long_context_train.py --cp 2 --steps 20 --checkpoint-dir ckpt
-    torchrun --standalone --nproc-per-node=4 scripts/long_context_train.py --cp 4 --steps 40 --checkpoint-dir ckpt --resume
+    torchrun --standalone --nproc-per-node=4 scripts/long_context_train.py --cp 4 --steps 40 \\
+        --checkpoint-dir ckpt --resume
     torchrun --nnodes=2 --node-rank=0 --nproc-per-node=8 --rdzv-backend=c10d \\
         --rdzv-endpoint=HOST:29500 scripts/long_context_train.py --cp 8 --seq 8192 --dim 512 --heads 8
     python scripts/long_context_train.py --cp 1     # one process: plain causal attention
@@ -19,11 +20,11 @@ group (:class:`RingAttention`): K and V blocks travel around the ring by point-t
 messages while each rank attends its queries blockwise and merges the partial results by
 log-sum-exp; its backward sends K and V around the ring again, and the gradients of K and V
 travel with them back to the rank that owns them. A rank holds K and V of at most two shards
-at once (the one it attends to and the one arriving), never the whole sequence's. The model is sharded by FSDP2 over all ranks (the flattened ``dp x cp``, as
-torchtitan does): every CP rank holds part of every sequence, so the weights' gradients are
-summed over CP and averaged over DP, which one reduce-scatter over all ranks does once the
-loss is scaled. After ``--checkpoint-every`` steps every rank writes its shards of the model
-and of the optimizer's state to ``--checkpoint-dir/step-N`` (``torch.distributed.checkpoint``);
+at once (the one it attends to and the one arriving), never the whole sequence's. The model is
+sharded by FSDP2 over all ranks (the flattened ``dp x cp``, as torchtitan does): every CP rank
+holds part of every sequence, so the weights' gradients are summed over CP and averaged over
+DP, which one reduce-scatter over all ranks does once the loss is scaled. After
+``--checkpoint-every`` steps every rank writes its shards of the model and of the optimizer's state to ``--checkpoint-dir/step-N`` (``torch.distributed.checkpoint``);
 ``--resume`` loads the newest one, at any world size and CP degree.
 
 ``--check-attention`` first compares ring attention (forward, and the gradients of q, k
@@ -56,7 +57,8 @@ from mgpu_lab.sharding import distcp, fsdp, wrap
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cp", type=int, default=None, help="CP degree (default: 2 when the world size is even, else 1)")
-    p.add_argument("--layout", choices=["zigzag", "contiguous"], default="zigzag", help="which positions a CP rank holds")
+    p.add_argument("--layout", choices=["zigzag", "contiguous"], default="zigzag",
+                   help="which positions a CP rank holds")
     p.add_argument("--vocab", type=int, default=32, help="tokens in the vocabulary")
     p.add_argument("--dim", type=int, default=32, help="model width")
     p.add_argument("--heads", type=int, default=4, help="attention heads")
