@@ -24,8 +24,9 @@ at once (the one it attends to and the one arriving), never the whole sequence's
 sharded by FSDP2 over all ranks (the flattened ``dp x cp``, as torchtitan does): every CP rank
 holds part of every sequence, so the weights' gradients are summed over CP and averaged over
 DP, which one reduce-scatter over all ranks does once the loss is scaled. After
-``--checkpoint-every`` steps every rank writes its shards of the model and of the optimizer's state to ``--checkpoint-dir/step-N`` (``torch.distributed.checkpoint``);
-``--resume`` loads the newest one, at any world size and CP degree.
+``--checkpoint-every`` steps every rank writes its shards of the model and of the optimizer's
+state to ``--checkpoint-dir/step-N`` (``torch.distributed.checkpoint``); ``--resume`` loads the
+newest one, at any world size and CP degree.
 
 ``--check-attention`` first compares ring attention (forward, and the gradients of q, k
 and v) with full attention on the whole sequence, in float64, both layouts, causal or not,
