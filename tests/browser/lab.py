@@ -59,6 +59,13 @@ class Notebook:
                         "  if ((m.cells[i].getMetadata('tags') || []).includes(arg)) { m.deleteCell(i); n++; } }"
                         "return n;", tag)
 
+    def delete_cells(self, indices) -> int:
+        """Delete the cells at ``indices`` (into every cell, as :meth:`sources` counts them) from the open
+        notebook (the page's model, not the file); how many."""
+        return self._js("const m = panel.content.model.sharedModel; let n = 0;"
+                        "for (const i of [...arg].sort((a, b) => b - a)) { m.deleteCell(i); n++; }"
+                        "return n;", sorted(set(indices)))
+
     def busy(self) -> tuple[str, int]:
         """The kernel's status and how many code cells are queued or running."""
         return tuple(self._js(
