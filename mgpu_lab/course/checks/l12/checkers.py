@@ -18,7 +18,7 @@ from . import ranks as R
 from .judges import (ORDER_HINT, bubble_problem, bubble_problem_of_orders, in_flight_problem, orders_problem,
                      replay_problem)
 
-ORDER_REFERENCES = ("mgpu_lab.parallel.pp_orders:orders",
+ORDER_REFERENCES = ("mgpu_lab.pipelining.orders:orders",
                     "torch.distributed.pipelining.schedules:_get_1f1b_rank_ops",
                     "torch.distributed.pipelining.schedules:ScheduleInterleaved1F1B._calculate_single_rank_operations")
 ORDER_TIMEOUT = 60.0  # seconds for the launch; a deadlock ends after RECV_TIMEOUT on its own
@@ -163,7 +163,7 @@ def _grid() -> list:
 @exercise("12.bubble", points=6, description="bubble(schedule, n_stages, n_micro, t_f, t_b, t_w=0.0, virtual=1) "
           "-> float: the idle fraction of 'gpipe', '1f1b', 'interleaved' or 'zbv' with these per-stage times",
           references=("mgpu_lab.course.checks.l12.judges:reference_bubble",
-                      "mgpu_lab.parallel.pp_orders:simulate", "mgpu_lab.parallel.pp_orders:formula",
+                      "mgpu_lab.pipelining.orders:simulate", "mgpu_lab.pipelining.orders:formula",
                       "torch.distributed.pipelining.schedules:_simulate_comms_compute"))
 def _bubble(t, bubble):
     """Every call in one process, judged against the schedules replayed (:func:`.judges.reference_bubble`).
@@ -195,7 +195,7 @@ def _bubble(t, bubble):
 SCHEDULE_REFERENCES = ("torch.distributed.pipelining.stage:PipelineStage",
                        "torch.distributed.pipelining.schedules:PipelineScheduleSingle",
                        "torch.distributed.pipelining.schedules:PipelineScheduleMulti",
-                       "mgpu_lab.parallel.pp_train:train")
+                       "mgpu_lab.pipelining.train:train")
 # Seconds for each launch: a right answer judges every scenario of a world size in a few seconds; a deadlock ends
 # at once (the recorder's deadlock finder), so only a hang outside sends and receives waits this long.
 SCHEDULE_TIMEOUT = 60.0
