@@ -215,6 +215,10 @@ SHARED_WORDS = ("each micro-batch's input is its own tensor: a receive into the 
                 "input overwrites what autograd saved for that one's backward, and the input's .grad adds up over "
                 "the micro-batches")
 
+UNWAITED_WORDS = ("a non-blocking receive returns at once, whether or not its message has arrived: until its request "
+                  "says the receive is done, the tensor it receives into may hold what was in that memory before, "
+                  "and which one a stage reads depends on timing (on a GPU the receive runs beside the computation)")
+
 
 def schedule_scenarios(n_ranks: int, rng) -> list:
     """The scenarios of one world size: the named schedules, random orders (each with a receiver that needs some
@@ -264,6 +268,13 @@ def _judge_grads(t, runs, n_ranks: int, k: int) -> None:
 
     per_rank = _schedule_evidence(t, runs, n_ranks, k)
     scenario = runs[n_ranks][1][k]
+    unwaited = next(((r, ev["unwaited"][0]) for r, ev in enumerate(per_rank) if ev["unwaited"]), None)
+    if unwaited:  # its gradients are right only when the message won the race: not evidence of a right answer
+        rank, (kind, stage, i) = unwaited
+        t.fail(UNWAITED_WORDS, "one process's gradients",
+               f"{_what(scenario)}: rank {rank}'s {'forward' if kind == 'F' else 'backward'} of micro-batch {i} on "
+               f"stage {stage} started from the tensor an irecv was receiving into, before that receive was "
+               "waited for")
     hint, got = grads_problem(per_rank, scenario[2])
     if got:
         shared = next((ev["shared"] for ev in per_rank if ev["shared"]), None)
@@ -318,7 +329,8 @@ def _run_schedule(t, run_schedule):
     inside (:func:`.ranks.probe_schedule`).
 
     Catches: blocking sends (a deadlock, found by the recorder), messages matched by their order (the wrong
-    micro-batch, or a rank aborted by a larger message), one receive buffer for every micro-batch, activations
+    micro-batch, or a rank aborted by a larger message), one receive buffer for every micro-batch, a non-blocking
+    receive read before it was waited for (recorded: what it reads depends on timing), activations
     kept after their backward, losses summed, a loss never divided, the activations passed within a rank with
     their graph, torch's own pipelining.
     """
