@@ -2,14 +2,14 @@
 
 For 2 and 4 ranks, every schedule of ``torch.distributed.pipelining`` (GPipe, 1F1B,
 interleaved 1F1B with two stages per rank, ZBV) runs on fixed-work layers
-(``pp_work.Work``: each forward, input-gradient and weight-gradient sleeps ``--work``
+(``mgpu_lab.pipelining.work.Work``: each forward, input-gradient and weight-gradient sleeps ``--work``
 seconds, so the shape of the schedule, not the sharing of the cores, sets the times).
-The ranks record every action's timestamps (``pp_record``); the bench prints
+The ranks record every action's timestamps (``mgpu_lab.pipelining.record``); the bench prints
 
     measured   the idle fraction between the first action's start and the last one's end
     model      the schedule's own order replayed with the measured mean time of each action
                per stage, the mean host time after it (idle, as in the measurement) and the
-               mean transfer time of a message (``pp_measure.fitted_bubble``)
+               mean transfer time of a message (``measure.fitted_bubble``)
     formula    the closed form for equal times ((p-1)/(m+p-1), interleaved (p-1)/(v*m+p-1))
     in flight  the most micro-batches alive at once on rank 0
 
@@ -23,7 +23,7 @@ import argparse
 import os
 import statistics
 
-from mgpu_lab.parallel import pp_measure
+from mgpu_lab.pipelining import measure
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv")
 
@@ -38,7 +38,7 @@ def main(argv=None) -> int:
           f"{'in flight r0':>13}")
     worst = 0.0
     for ranks, n_micro in ((2, 4), (4, 8)):
-        runs = [pp_measure.measure(SCHEDULES, n_ranks=ranks, n_micro=n_micro, t_f=args.work, t_b=args.work,
+        runs = [measure.measure(SCHEDULES, n_ranks=ranks, n_micro=n_micro, t_f=args.work, t_b=args.work,
                                    t_w=args.work) for _ in range(args.repeats)]
         for s in SCHEDULES:
             measured = statistics.median(r[s]["bubble"] for r in runs)

@@ -26,12 +26,12 @@ from torch import nn
 
 from mgpu_lab import dist as mdist
 from mgpu_lab.parallel.baseline import max_diff
-from mgpu_lab.parallel import pp_train
+from mgpu_lab.pipelining import train
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--schedule", choices=pp_train.SCHEDULES, nargs="+", default=["1f1b"],
+    p.add_argument("--schedule", choices=train.SCHEDULES, nargs="+", default=["1f1b"],
                    help="one or more schedules, trained in turn from the same initial weights")
     p.add_argument("--n-micro", type=int, default=4, help="micro-batches per step (they must divide the batch)")
     p.add_argument("--layers-per-stage", type=int, default=1)
@@ -72,11 +72,11 @@ def main(argv=None) -> int:
         say(f"{schedule}: {pp} pipeline rank(s) x {args.dp} replica(s), {n_layers} layers, {args.n_micro} "
             f"micro-batches of {args.batch // args.dp // args.n_micro}, {args.steps} steps")
         start = time.perf_counter()
-        state = pp_train.train(lambda: model_fn(args, n_layers), pp, schedule, args.n_micro, batches, args.lr,
+        state = train.train(lambda: model_fn(args, n_layers), pp, schedule, args.n_micro, batches, args.lr,
                                dp=args.dp)
         say(f"{schedule}: done in {time.perf_counter() - start:.2f} s")
         if args.compare_reference and me.rank == 0:
-            ref = pp_train.one_process(lambda: model_fn(args, n_layers), batches, args.lr)
+            ref = train.one_process(lambda: model_fn(args, n_layers), batches, args.lr)
             diff = max_diff(state, ref)
             say(f"{schedule}: max |pipeline weights - one process| = {diff:.3g}")
     mdist.teardown()

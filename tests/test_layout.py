@@ -1,7 +1,7 @@
 """The package's layout: parts a newcomer can tell apart, code found from a lesson's title, short functions, layers.
 
 From the bottom: the base (``dist``, ``devices``, ``core/``), ``launcher/`` (start
-ranks), one package per topic (``data/``, ``parallel/``, ``sharding/``, ``comm/``,
+ranks), one package per topic (``data/``, ``parallel/``, ``pipelining/``, ``sharding/``, ``comm/``,
 ``failures/``, ``profiling/``, ``long_context/``, and ``devices/``' lesson-01 modules), each naming its lessons;
 ``cluster/`` (simulated nodes, SLURM), ``course/`` (checks, assign, grade), and the
 command line (``cli``, ``doctor``) on top. These tests read the source with
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "mgpu_lab"
 MAX_BODY = 60  # the guide's "functions short (about 60 lines)": body lines, the docstring not counted
 PARTS = ("launcher", "course", "cluster")
-TOPICS = ("data", "parallel", "sharding", "comm", "failures", "devices", "tensor_parallel", "profiling",
+TOPICS = ("data", "parallel", "pipelining", "sharding", "comm", "failures", "devices", "tensor_parallel", "profiling",
           "long_context")
 TOP_LEVEL = {"__init__", "__main__", "cli", "dist", "doctor", "doctor_probes"}  # everything else lives in a package
 BASE = {"mgpu_lab.dist", "mgpu_lab.devices", "mgpu_lab.core.compat", "mgpu_lab.core", "mgpu_lab.core.libc",

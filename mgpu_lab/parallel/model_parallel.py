@@ -1,11 +1,12 @@
-"""Model parallelism on one process: stages on devices, micro-batches, busy/idle timelines.
+"""Model parallelism: stages on devices, micro-batches, busy/idle timelines, DDP over two-device replicas.
 
 Lesson 06 splits a model into stages, puts each stage on its own device and
 moves the activations between them. With two GPUs the stages sit on cuda:0
 and cuda:1; on a machine without GPUs the same code runs with both devices
 being the CPU (see :func:`stage_devices`). :class:`TwoStageNet`
-holds two stages on two devices (lesson 06's DDP over multi-device replicas uses it),
-and :func:`ideal_timeline` draws the schedule GPipe's formula assumes.
+holds two stages on two devices, :func:`ddp_replica_rank` trains DDP (in a rank) over replicas that are
+each one such net, and :func:`ideal_timeline` draws the schedule GPipe's formula assumes (the pipelines
+themselves are :mod:`mgpu_lab.pipelining`'s).
 
 Example:
     >>> import torch
@@ -19,6 +20,7 @@ Example:
 """
 from __future__ import annotations
 
+import copy
 import numbers
 
 import torch
@@ -26,7 +28,8 @@ from torch import nn
 
 from mgpu_lab.parallel.timeline import Timeline
 
-__all__ = ["TwoStageNet", "mlp", "split", "stage_devices", "replica_devices", "Timeline", "ideal_timeline"]
+__all__ = ["TwoStageNet", "mlp", "split", "stage_devices", "replica_devices", "Timeline", "ideal_timeline",
+           "ddp_replica_rank"]
 
 
 def _positive_int(name: str, value) -> int:
@@ -156,7 +159,42 @@ def ideal_timeline(n_stages: int, n_micro: int, t_forward: float = 1.0, t_backwa
         >>> round(ideal_timeline(2, 4).idle_fraction(), 6)
         0.2
     """
-    from mgpu_lab.parallel.schedule import gpipe_schedule  # not at the top: lesson 06's notebook imports this module
+    from mgpu_lab.pipelining.schedule import gpipe_schedule  # not at the top: lesson 06's notebook imports this module
 
     p, m = _positive_int("n_stages", n_stages), _positive_int("n_micro", n_micro)
     return gpipe_schedule([t_forward] * p, [t_backward] * p, m)
+
+
+def ddp_replica_rank(stages, x, y, loss_fn, steps: int = 3, lr: float = 0.1, gpus: int | None = None) -> dict:
+    """DDP over model replicas that span two devices each; rank r is replica r.
+
+    Each replica is a :class:`TwoStageNet` on
+    :func:`replica_devices` ``(rank, 2, gpus)`` (CPU
+    for both stages when ``gpus=0``), wrapped in DDP with ``device_ids=None``:
+    a module on several devices must not name one. Each rank trains on its
+    ``torch.chunk(x, world_size)`` shard with SGD.
+
+    Returns:
+        ``{"rank", "devices", "losses", "params"}`` after ``steps`` steps.
+    """
+    import torch.distributed as tdist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank, world = tdist.get_rank(), tdist.get_world_size()
+    devices = replica_devices(rank, 2, gpus)
+    if devices[0].type == "cuda":
+        torch.cuda.set_device(devices[0])  # NCCL talks from the replica's first GPU
+    model = TwoStageNet(copy.deepcopy(stages[0]), copy.deepcopy(stages[1]), *devices)
+    ddp = DDP(model, device_ids=None)  # the gradients of both stages are averaged across replicas
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=lr)
+    xs, ys = torch.chunk(x, world)[rank], torch.chunk(y, world)[rank]
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        out = ddp(xs)
+        loss = loss_fn(out, ys.to(out.device))
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return {"rank": rank, "devices": [str(d) for d in devices], "losses": losses,
+            "params": [p.detach().cpu() for p in model.parameters()]}

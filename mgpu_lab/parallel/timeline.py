@@ -11,7 +11,7 @@ CUDA device are timed with CUDA events, so recording never makes the host wait
 for the GPU.
 
 :func:`fit_gpipe` reads a measured GPipe step as a few numbers (stage times, a
-transfer time and an overhead); :func:`mgpu_lab.parallel.schedule.gpipe_schedule`, which
+transfer time and an overhead); :func:`mgpu_lab.pipelining.schedule.gpipe_schedule`, which
 lesson 06's notebook does not import (its learners model the bubble themselves),
 replays the schedule from them.
 
@@ -304,7 +304,7 @@ def fit_gpipe(timeline: Timeline, rounds: int = 5) -> GPipeFit:
         ValueError: spans that are not GPipe's ``F{i}``/``B{i}`` on every stage.
 
     Example:
-        >>> from mgpu_lab.parallel.gpipe import gpipe_schedule
+        >>> from mgpu_lab.pipelining.gpipe import gpipe_schedule
         >>> fit = fit_gpipe(gpipe_schedule([1.0, 2.0], [2.0, 3.0], 4, transfer=0.5, overhead=0.1))
         >>> fit.forward, round(fit.transfer, 6), round(fit.overhead, 6)
         ((1.0, 2.0), 0.5, 0.1)

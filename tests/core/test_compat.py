@@ -75,15 +75,15 @@ def test_the_pipeline_warm_up_never_sends_to_the_rank_itself_once_fixed():
 def _zbv_gradients():
     import torch.nn as nn
 
-    from mgpu_lab.parallel import pp_train
+    from mgpu_lab.pipelining import train
 
     compat.fix_pipeline_warmup()  # on torch 2.11, install() applied it already; here it also runs on newer torch
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
     torch.manual_seed(1)
     x, y = torch.randn(8, 4), torch.randn(8, 4)
-    modules, _, sched = pp_train._build(model, "zbv", 4, 4, tdist.group.WORLD, torch.device("cpu"))
-    pp_train._step(sched, list(modules), 4, x, y)
+    modules, _, sched = train._build(model, "zbv", 4, 4, tdist.group.WORLD, torch.device("cpu"))
+    train._step(sched, list(modules), 4, x, y)
     return {k: [p.grad.clone() for p in m.parameters()] for k, m in modules.items()}
 
 

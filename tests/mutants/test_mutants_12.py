@@ -88,14 +88,14 @@ BUBBLE = ExerciseMutants("12.bubble", NOTEBOOK, ("bubble",), mutants=[
     Variant("closed forms where they hold, ZBV replayed event by event", '''
 def bubble(schedule, n_stages, n_micro, t_f, t_b, t_w=0.0, virtual=1):
     import collections
-    from mgpu_lab.parallel import pp_measure
+    from mgpu_lab.pipelining.torch_orders import torch_orders
     p, m = n_stages, n_micro
     if schedule in ("gpipe", "1f1b"):
         return (p - 1) / (m + p - 1)
     dur = {"F": t_f, "B": t_b + t_w} if schedule == "interleaved" else {"F": t_f, "I": t_b, "W": t_w}
     Act = collections.namedtuple("Act", "kind mb stage")
     queues = {r: [Act(a[0], int(a[1:a.index("/")]), int(a[a.index("/") + 2:])) for a in acts]
-              for r, acts in pp_measure.torch_orders(schedule, p, m, virtual).items()}
+              for r, acts in torch_orders(schedule, p, m, virtual).items()}
     n = max(a.stage for q in queues.values() for a in q) + 1
     done, clock, busy = {}, [0.0] * p, 0.0
     progress = True
@@ -125,7 +125,7 @@ def bubble(schedule, n_stages, n_micro, t_f, t_b, t_w=0.0, virtual=1):
 '''),
     Variant("time-stepped: each rank runs the first action whose inputs are ready", '''
 def bubble(schedule, n_stages, n_micro, t_f, t_b, t_w=0.0, virtual=1):
-    from mgpu_lab.parallel.pp_measure import torch_orders
+    from mgpu_lab.pipelining.torch_orders import torch_orders
     p, m = n_stages, n_micro
     def order(r):
         if schedule == "gpipe":
@@ -189,6 +189,10 @@ SCHEDULE = ExerciseMutants("12.run_schedule", NOTEBOOK, ("run_schedule",), mutan
            (replace(', tag=tag(s, i, "F"))', ")"), replace(', tag=tag(s, i, "B"))', ")"),
             replace(', tag=tag(s + 1, i, "F")))', "))"), replace(', tag=tag(s - 1, i, "B")))', "))")),
            "whatever order the sender sent its messages in"),
+    Mutant("a receive not waited for (irecv posted, its tensor used at once)",
+           replace('tdist.recv(x, placement[s - 1], tag=tag(s, i, "F"))',
+                   'tdist.irecv(x, placement[s - 1], tag=tag(s, i, "F"))'),
+           ("irecv was receiving into", "non-blocking receive returns at once")),
     Mutant("the shape sent with every micro-batch",
            (replace("if s not in known:", "if True:"), replace("if s + 1 not in known:", "if True:")),
            ("message(s) to rank", "travels once")),

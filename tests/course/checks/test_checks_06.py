@@ -212,7 +212,7 @@ def test_the_solution_s_pipelined_step_gives_the_full_batch_gradient_and_mean_lo
     ([1, 1], [2, 2], 4, 0.5), ([2.0, 1.0, 0.5, 3.0], [1.0, 4.0, 1.0, 2.0], 9, 0.7), ([1], [2], 3, 5.0),
     ([3, 1], [1, 3], 1, 0.1)])
 def test_the_solution_s_bubble_fraction_is_the_idle_fraction_of_gpipes_schedule(forward, backward, m, transfer):
-    from mgpu_lab.parallel.schedule import gpipe_schedule
+    from mgpu_lab.pipelining.schedule import gpipe_schedule
 
     got = SOLUTION["bubble_fraction"](forward, backward, m, transfer)
     assert isinstance(got, float) and got == pytest.approx(

@@ -22,7 +22,7 @@ from .ranks import evaluate, PIPE_SCENARIOS, probe_pipeline, probe_stage, run_pi
 
 
 STAGE_REFERENCES = ("torch.distributed.pipelining.stage:PipelineStage",)
-PIPE_REFERENCES = STAGE_REFERENCES + ("mgpu_lab.parallel.pp_train:train",)  # every torch schedule needs a stage
+PIPE_REFERENCES = STAGE_REFERENCES + ("mgpu_lab.pipelining.train:train",)  # every torch schedule needs a stage
 
 
 STAGE_TIMEOUT = 20.0  # seconds: a right answer takes about one
@@ -213,7 +213,7 @@ PLACES = ("each micro-batch moved to stage1's device, the activations to stage2'
 @exercise("06.pipelined_step", points=2, description="pipelined_step(stage1, stage2, x, y, loss_fn, n_micro): "
           "forward and backward over n_micro micro-batches placed on the stages' devices; the gradients of the "
           "full batch added to .grad; returns the mean loss",
-          references=("mgpu_lab.parallel.gpipe:timed_step",))
+          references=("mgpu_lab.pipelining.gpipe:timed_step",))
 def _pipelined(t, pipelined_step):
     """Judges five batches in one process, stages on cuda:2 and cuda:3 (virtual), batches on the CPU.
 
@@ -287,7 +287,7 @@ _BAD = [([1, 1], [2], 4), ([], [], 4), ([1], [2], 0), ([1], [2], -2), ([1], [2],
 @exercise("06.bubble_fraction", points=6, description="bubble_fraction(forward, backward, n_micro, transfer=0.0): "
           "the idle fraction of a GPipe step with per-stage forward and backward times and a transfer time "
           "between stages; ValueError for stages that do not match or a bad n_micro",
-          references=("mgpu_lab.parallel.gpipe:fit_bubble", "mgpu_lab.parallel.schedule:gpipe_schedule"))
+          references=("mgpu_lab.pipelining.gpipe:fit_bubble", "mgpu_lab.pipelining.schedule:gpipe_schedule"))
 def _bubble(t, bubble_fraction):
     """Judges every call in one process against the simulated schedule (:func:`.judges.schedule_bubble`).
 

@@ -69,7 +69,7 @@ class Results(list):
 
 def schedule_bubble(forward, backward, n_micro, transfer=0.0) -> float:
     """The idle fraction of GPipe's schedule, simulated span by span (the check's reference)."""
-    from mgpu_lab.parallel.schedule import gpipe_schedule
+    from mgpu_lab.pipelining.schedule import gpipe_schedule
 
     return gpipe_schedule(forward, backward, n_micro, transfer).idle_fraction()
 

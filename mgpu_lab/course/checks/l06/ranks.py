@@ -71,7 +71,7 @@ def stage_setup(kind: str, batch: int, steps: int, seed: int, n_micro: int = 1):
         loss_fn, width = nn.CrossEntropyLoss(), 16
         data = [(torch.randn(batch, 6), torch.randint(0, 3, (batch,))) for _ in range(steps)]
     elif kind == "work":  # every forward of a stage sleeps WORK_S: its timing holds on a loaded machine
-        from mgpu_lab.parallel.pp_work import Work
+        from mgpu_lab.pipelining.work import Work
 
         stages = [nn.Sequential(nn.Linear(6, 8), Work(8, t_f=WORK_S)), nn.Sequential(Work(8, t_f=WORK_S),
                                                                                    nn.Linear(8, 3))]

@@ -18,7 +18,7 @@ from . import ranks as R
 from .judges import (ORDER_HINT, bubble_problem, bubble_problem_of_orders, in_flight_problem, orders_problem,
                      replay_problem)
 
-ORDER_REFERENCES = ("mgpu_lab.parallel.pp_orders:orders",
+ORDER_REFERENCES = ("mgpu_lab.pipelining.orders:orders",
                     "torch.distributed.pipelining.schedules:_get_1f1b_rank_ops",
                     "torch.distributed.pipelining.schedules:ScheduleInterleaved1F1B._calculate_single_rank_operations")
 ORDER_TIMEOUT = 60.0  # seconds for the launch; a deadlock ends after RECV_TIMEOUT on its own
@@ -163,7 +163,7 @@ def _grid() -> list:
 @exercise("12.bubble", points=6, description="bubble(schedule, n_stages, n_micro, t_f, t_b, t_w=0.0, virtual=1) "
           "-> float: the idle fraction of 'gpipe', '1f1b', 'interleaved' or 'zbv' with these per-stage times",
           references=("mgpu_lab.course.checks.l12.judges:reference_bubble",
-                      "mgpu_lab.parallel.pp_orders:simulate", "mgpu_lab.parallel.pp_orders:formula",
+                      "mgpu_lab.pipelining.orders:simulate", "mgpu_lab.pipelining.orders:formula",
                       "torch.distributed.pipelining.schedules:_simulate_comms_compute"))
 def _bubble(t, bubble):
     """Every call in one process, judged against the schedules replayed (:func:`.judges.reference_bubble`).
@@ -195,7 +195,7 @@ def _bubble(t, bubble):
 SCHEDULE_REFERENCES = ("torch.distributed.pipelining.stage:PipelineStage",
                        "torch.distributed.pipelining.schedules:PipelineScheduleSingle",
                        "torch.distributed.pipelining.schedules:PipelineScheduleMulti",
-                       "mgpu_lab.parallel.pp_train:train")
+                       "mgpu_lab.pipelining.train:train")
 # Seconds for each launch: a right answer judges every scenario of a world size in a few seconds; a deadlock ends
 # at once (the recorder's deadlock finder), so only a hang outside sends and receives waits this long.
 SCHEDULE_TIMEOUT = 60.0
@@ -214,6 +214,10 @@ ORDER_WORDS = ("each receive must get the message its action needs, whatever ord
 SHARED_WORDS = ("each micro-batch's input is its own tensor: a receive into the tensor another micro-batch used as its "
                 "input overwrites what autograd saved for that one's backward, and the input's .grad adds up over "
                 "the micro-batches")
+
+UNWAITED_WORDS = ("a non-blocking receive returns at once, whether or not its message has arrived: until its request "
+                  "says the receive is done, the tensor it receives into may hold what was in that memory before, "
+                  "and which one a stage reads depends on timing (on a GPU the receive runs beside the computation)")
 
 
 def schedule_scenarios(n_ranks: int, rng) -> list:
@@ -264,6 +268,13 @@ def _judge_grads(t, runs, n_ranks: int, k: int) -> None:
 
     per_rank = _schedule_evidence(t, runs, n_ranks, k)
     scenario = runs[n_ranks][1][k]
+    unwaited = next(((r, ev["unwaited"][0]) for r, ev in enumerate(per_rank) if ev["unwaited"]), None)
+    if unwaited:  # its gradients are right only when the message won the race: not evidence of a right answer
+        rank, (kind, stage, i) = unwaited
+        t.fail(UNWAITED_WORDS, "one process's gradients",
+               f"{_what(scenario)}: rank {rank}'s {'forward' if kind == 'F' else 'backward'} of micro-batch {i} on "
+               f"stage {stage} started from the tensor an irecv was receiving into, before that receive was "
+               "waited for")
     hint, got = grads_problem(per_rank, scenario[2])
     if got:
         shared = next((ev["shared"] for ev in per_rank if ev["shared"]), None)
@@ -318,7 +329,8 @@ def _run_schedule(t, run_schedule):
     inside (:func:`.ranks.probe_schedule`).
 
     Catches: blocking sends (a deadlock, found by the recorder), messages matched by their order (the wrong
-    micro-batch, or a rank aborted by a larger message), one receive buffer for every micro-batch, activations
+    micro-batch, or a rank aborted by a larger message), one receive buffer for every micro-batch, a non-blocking
+    receive read before it was waited for (recorded: what it reads depends on timing), activations
     kept after their backward, losses summed, a loss never divided, the activations passed within a rank with
     their graph, torch's own pipelining.
     """

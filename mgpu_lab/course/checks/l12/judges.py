@@ -1,7 +1,7 @@
 """Lesson 12's verdicts, in words: replayed 1F1B orders, bubbles against the replayed schedules, a pipeline run.
 
 The references a value is judged against are :func:`reference_bubble` (every schedule's
-order from :mod:`mgpu_lab.parallel.pp_orders`, replayed with the given times) and
+order from :mod:`mgpu_lab.pipelining.orders`, replayed with the given times) and
 :func:`.ranks.schedule_reference` (one process over the whole batch); each judge names the
 known wrong answer a value matches when it recognises one. The orders a pipeline run is
 judged on are the named schedules' (:func:`schedule_actions`) and random ones that respect
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from mgpu_lab.parallel import pp_orders
+from mgpu_lab.pipelining.orders import orders as schedule_orders, simulate
 
 from ..sim.outcome import in_words
 from .ranks import order_problem
@@ -44,7 +44,7 @@ def bubble_problem_of_orders(orders: dict, n_stages: int, n_micro: int) -> str:
     """'' when the orders, replayed with equal times, idle as GPipe does ((p-1)/(m+p-1)); else what idles."""
     labelled = {r: [f"{a}/s{r}" for a in order] for r, order in orders.items()}
     try:
-        idle = pp_orders.simulate(labelled, {"F": 1.0, "B": 1.0}).idle_fraction()
+        idle = simulate(labelled, {"F": 1.0, "B": 1.0}).idle_fraction()
     except RuntimeError as exc:
         return f"{n_stages} stages, {n_micro} micro-batches: {exc}"
     want = (n_stages - 1) / (n_micro + n_stages - 1)
@@ -69,7 +69,7 @@ def orders_problem(orders: dict, n_stages: int, n_micro: int) -> str:
                         f"{'activations' if kind == 'F' else 'gradients'} in different orders ({mine} vs {theirs})")
     labelled = {r: [f"{a}/s{r}" for a in order] for r, order in orders.items()}
     try:
-        pp_orders.simulate(labelled, {"F": 1.0, "B": 1.0})
+        simulate(labelled, {"F": 1.0, "B": 1.0})
     except RuntimeError as exc:
         return f"{n_stages} stages, {n_micro} micro-batches: {exc}"
     problem = bubble_problem_of_orders(orders, n_stages, n_micro)
@@ -105,7 +105,7 @@ def reference_bubble(schedule: str, n_stages: int, n_micro: int, t_f: float, t_b
     """
     split = schedule == "zbv"
     times = {"F": t_f, "B": t_b + t_w, "I": t_b if split else t_b + t_w, "W": t_w}
-    return pp_orders.simulate(pp_orders.orders(schedule, n_stages, n_micro, virtual), times).idle_fraction()
+    return simulate(schedule_orders(schedule, n_stages, n_micro, virtual), times).idle_fraction()
 
 
 def _known_wrong(args: tuple) -> list[tuple[str, float]]:
@@ -160,10 +160,10 @@ def placements(n_ranks: int) -> dict[str, list[int]]:
 def schedule_actions(schedule: str, n_ranks: int, n_micro: int) -> dict[int, list[tuple]]:
     """Each rank's ``("F", stage, micro-batch)`` / ``("B", ...)`` under a named schedule (ZBV's input gradient as
     the backward, its weight gradient dropped)."""
-    from mgpu_lab.parallel.pp_record import parse
+    from mgpu_lab.pipelining.record import parse
 
     out = {}
-    for rank, labels in pp_orders.orders(schedule, n_ranks, n_micro, 2 if schedule == "interleaved" else 1).items():
+    for rank, labels in schedule_orders(schedule, n_ranks, n_micro, 2 if schedule == "interleaved" else 1).items():
         acts = [parse(label) for label in labels]
         out[rank] = [("F" if kind == "F" else "B", stage, i) for kind, i, stage in acts if kind != "W"]
     return out

@@ -226,7 +226,9 @@ def schedule_reference(n_stages: int, n_micro: int, loss: str) -> dict:
 class Held:
     """What this rank's stages did: every forward and backward in the order they ran (``ran``), and at each
     forward how many micro-batches' activations were alive (``counts``, the largest ``peak``); ``shared``: the
-    forwards whose received input was the very tensor of a micro-batch still waiting for its backward.
+    forwards whose received input was the very tensor of a micro-batch still waiting for its backward;
+    ``unwaited``: the forwards and backwards that started from a tensor an ``irecv`` was still receiving into
+    (its memory a key of ``posted``, :func:`watch_receives`).
 
     A micro-batch's activations on a stage are the stage's input (received; the first stage's inputs are the
     caller's) and output tensors; they count from the forward until both are freed. One whose backward
@@ -234,10 +236,11 @@ class Held:
     action); from the forward after that on, it counts while it is alive.
     """
 
-    def __init__(self, inputs: list, out_grads: list):
+    def __init__(self, inputs: list, out_grads: list, posted: dict | None = None):
         import itertools
 
         self.out_grads, self.wrong_grads = out_grads, []  # (stage, micro-batch, the one whose gradient it got)
+        self.posted, self.unwaited = {} if posted is None else posted, []  # see :func:`watch_receives`
         self.inputs, self.ran, self.counts, self.peak, self.shared = inputs, [], [], 0, []
         self._inputs = {}  # entry -> (stage, micro-batch, storage of the received input) while that input lives
         self._ids, self._alive, self._backward_at, self._forwards = itertools.count(), {}, {}, 0
@@ -255,6 +258,8 @@ class Held:
         entry = next(self._ids)
         if len(tensors) > 1:  # a received input: is it the memory of another micro-batch's input, still alive?
             storage = tensors[0].untyped_storage().data_ptr()
+            if storage in self.posted:
+                self.unwaited.append(("F", stage, i))
             self.shared += [(stage, i, j) for s, j, ptr in self._inputs.values() if s == stage and ptr == storage]
             self._inputs[entry] = (stage, i, storage)
             weakref.finalize(tensors[0], self._inputs.pop, entry, None)
@@ -280,6 +285,8 @@ class Held:
 
     def _backward(self, entry: int, stage: int, i: int, grad) -> None:
         self.ran.append(("B", stage, i))
+        if grad.untyped_storage().data_ptr() in self.posted:
+            self.unwaited.append(("B", stage, i))
         wants = self.out_grads[stage]
         n = len(wants)
 
@@ -296,6 +303,50 @@ class Held:
         self._alive[entry] -= 1
         if not self._alive[entry]:
             del self._alive[entry]
+
+
+@contextmanager
+def watch_receives(posted: dict):
+    """Inside: the memory of every tensor an ``irecv`` receives into is a key of ``posted`` until that receive's
+    ``wait()`` returns (or ``is_completed()`` says True), so a stage can tell a tensor read before its message
+    surely arrived: what such a read sees depends on timing (on a GPU the receive runs on a stream of its own).
+    """
+    import torch.distributed.distributed_c10d as c10d
+
+    posting = tdist.irecv
+
+    class Request:
+        def __init__(self, work, key):
+            self._work, self._key = work, key
+
+        def wait(self, *args, **kwargs):
+            done = self._work.wait(*args, **kwargs)
+            posted.pop(self._key, None)
+            return done
+
+        def is_completed(self):
+            done = self._work.is_completed()
+            if done:
+                posted.pop(self._key, None)
+            return done
+
+        def __getattr__(self, name):
+            return getattr(self._work, name)
+
+    def irecv(tensor, *args, **kwargs):
+        work = posting(tensor, *args, **kwargs)
+        key = tensor.untyped_storage().data_ptr()
+        posted[key] = True
+        return Request(work, key)
+
+    patched = [(module, module.irecv) for module in (tdist, c10d) if module.irecv is posting]
+    for module, _ in patched:
+        module.irecv = irecv
+    try:
+        yield
+    finally:
+        for module, original in patched:
+            module.irecv = original
 
 
 class TrackedStage(nn.Module):
@@ -352,18 +403,19 @@ def probe_schedule(run_schedule, scenarios: list, log_dir: str) -> list:
         n = len(placement)
         ref = schedule_reference(n, n_micro, loss)
         modules, (x, y) = schedule_stages(n), schedule_data(n, n_micro)
-        held = Held(ref["inputs"], ref["out_grads"])
+        posted: dict = {}
+        held = Held(ref["inputs"], ref["out_grads"], posted)
         mine = {s: TrackedStage(modules[s], s, held) for s in range(n) if placement[s] == rank}
         inputs = list(x.chunk(n_micro)) if placement[0] == rank else None
         targets = list(y.chunk(n_micro)) if placement[-1] == rank else None
-        with record() as log:
+        with record() as log, watch_receives(posted):
             got = run_schedule(mine, list(placement), [tuple(a) for a in actions[rank]], inputs, targets,
                                LOSSES[loss])
         got = _returned_value(got)
         gc.collect(1)
         tdist.barrier()
         return {"returned": got, "ref_loss": ref["loss"], "ran": held.ran, "peak": held.peak, "counts": held.counts,
-                "shared": held.shared, "wrong_grads": held.wrong_grads,
+                "shared": held.shared, "wrong_grads": held.wrong_grads, "unwaited": held.unwaited,
                 "grads": {s: _grads_verdict([p.grad for p in modules[s].parameters()], ref["grads"][s], n_micro)
                           for s in mine},
                 "sends": [e["peer"] for e in log if e["op"] in ("send", "send_object_list")]}

@@ -5,8 +5,7 @@
 gradients back with asynchronous point-to-point calls) with every micro-batch's forward
 and backward timed on each rank (:class:`TimedStage`), and returns one
 :class:`~mgpu_lab.parallel.timeline.Timeline` per configuration.
-:func:`torch_gpipe_rank` runs the same schedule untimed, and :func:`ddp_replica_rank`
-trains DDP over replicas that each span two devices.
+:func:`torch_gpipe_rank` runs the same schedule untimed.
 
 On a machine without GPUs every rank is pinned to its own CPU core with one
 thread (:func:`pin_to_core`): the stages then really run at the same time, as
@@ -24,7 +23,6 @@ Example:
 """
 from __future__ import annotations
 
-import copy
 import time
 
 import torch
@@ -32,11 +30,10 @@ import torch.distributed as tdist
 from torch import nn
 
 from mgpu_lab import dist
-from mgpu_lab.parallel.model_parallel import TwoStageNet, replica_devices
-from mgpu_lab.parallel.pinning import pin_to_core
 from mgpu_lab.parallel.timeline import Timeline
+from mgpu_lab.pipelining.pinning import pin_to_core
 
-__all__ = ["pin_to_core", "run_gpipe", "TimedStage", "timed_gpipe_rank", "torch_gpipe_rank", "ddp_replica_rank"]
+__all__ = ["pin_to_core", "run_gpipe", "TimedStage", "timed_gpipe_rank", "torch_gpipe_rank"]
 
 
 class TimedStage(nn.Module):
@@ -225,37 +222,3 @@ def torch_gpipe_rank(stages, x, y, loss_fn, n_micro: int = 4, steps: int = 3, pi
             times.append(time.perf_counter() - start)
     return {"rank": rank, "times": times, "losses": [float(v.detach()) for v in losses],
             "grads": [p.grad.detach().cpu() for p in module.parameters()]}
-
-
-def ddp_replica_rank(stages, x, y, loss_fn, steps: int = 3, lr: float = 0.1, gpus: int | None = None) -> dict:
-    """DDP over model replicas that span two devices each; rank r is replica r.
-
-    Each replica is a :class:`~mgpu_lab.parallel.model_parallel.TwoStageNet` on
-    :func:`~mgpu_lab.parallel.model_parallel.replica_devices` ``(rank, 2, gpus)`` (CPU
-    for both stages when ``gpus=0``), wrapped in DDP with ``device_ids=None``:
-    a module on several devices must not name one. Each rank trains on its
-    ``torch.chunk(x, world_size)`` shard with SGD.
-
-    Returns:
-        ``{"rank", "devices", "losses", "params"}`` after ``steps`` steps.
-    """
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    rank, world = tdist.get_rank(), tdist.get_world_size()
-    devices = replica_devices(rank, 2, gpus)
-    if devices[0].type == "cuda":
-        torch.cuda.set_device(devices[0])  # NCCL talks from the replica's first GPU
-    model = TwoStageNet(copy.deepcopy(stages[0]), copy.deepcopy(stages[1]), *devices)
-    ddp = DDP(model, device_ids=None)  # the gradients of both stages are averaged across replicas
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=lr)
-    xs, ys = torch.chunk(x, world)[rank], torch.chunk(y, world)[rank]
-    losses = []
-    for _ in range(steps):
-        optimizer.zero_grad()
-        out = ddp(xs)
-        loss = loss_fn(out, ys.to(out.device))
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss.detach()))
-    return {"rank": rank, "devices": [str(d) for d in devices], "losses": losses,
-            "params": [p.detach().cpu() for p in model.parameters()]}

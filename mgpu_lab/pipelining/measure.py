@@ -1,9 +1,9 @@
 """Pipeline schedules run for real and measured, set against a model of them (lesson 12's notebook and bench).
 
 :func:`measure` launches one rank per pipeline rank and runs each schedule of
-``torch.distributed.pipelining`` on :class:`~mgpu_lab.parallel.pp_work.Work` layers
+``torch.distributed.pipelining`` on :class:`~mgpu_lab.pipelining.work.Work` layers
 (fixed sleeps: simulated work, really scheduled), timing every action in the
-ranks (:mod:`.pp_record`); it returns per schedule the per-rank
+ranks (:mod:`.record`); it returns per schedule the per-rank
 :class:`~mgpu_lab.parallel.timeline.Timeline`, the measured bubble (waits count as
 idle), the peak number of micro-batches alive per rank, and the *fitted model*:
 the schedule's own order replayed with the mean measured time of each action
@@ -23,9 +23,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mgpu_lab.parallel.pp_record import compute_bubble, in_flight, parse
-from mgpu_lab.parallel.pp_torch import stages_per_rank, torch_orders  # the notebook reads them here
 from mgpu_lab.parallel.timeline import Timeline
+from mgpu_lab.pipelining.record import compute_bubble, in_flight, parse
+from mgpu_lab.pipelining.torch_orders import stages_per_rank, torch_orders  # the notebook reads them here
 
 __all__ = ["measure", "ideal", "fitted_bubble", "stages_per_rank", "torch_orders", "mlp", "pp_dp"]
 
@@ -34,7 +34,7 @@ def measure(schedules, n_ranks: int = 2, n_micro: int = 4, t_f: float = 0.02, t_
             t_w: float = 0.0, virtual: int = 2, width: int = 8, timeout: float = 120, repeats: int = 1) -> dict:
     """Run every schedule on ``n_ranks`` ranks (one launch) and measure it.
 
-    Each stage is one :class:`~mgpu_lab.parallel.pp_work.Work` layer sleeping ``t_f``/``t_b``/``t_w``
+    Each stage is one :class:`~mgpu_lab.pipelining.work.Work` layer sleeping ``t_f``/``t_b``/``t_w``
     (seconds; schedules that do not split backward spend ``t_b + t_w`` in one backward); with ``virtual``
     stages per rank under interleaved (2 under ZBV) each stage is one layer, so a rank does ``virtual``
     times the work per micro-batch: compare the bubbles, not the step times. Each schedule runs a first
@@ -56,7 +56,7 @@ def measure(schedules, n_ranks: int = 2, n_micro: int = 4, t_f: float = 0.02, t_
         configs.append((s, n_stages, n_stages, n_micro, t_f, t_b, t_w))
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(2 * n_micro, width, generator=g), torch.randn(2 * n_micro, width, generator=g)
-    from mgpu_lab.parallel.pp_train import schedules_rank  # here: lesson 12's notebook must not reach it
+    from mgpu_lab.pipelining.train import schedules_rank  # here: lesson 12's notebook must not reach it
 
     ranks = launch(schedules_rank, n_ranks, configs, x, y, 1 + repeats, timeout=timeout)
     out = {}
@@ -79,26 +79,26 @@ def measure(schedules, n_ranks: int = 2, n_micro: int = 4, t_f: float = 0.02, t_
 def fitted_bubble(schedule: str, spans, n_ranks: int, n_micro: int, virtual: int = 2) -> float:
     """The model fitted to a measured step, idle counted as the measurement counts it.
 
-    The schedule's order is replayed (:func:`~mgpu_lab.parallel.pp_orders.simulate`) with, for each action
+    The schedule's order is replayed (:func:`~mgpu_lab.parallel.orders.simulate`) with, for each action
     kind on each stage, the mean measured duration of the action and the mean *host time* after it (the time
     to the rank's next action outside any wait for a message: sending, the loss on the last stage, a late
     wake-up on a busy machine), and with the mean measured transfer time of a message. Host time is idle in
-    the replay as in the measurement (:func:`~mgpu_lab.parallel.pp_record.compute_bubble` counts only the
+    the replay as in the measurement (:func:`~mgpu_lab.pipelining.record.compute_bubble` counts only the
     actions as busy). Means, not medians: the bubble is a sum, and a rank woken late now and then adds to it.
 
     Example:
-        >>> from mgpu_lab.parallel import pp_orders
-        >>> step = pp_orders.simulate(pp_orders.orders("1f1b", 2, 4), {"F": 1.1, "B": 2.3}, transfer=0.2)
+        >>> from mgpu_lab.pipelining import orders
+        >>> step = orders.simulate(orders.orders("1f1b", 2, 4), {"F": 1.1, "B": 2.3}, transfer=0.2)
         >>> measured = _measured(step.spans, {"F": 0.1, "B": 0.3})  # actions of 1 and 2 s, host 0.1 and 0.3 s
         >>> round(fitted_bubble("1f1b", measured, 2, 4), 6) == round(compute_bubble(measured), 6)
         True
     """
-    from mgpu_lab.parallel import pp_orders  # here: the notebook imports this module, its learners write bubble()
+    from mgpu_lab.pipelining import orders  # here: the notebook imports this module, its learners write bubble()
 
     work, host = _action_times(spans)
-    transfer = _transfer(spans, host, pp_orders)
+    transfer = _transfer(spans, host, orders)
     durations = {key: work[key] + host[key] for key in work}
-    replay = pp_orders.simulate(pp_orders.orders(schedule, n_ranks, n_micro, virtual), durations, transfer)
+    replay = orders.simulate(orders.orders(schedule, n_ranks, n_micro, virtual), durations, transfer)
     busy = [(lane, label, start, end - host.get(_key(label), 0.0)) for lane, label, start, end in replay.spans]
     return compute_bubble(busy)
 
@@ -137,7 +137,7 @@ def _action_times(spans) -> tuple[dict, dict]:
             {key: _mean(host[key]) if key in host else every for key in work})
 
 
-def _transfer(spans, host: dict, pp_orders) -> float:
+def _transfer(spans, host: dict, orders) -> float:
     """The mean time a message takes: from the end of an action plus its host time (when its rank sends) to the
     start of the action on another rank that needs it, where that rank was ready before the message left."""
     acts = {parse(label): (lane, start, end) for lane, label, start, end in spans if parse(label)}
@@ -149,7 +149,7 @@ def _transfer(spans, host: dict, pp_orders) -> float:
             ready[parse(label)] = prev_end + (host[_key(prev)] if prev else 0.0)
     times = []
     for action, (lane, start, _) in acts.items():
-        for need in pp_orders.needs(*action, last, acts):
+        for need in orders.needs(*action, last, acts):
             if need in acts and acts[need][0] != lane:
                 sent = acts[need][2] + host[need[0], need[2]]
                 if ready[action] <= sent:
@@ -172,11 +172,11 @@ def _measured(replay_spans, host: dict) -> list:
 def ideal(schedule: str, n_ranks: int, n_micro: int, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 0.0,
           virtual: int = 2) -> Timeline:
     """The schedule's order replayed with set times per action (backward ``t_b + t_w`` unless split)."""
-    from mgpu_lab.parallel import pp_orders
+    from mgpu_lab.pipelining import orders
 
     split = schedule == "zbv"
     times = {"F": t_f, "B": t_b + t_w, "I": t_b if split else t_b + t_w, "W": t_w}
-    return pp_orders.simulate(pp_orders.orders(schedule, n_ranks, n_micro, virtual), times)
+    return orders.simulate(orders.orders(schedule, n_ranks, n_micro, virtual), times)
 
 
 def mlp(n_layers: int, width: int, seed: int = 0) -> nn.Sequential:
@@ -196,14 +196,14 @@ def pp_dp(schedule: str = "1f1b", pp: int = 2, dp: int = 2, n_micro: int = 2, st
     from functools import partial
 
     from mgpu_lab import launch
-    from mgpu_lab.parallel import pp_train  # here: the notebook must not reach it
+    from mgpu_lab.pipelining import train  # here: the notebook must not reach it
 
     n_layers = pp * stages_per_rank(schedule)
     model_fn = partial(mlp, n_layers, width)
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randn(4 * dp * n_micro, width, generator=g), torch.randn(4 * dp * n_micro, width, generator=g))
                for _ in range(steps)]
-    state = launch(pp_train.train, pp * dp, model_fn, pp, schedule, n_micro, batches, lr, dp=dp, timeout=timeout)[0]
-    ref = pp_train.one_process(model_fn, batches, lr)
+    state = launch(train.train, pp * dp, model_fn, pp, schedule, n_micro, batches, lr, dp=dp, timeout=timeout)[0]
+    ref = train.one_process(model_fn, batches, lr)
     return {"diff": max(float((state[k] - ref[k]).abs().max()) for k in ref), "ranks": pp * dp,
             "n_params": sum(v.numel() for v in ref.values())}

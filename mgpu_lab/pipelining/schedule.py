@@ -1,7 +1,7 @@
 """GPipe's schedule replayed from stage times, a transfer time and an overhead (lesson 06).
 
 :func:`mgpu_lab.parallel.model_parallel.ideal_timeline`
-draws it for equal stages, and :func:`mgpu_lab.parallel.gpipe.fit_bubble` replays a measured step.
+draws it for equal stages, and :func:`mgpu_lab.pipelining.gpipe.fit_bubble` replays a measured step.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Recording a schedule's actions in the ranks (pp_record), fixed-work layers (pp_work), real schedules (pp_train,
-pp_measure)."""
+"""Recording a schedule's actions in the ranks (record), fixed-work layers (work), real schedules (train,
+measure), in mgpu_lab.pipelining."""
 from __future__ import annotations
 
 import time
@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from mgpu_lab import launch
-from mgpu_lab.parallel import pp_measure, pp_train
-from mgpu_lab.parallel.pp_record import compute_bubble, in_flight, parse
-from mgpu_lab.parallel.pp_train import one_process, split_layers, stage_ids
-from mgpu_lab.parallel.pp_work import Work, work_model
+from mgpu_lab.pipelining import measure, train
+from mgpu_lab.pipelining.record import compute_bubble, in_flight, parse
+from mgpu_lab.pipelining.train import one_process, split_layers, stage_ids
+from mgpu_lab.pipelining.work import Work, work_model
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -54,14 +54,14 @@ def test_stages_are_cut_in_equal_runs_placed_in_a_loop_or_a_v():
 
 def test_every_schedule_trains_like_one_process_on_two_ranks():
     def model_fn():
-        return pp_measure.mlp(4, 6)
+        return measure.mlp(4, 6)
 
     g = torch.Generator().manual_seed(3)
     batches = [(torch.randn(8, 6, generator=g), torch.randn(8, 6, generator=g)) for _ in range(2)]
     ref = one_process(model_fn, batches, 0.1)
 
     def every_schedule(model_fn, batches):
-        return [pp_train.train(model_fn, 2, s, 4, batches, 0.1) for s in ("gpipe", "1f1b", "interleaved", "zbv")]
+        return [train.train(model_fn, 2, s, 4, batches, 0.1) for s in ("gpipe", "1f1b", "interleaved", "zbv")]
 
     states, nothing = launch(every_schedule, 2, model_fn, batches)
     assert nothing == [None] * 4
@@ -71,7 +71,7 @@ def test_every_schedule_trains_like_one_process_on_two_ranks():
 
 
 def test_measured_timelines_show_each_schedule_s_shape():
-    runs = pp_measure.measure(["gpipe", "1f1b", "zbv"], n_ranks=2, n_micro=4, t_f=0.005, t_b=0.005, t_w=0.005)
+    runs = measure.measure(["gpipe", "1f1b", "zbv"], n_ranks=2, n_micro=4, t_f=0.005, t_b=0.005, t_w=0.005)
     assert runs["gpipe"]["in_flight"] == {"rank 0": 4, "rank 1": 4}
     assert runs["1f1b"]["in_flight"] == {"rank 0": 2, "rank 1": 1}
     labels = {label[0] for _, label, _, _ in runs["zbv"]["timeline"].spans}
@@ -92,29 +92,29 @@ def test_the_timeline_draws_weight_gradients_green_and_waits_grey():
 @pytest.mark.parametrize("schedule, n_ranks, n_micro", [("gpipe", 2, 4), ("1f1b", 3, 6), ("interleaved", 2, 4),
                                                         ("zbv", 2, 4), ("zbv", 3, 3)])
 def test_the_fit_gives_the_bubble_of_a_step_with_known_work_host_time_and_transfer(schedule, n_ranks, n_micro):
-    from mgpu_lab.parallel import pp_orders
+    from mgpu_lab.pipelining import orders
 
     work = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 0.7}
     host = {"F": 0.15, "B": 0.3, "I": 0.05, "W": 0.2}
-    step = pp_orders.simulate(pp_orders.orders(schedule, n_ranks, n_micro, 2),
+    step = orders.simulate(orders.orders(schedule, n_ranks, n_micro, 2),
                               {k: work[k] + host[k] for k in work}, transfer=0.25)
-    measured = pp_measure._measured(step.spans, host)
+    measured = measure._measured(step.spans, host)
     assert {label for _, label, _, _ in measured} >= {"wait"}
-    fitted = pp_measure.fitted_bubble(schedule, measured, n_ranks, n_micro)
+    fitted = measure.fitted_bubble(schedule, measured, n_ranks, n_micro)
     assert fitted == pytest.approx(compute_bubble(measured), abs=1e-9)
     assert fitted > step.idle_fraction() + 0.01  # host time is idle in both, not busy as in the replay
 
 
 def test_host_time_is_the_gap_to_the_next_action_less_the_waits_and_transfer_is_the_mean_message():
-    from mgpu_lab.parallel import pp_orders
+    from mgpu_lab.pipelining import orders
 
     spans = [("rank 0", "F0/s0", 0.0, 1.0), ("rank 0", "F1/s0", 1.5, 2.5), ("rank 0", "wait", 3.0, 5.5),
              ("rank 0", "B0/s0", 6.0, 8.0), ("rank 0", "B1/s0", 8.5, 10.5),
              ("rank 1", "wait", 0.0, 1.4), ("rank 1", "F0/s1", 1.5, 2.5), ("rank 1", "B0/s1", 3.0, 5.0),
              ("rank 1", "wait", 5.0, 5.1), ("rank 1", "F1/s1", 5.5, 6.5), ("rank 1", "B1/s1", 6.5, 8.0)]
-    work, host = pp_measure._action_times(spans)
+    work, host = measure._action_times(spans)
     assert work[("F", 0)] == pytest.approx(1.0) and work[("B", 1)] == pytest.approx(1.75)
     assert host[("F", 0)] == pytest.approx((0.5 + 1.0) / 2) and host[("B", 0)] == pytest.approx(0.5)
     assert host[("B", 1)] == pytest.approx(0.4)  # 0.5 to F1 less 0.1 of wait; the rank's last action has none
     # B0/s0 waited for B0/s1 (ended 5.0, host 0.4 -> sent 5.4, started 6.0): 0.6; F0/s1 for F0/s0 (sent 1.75): -0.25
-    assert pp_measure._transfer(spans, host, pp_orders) == pytest.approx((0.6 - 0.25) / 2)
+    assert measure._transfer(spans, host, orders) == pytest.approx((0.6 - 0.25) / 2)

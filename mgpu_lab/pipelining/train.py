@@ -8,12 +8,12 @@ and gathers the whole model's ``state_dict`` on rank 0. With ``dp > 1`` the rank
 form a ``(dp, pp)`` mesh: each pipeline trains on its share of every batch and
 the gradients are averaged across the replicas before the step (PP x DP).
 :func:`schedule_rank` runs a schedule on fixed-work layers with every action
-timed (:mod:`.pp_record`), for the lesson's drawings and :mod:`bench`.
-Scripts (``scripts/pp_train.py``, as ``pp_train.train``) and later lessons import it.
+timed (:mod:`.record`), for the lesson's drawings and :mod:`bench`.
+Scripts (``scripts/pp_train.py``, as ``train.train``) and later lessons import it.
 
 Example:
     >>> from mgpu_lab import launch
-    >>> from mgpu_lab.parallel.pp_work import work_model
+    >>> from mgpu_lab.pipelining.work import work_model
     >>> batches = [(torch.randn(8, 4), torch.randn(8, 4)) for _ in range(2)]
     >>> out = launch(train, 2, lambda: work_model(4, 4), 2, "zbv", 4, batches, 0.1)
     launch: 2 ranks · ...
@@ -175,7 +175,7 @@ def schedule_rank(model_fn, schedule: str, n_stages: int, n_micro: int, x, y, st
         the first, "losses"}``: labels ``F3/s1`` (forward of micro-batch 3 on stage 1), ``B``, ``I`` (input
         gradient), ``W`` (weight gradient) and ``wait`` (waiting for a message).
     """
-    from mgpu_lab.parallel.pp_record import record_actions
+    from mgpu_lab.pipelining.record import record_actions
 
     rank = tdist.get_rank()
     model = model_fn()
@@ -196,7 +196,7 @@ def schedule_rank(model_fn, schedule: str, n_stages: int, n_micro: int, x, y, st
 
 def schedules_rank(configs: list, x, y, steps: int = 2) -> list:
     """:func:`schedule_rank` for every ``(schedule, n_layers, n_stages, n_micro, t_f, t_b, t_w)`` in one launch."""
-    from mgpu_lab.parallel.pp_work import work_model
+    from mgpu_lab.pipelining.work import work_model
 
     out = []
     for schedule, n_layers, n_stages, n_micro, t_f, t_b, t_w in configs:

@@ -4,7 +4,7 @@
 interleaved 1F1B and ZBV as labels ``F3/s1`` (forward of micro-batch 3 on
 stage 1), ``B`` (whole backward), ``I`` (input gradient), ``W`` (weight
 gradient); interleaved and ZBV orders are torch's own, read from a built
-schedule's ``pipeline_order`` (:func:`~mgpu_lab.parallel.pp_torch.torch_orders`),
+schedule's ``pipeline_order`` (:func:`~mgpu_lab.pipelining.torch_orders.torch_orders`),
 so the drawing is what ``step()`` runs.
 :func:`simulate` replays the orders with fixed times per action and returns a
 :class:`~mgpu_lab.parallel.timeline.Timeline`, with a message naming the first
@@ -19,8 +19,8 @@ Example:
 from __future__ import annotations
 
 
-from mgpu_lab.parallel.pp_record import parse
 from mgpu_lab.parallel.timeline import Timeline
+from mgpu_lab.pipelining.record import parse
 
 __all__ = ["orders", "needs", "simulate", "formula", "stage_of_rank"]
 
@@ -46,7 +46,7 @@ def orders(schedule: str, n_ranks: int, n_micro: int, virtual: int = 1) -> dict[
         ['F0/s1', 'F0/s2', 'F1/s1', 'F1/s2']
     """
     if schedule in ("interleaved", "zbv"):
-        from mgpu_lab.parallel.pp_torch import torch_orders
+        from mgpu_lab.pipelining.torch_orders import torch_orders
 
         return torch_orders(schedule, n_ranks, n_micro, virtual)
     if schedule == "gpipe":

@@ -1,12 +1,11 @@
-"""Each schedule's order of actions and its replay (mgpu_lab.parallel.pp_orders), in one process; the idle
+"""Each schedule's order of actions and its replay (mgpu_lab.pipelining.orders), in one process; the idle
 fraction through lesson 12's check's own replay (mgpu_lab.course.checks.l12.judges.reference_bubble)."""
 from __future__ import annotations
 
 import pytest
 
 from mgpu_lab.course.checks.l12.judges import reference_bubble  # the check's own replay (tests may use it)
-from mgpu_lab.parallel import pp_orders
-from mgpu_lab.parallel.pp_orders import formula, orders, simulate
+from mgpu_lab.pipelining.orders import formula, needs, orders, simulate
 
 
 @pytest.mark.parametrize("p, m", [(2, 1), (2, 4), (4, 2), (4, 8), (3, 7)])
@@ -58,13 +57,13 @@ def test_a_transfer_time_delays_every_message_between_ranks_only():
 def test_an_unknown_schedule_is_refused_with_the_known_ones():
     with pytest.raises(ValueError, match="pick one of 'gpipe', '1f1b', 'interleaved', 'zbv'"):
         orders("dualpipe", 2, 4)
-    assert callable(pp_orders.needs)
+    assert callable(needs)
 
 
 def test_torch_s_orders_come_from_a_built_schedule_s_pipeline_order_and_gpipe_s_are_refused():
     from torch.distributed.pipelining import schedules
 
-    from mgpu_lab.parallel.pp_measure import torch_orders
+    from mgpu_lab.pipelining.measure import torch_orders
 
     got = torch_orders("interleaved", 2, 4, virtual=2)
     assert sorted(got) == [0, 1] and got[0][0] == "F0/s0" and {a.split("/s")[1] for a in got[1]} == {"1", "3"}

@@ -2,8 +2,8 @@
 
 :func:`torch_orders` builds torch's interleaved 1F1B or ZBV schedule on stand-ins for a rank's stages and
 reads every rank's order from its public ``pipeline_order``; :func:`stages_per_rank` says how many stages a
-rank holds under each schedule. :mod:`.pp_measure` (which lesson 12's notebook imports) and
-:mod:`.pp_orders` both use them, so they live here, below both.
+rank holds under each schedule. :mod:`.measure` (which lesson 12's notebook imports) and
+:mod:`.orders` both use them, so they live here, below both.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 :func:`timed_step` runs GPipe's micro-batched step on one process (every forward,
 then every backward) with every stage's work timed on a
 :class:`~mgpu_lab.parallel.timeline.Timeline`; :func:`fit_bubble` is the idle
-fraction of GPipe's schedule (:func:`mgpu_lab.parallel.schedule.gpipe_schedule`)
+fraction of GPipe's schedule (:func:`mgpu_lab.pipelining.schedule.gpipe_schedule`)
 replayed with a measured step's fit. Scripts, the course's checks and later lessons
 import them.
 
@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from mgpu_lab.parallel.model_parallel import _positive_int
-from mgpu_lab.parallel.schedule import gpipe_schedule
 from mgpu_lab.parallel.timeline import Timeline
+from mgpu_lab.pipelining.schedule import gpipe_schedule
 
 __all__ = ["timed_step", "fit_bubble"]
 
