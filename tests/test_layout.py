@@ -204,3 +204,18 @@ def test_the_import_reader_resolves_relative_imports_and_rejects_missing_ones(tm
     wrong.write_text("def f():\n    from .dist import is_main_process\n")  # mgpu_lab.launcher.dist: none
     with pytest.raises(ImportError, match="mgpu_lab.launcher.dist"):
         imports_of("mgpu_lab.launcher.fake", wrong, known)
+
+
+def test_no_two_test_modules_share_a_name_outside_a_package():
+    """pytest imports a test file outside a package under its bare name, and a rank unpickles a test's function by
+    that name: two ``test_record.py`` in folders without ``__init__.py`` make one of them fail to collect and the
+    other's ranks load the wrong module (CI, stop 48)."""
+    seen: dict[str, Path] = {}
+    clashes = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        if path.name == "conftest.py" or (path.parent / "__init__.py").exists():
+            continue
+        if path.stem in seen:
+            clashes.append(f"{seen[path.stem].relative_to(ROOT)} and {path.relative_to(ROOT)}")
+        seen.setdefault(path.stem, path)
+    assert not clashes, "test modules outside a package share a name (rename one): " + "; ".join(clashes)
