@@ -44,5 +44,5 @@ def test_context_parallel_equals_full_attention_on_two_gpus(rotate):
         pytest.skip(f"needs 2 CUDA GPUs: {torch_cp.why_not()}")
     results = torch_cp.compare(2, rotate=rotate)
     assert all(r["ran"] and r["rotate"] == rotate for r in results), results
-    assert max(r["max_error"] for r in results) < 2e-2, results  # bfloat16
+    assert max(r["max_error"] for r in results) < 1e-3, results  # float32
     assert [r["positions"] for r in results] == [h[:4] for h in torch_cp.head_tail_positions(256, 2)]
