@@ -11,7 +11,7 @@ and 16 cores:
 - ``doctor``: ``mgpu-lab doctor``, real collectives on every backend that can work here;
 - ``kernel-launch``: a Jupyter kernel that has already allocated a CUDA tensor launches 1 rank on the GPU with
   NCCL, then 2 ranks sharing it with gloo; each launch's banner must say so;
-- ``notebooks``: the solution notebooks with GPU paths under nbval (lessons 01, 02, 04, 08 and 13);
+- ``notebooks``: the solution notebooks with GPU paths under nbval (lessons 01, 02, 04, 08, 13 and 14);
 - ``figures``: the numbers the lessons promise on a GPU (``scripts/gpu_figures.py``).
 
 It writes ``report.json`` and ``report.txt`` into ``--out`` (default ``gpu-check-report/``) and exits non-zero
@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 WHEELS = ROOT / ".whl"
 SITE = Path(os.environ.get("TMPDIR", "/tmp")) / "mgpu-lab-gpu-site"
-NOTEBOOKS = ("01_devices", "02_data_loading", "04_ddp", "08_sharding", "13_time_and_memory")
+NOTEBOOKS = ("01_devices", "02_data_loading", "04_ddp", "08_sharding", "13_time_and_memory", "14_long_context")
 # What the GPU machine lacks (its image has torch, pytest, matplotlib, cloudpickle, psutil, ...): a
 # distribution name, and the module that proves it is importable.
 CARRIED = {

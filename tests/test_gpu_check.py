@@ -75,5 +75,12 @@ def test_every_gpu_marked_test_is_found_by_reading_the_source():
     gc = _module()
     marked = gc.gpu_marked_tests()
     assert "tests/profiling/test_traces.py::test_memory_snapshot_on_a_gpu" in marked
+    assert "tests/long_context/test_torch_cp.py::test_context_parallel_equals_full_attention_on_two_gpus" in marked
     assert not any("test_gpu_check.py" in t for t in marked)
     assert len(marked) >= 15
+
+
+def test_every_lesson_with_a_gpu_path_is_run_under_nbval_on_the_gpu():
+    gc = _module()
+    assert "14_long_context" in gc.NOTEBOOKS  # section 4 runs torch's context_parallel where 2 GPUs exist
+    assert all((ROOT / "solutions" / f"{name}.ipynb").exists() for name in gc.NOTEBOOKS)
