@@ -15,9 +15,10 @@ all-gather CP (``mgpu_lab.long_context.gather``) against ring attention (``RingA
 with ring / all-gather ratios; each number is the largest over the ranks. Both move the
 same bytes (every rank receives the other ranks' K and V once). All-gather holds the whole
 sequence's K and V (``S`` rows); the ring one rank's shard at a time (``S/W`` rows) and the
-one arriving. The peak also counts the scores each computes, which grow as the square of
-the length in both (the ring's per pair of chunks, ``(S/2W)^2`` per head; the CPU's attention
-kernel in all-gather works in tiles), so the peak's ratio is not the rows' ratio. Ranks are
+one arriving. The peak also counts what grows as the square of the length in both: the
+ring's scores per pair of chunks, ``(S/2W)^2`` per head, and all-gather's ``S/W x S`` mask with
+the float copy attention makes of it (the CPU's attention kernel itself works in tiles), so the
+peak's ratio is not the rows' ratio. Ranks are
 CPU processes with gloo on any machine (the profiler's memory counts CPU allocations).
 
 Run: ``.venv/bin/python bench/long_context.py [--world 2 4] [--seqs 512 1024 2048 4096]``.

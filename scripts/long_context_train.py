@@ -19,8 +19,8 @@ work). Everything but attention is token-local; attention is exact ring attentio
 group (:class:`RingAttention`): K and V blocks travel around the ring by point-to-point
 messages while each rank attends its queries blockwise and merges the partial results by
 log-sum-exp; its backward sends K and V around the ring again, and the gradients of K and V
-travel with them back to the rank that owns them. A rank holds K and V of at most two shards
-at once (the one it attends to and the one arriving), never the whole sequence's. The model is
+travel with them back to the rank that owns them. A rank holds K and V of at most three shards
+at once (its own, kept for backward, the one it attends to and the one arriving), never the whole sequence's. The model is
 sharded by FSDP2 over all ranks (the flattened ``dp x cp``, as torchtitan does): every CP rank
 holds part of every sequence, so the weights' gradients are summed over CP and averaged over
 DP, which one reduce-scatter over all ranks does once the loss is scaled. After

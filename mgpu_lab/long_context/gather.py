@@ -2,9 +2,11 @@
 
 Each rank keeps its own queries and all-gathers the keys and values of the whole sequence,
 then attends its rows to all of them, masking by the rows' positions in the sequence when
-causal. Simple, and the K/V all-gather of a layer can overlap with computing its queries;
-its price is that every rank holds the whole sequence's K and V (``2 B H S D`` elements,
-growing with ``S`` whatever the CP degree) and an ``S/W x S`` score block per head.
+causal. Simple: one all-gather of K and V per layer, which can start as soon as they are projected
+(Llama 3 leaves it exposed: with grouped-query attention K and V are small next to Q); its price
+is that every rank holds the whole sequence's K and V (``2 B H S D`` elements, growing with ``S``
+whatever the CP degree) and, when causal, an ``S/W x S`` mask shared by every head
+(boolean, plus the float copy ``scaled_dot_product_attention`` makes of it on the CPU).
 
 Example:
     >>> from mgpu_lab import launch
