@@ -13,7 +13,8 @@ name the global ranks of the group each one used.
   it received go back to their owners the same way. The weight's gradient is then averaged over
   **all four ranks**, DP x CP: each CP rank computed it from a different part of the sequence, so
   it is a partial sum just like a DP rank's. torchtitan does the same: FSDP shards and reduces over
-  ``dp_shard_cp``, the ``dp_shard`` and ``cp`` dimensions flattened. ``reduce_over="dp"`` averages
+  the ``dp_shard`` and ``cp`` dimensions flattened (``dp_shard_cp`` in its 2025 ``ParallelDims``,
+  ``fsdp`` later), with ``dp_replicate`` on top under HSDP. ``reduce_over="dp"`` averages
   over the DP group only, the bug, and its gradient differs from one process's.
 - :func:`ep_dp_step`: each rank has its own tokens; a shared layer (replicated on every rank) runs
   on them, then token ``t`` goes to expert ``t % 2``, which lives on column ``t % 2`` of the
