@@ -427,13 +427,19 @@ def judge_moe_ran(t, per_rank: list, world: int, k: int) -> None:
         if any(e.get("stuck") for _, e in failed):
             t.fail("ranks waited for ever in a collective: every rank must take part in every all-to-all, in the "
                    "same order, forward and backward, even a rank that sends or receives no token (it sends and "
-                   "receives empty splits); a rank that skips one leaves the others waiting", 
+                   "receives empty splits); a rank that skips one leaves the others waiting",
                    f"{describe_moe(k)}: every rank returns", f"rank {r}: {entry['error']}")
-        if any("closed by peer" in e["error"] for _, e in failed):
-            t.fail("a rank finished while the others were still in an all-to-all (the others then saw it leave): "
-                   "every rank must take part in every exchange, forward and backward, even one that receives no "
-                   "token; in backward, a rank makes the exchanges only if its output depends on them through "
-                   "autograd", f"{describe_moe(k)}: every rank returns", f"rank {r}: {entry['error'][:160]}")
+        if any("SkippedExchange" in e["error"] or "by peer" in e["error"] for _, e in failed):
+            t.fail("the ranks did not all take part in the same all-to-alls: every rank must take part in every "
+                   "exchange, forward and backward, in the same order, even one that receives no token (with "
+                   "empty splits); in backward, a rank makes the exchanges only if its output depends on them "
+                   "through autograd", f"{describe_moe(k)}: every rank in every all-to-all",
+                   f"rank {r}: {entry['error'][:200]}")
+        if any("SplitMismatch" in e["error"] for _, e in failed):
+            t.fail("a rank sized what it receives without the senders' counts: how many rows arrive from each rank "
+                   "depends on that rank's router, so a receiver must learn the counts from the senders before "
+                   "the tokens travel (the check compared every rank's send and receive sizes of each all-to-all)",
+                   f"{describe_moe(k)}: receive sizes equal to what the other ranks send", entry["error"][:300])
         if "ReferenceCalled" in entry["error"]:
             t.fail("your code calls a reference implementation; route and exchange the tokens yourself", "",
                    f"rank {r}: {entry['error']}")

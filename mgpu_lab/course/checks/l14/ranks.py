@@ -170,6 +170,51 @@ def _watchdog(log_dir, k: int):
     return timer
 
 
+class SplitMismatch(RuntimeError):
+    """An all-to-all in which what a rank expects to receive from another is not what that rank sends it."""
+
+
+class SkippedExchange(RuntimeError):
+    """Ranks that meet in an all-to-all while at different ones of the call (one rank skipped one)."""
+
+
+def _checked_all_to_all(real):
+    """``torch.distributed.all_to_all_single`` that first compares, on every rank, what each rank sends to each
+    other rank with what that rank expects to receive (an all-gather of the splits, which the recorder does
+    not count: it runs inside the recorded call), and raises :class:`SplitMismatch` on every rank when they
+    differ (gloo itself would drop a rank's connection or wait for ever), or :class:`SkippedExchange` when the
+    ranks meet at different all-to-alls of the call (``checked.phase``: 0 forward, 1 backward)."""
+    import torch
+    import torch.distributed as tdist
+
+    def checked(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+        world = tdist.get_world_size(group)
+        rank = tdist.get_rank(group)
+
+        def splits(t, given):
+            return [int(n) for n in given] if given is not None and len(given) else [t.shape[0] // world] * world
+
+        checked.calls += 1
+        where = [checked.phase, checked.calls] + [0] * (world - 2)
+        mine = torch.tensor([splits(input, input_split_sizes), splits(output, output_split_sizes), where])
+        every = [torch.empty_like(mine) for _ in range(world)]
+        tdist.all_gather(every, mine, group=group)
+        at = [tuple(e[2, :2].tolist()) for e in every]
+        if len(set(at)) > 1:
+            raise SkippedExchange("the ranks are at different all-to-alls (rank: (0 forward / 1 backward, which "
+                                  f"all-to-all of it)): {dict(enumerate(at))}")
+        sends = [e[0].tolist() for e in every]
+        bad = [(s, r) for s in range(world) for r in range(world) if sends[s][r] != every[r][1][s]]
+        if bad:
+            s, r = bad[0]
+            raise SplitMismatch(f"rank {r} sized its receive for {int(every[r][1][s])} rows from rank {s}, which "
+                                f"sends it {sends[s][r]} (rank {rank}'s view; every rank's sends: {sends})")
+        return real(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+
+    checked.phase, checked.calls = 0, 0
+    return checked
+
+
 def _moe_one(moe_layer, log_dir, k: int) -> dict:
     """One MoE scenario in this rank: the learner's output, the gradients of its tokens, the router's weight
     and its experts, and what it communicated forward and backward (each recorded apart)."""
@@ -184,17 +229,20 @@ def _moe_one(moe_layer, log_dir, k: int) -> dict:
     x = made["xs"][rank].clone().requires_grad_(True)
     router = made["router"].clone().requires_grad_(True)
     experts = torch.nn.ModuleList(made["experts"][rank * per:(rank + 1) * per])
-    timer = _watchdog(log_dir, k)
+    timer, real = _watchdog(log_dir, k), tdist.all_to_all_single
+    tdist.all_to_all_single = _checked_all_to_all(real)
     try:
         with record(moe_layer) as forward:
             out = moe_layer(x, router, experts, s["top_k"], s["capacity"])
         if not isinstance(out, torch.Tensor):
             return {"out": f"{type(out).__name__}", "error": None, "forward": [], "backward": [], "grads": None}
+        tdist.all_to_all_single.phase, tdist.all_to_all_single.calls = 1, 0
         with record(moe_layer) as backward:
             if out.requires_grad:
                 (out * made["grads"][rank]).sum().backward()
     finally:
         timer.cancel()
+        tdist.all_to_all_single = real
     grads = {"x": x.grad, "router": router.grad,
              "experts": [[p.grad for p in e.parameters()] for e in experts]}
     keep = lambda log: [[e["op"], e["bytes"], e["dtype"], e["call"]] for e in log.events if e["op"] != "wait"]
