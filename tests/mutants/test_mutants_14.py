@@ -152,10 +152,6 @@ RECEIVER_CAPACITY = """    mine = torch.arange(local, device=x.device).repeat(wo
     mine = torch.where(seat_in < capacity, mine, -1)"""
 
 MOE = ExerciseMutants("14.moe_layer", NOTEBOOK, ("moe_layer",), mutants=[
-    Mutant("counts not exchanged before the tokens (a rank assumes it receives what it sends)",
-           replace("    dist.all_to_all_single(receiving, sending)  # [s * local + j]: rows from rank s for my expert j\n",
-                   "    receiving.copy_(sending)\n"),
-           ("without the senders' counts", "before the tokens travel")),
     Mutant("capacity counted globally (by the receiving expert over all source ranks) instead of per source rank",
            (replace("keep = seat < capacity", "keep = seat >= 0"),
             replace("    mine = torch.arange(local, device=x.device).repeat(world).repeat_interleave(receiving)",
@@ -172,6 +168,10 @@ MOE = ExerciseMutants("14.moe_layer", NOTEBOOK, ("moe_layer",), mutants=[
            (replace("    world, n_tokens = dist.get_world_size(), x.shape[0]", PLAIN),
             replace("Exchange.apply(", "plain(", count=0)),
            ("no gradient", "all-to-all")),
+    Mutant("counts not exchanged before the tokens (a rank assumes it receives what it sends)",
+           replace("    dist.all_to_all_single(receiving, sending)  # [s * local + j]: rows from rank s for my expert j\n",
+                   "    receiving.copy_(sending)\n"),
+           ("without the senders' counts", "before the tokens travel")),
     Mutant("a rank that receives nothing skips the all-to-alls (the others wait in them)",
            (replace("arrived = Exchange.apply(x[token], send, recv)",
                     "arrived = Exchange.apply(x[token], send, recv) if sum(recv) else x.new_zeros(0, x.shape[1])"),

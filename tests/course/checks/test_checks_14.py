@@ -174,7 +174,7 @@ def moe_verdicts() -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "mutants"))
     from batching import judge_many
 
-    names = ("zeros", "reference", "gathered", "stuck")
+    names = ("zeros", "reference", "gathered")  # not "stuck": a launch that dies makes every answer in it rerun alone
     return dict(zip(names, judge_many("14.moe_layer", [(MOE_ANSWERS[n],) for n in names])))
 
 
@@ -197,7 +197,7 @@ def test_gathering_every_ranks_tokens_gets_the_outputs_and_fails_the_traffic():
 
 
 def test_a_rank_stuck_in_a_collective_is_reported_within_seconds():
-    result = moe_verdicts()["stuck"]
+    result = check("14.moe_layer", MOE_ANSWERS["stuck"])
     assert result.points == 0 and "waited for ever" in str(result), str(result)
 
 
