@@ -1,5 +1,6 @@
-"""Lesson 14's checker against a stub, an answer that does nothing, one that calls a reference, and
-all-gather CP written by hand; and its judges' masks and block counts on small cases worked out by hand
+"""Lesson 14's checkers against a stub, an answer that does nothing, one that calls a reference, and
+all-gather CP written by hand (ring_attention); the same for moe_layer, with every rank's tokens gathered by
+hand and a rank stuck in a collective; and the judges on small cases worked out by hand
 (tests/mutants/test_mutants_14.py has the named mutants and the correct variants)."""
 from __future__ import annotations
 
