@@ -21,7 +21,7 @@ PACKAGE = ROOT / "mgpu_lab"
 MAX_BODY = 60  # the guide's "functions short (about 60 lines)": body lines, the docstring not counted
 PARTS = ("launcher", "course", "cluster")
 TOPICS = ("data", "parallel", "pipelining", "sharding", "comm", "failures", "devices", "tensor_parallel", "profiling",
-          "long_context")
+          "long_context", "experts")
 TOP_LEVEL = {"__init__", "__main__", "cli", "dist", "doctor", "doctor_probes"}  # everything else lives in a package
 BASE = {"mgpu_lab.dist", "mgpu_lab.devices", "mgpu_lab.core.compat", "mgpu_lab.core", "mgpu_lab.core.libc",
         "mgpu_lab.core.procenv"}

@@ -138,7 +138,125 @@ def ring_attention(q, k, v, causal, layout):
     return acc
 '''),
 ])
-SPECS = [RING]
+PLAIN = """    def plain(rows, send, recv):
+        out = rows.new_empty((sum(recv), rows.shape[1]))
+        dist.all_to_all_single(out, rows.contiguous(), recv, send)
+        return out
+
+    world, n_tokens = dist.get_world_size(), x.shape[0]"""
+RECEIVER_CAPACITY = """    mine = torch.arange(local, device=x.device).repeat(world).repeat_interleave(receiving)
+    arrived_per = torch.bincount(mine, minlength=local)
+    sorted_mine, by = mine.sort(stable=True)
+    seat_in = torch.empty_like(mine)
+    seat_in[by] = torch.arange(len(mine), device=x.device) - (arrived_per.cumsum(0) - arrived_per)[sorted_mine]
+    mine = torch.where(seat_in < capacity, mine, -1)"""
+
+MOE = ExerciseMutants("14.moe_layer", NOTEBOOK, ("moe_layer",), mutants=[
+    Mutant("capacity counted globally (by the receiving expert over all source ranks) instead of per source rank",
+           (replace("keep = seat < capacity", "keep = seat >= 0"),
+            replace("    mine = torch.arange(local, device=x.device).repeat(world).repeat_interleave(receiving)",
+                    RECEIVER_CAPACITY)),
+           ("globally", "per source rank")),
+    Mutant("router probabilities renormalised over the top-k",
+           replace("expert, weight = expert.flatten(), weight.flatten()",
+                   "expert, weight = expert.flatten(), (weight / weight.sum(-1, keepdim=True)).flatten()"),
+           "renormalised"),
+    Mutant("outputs returned in received order instead of the tokens' order",
+           replace("index_add(0, token, back", "index_add(0, token.sort().values, back"),
+           "order"),
+    Mutant("gradients not flowing through the all-to-all (plain all_to_all_single, no autograd function)",
+           (replace("    world, n_tokens = dist.get_world_size(), x.shape[0]", PLAIN),
+            replace("Exchange.apply(", "plain(", count=0)),
+           ("no gradient", "all-to-all")),
+    Mutant("counts not exchanged before the tokens (a rank assumes it receives what it sends)",
+           replace("    dist.all_to_all_single(receiving, sending)  # [s * local + j]: rows from rank s for my expert j\n",
+                   "    receiving.copy_(sending)\n"),
+           ("without the senders' counts", "before the tokens travel")),
+    Mutant("a rank that receives nothing skips the all-to-alls (the others wait in them)",
+           (replace("arrived = Exchange.apply(x[token], send, recv)",
+                    "arrived = Exchange.apply(x[token], send, recv) if sum(recv) else x.new_zeros(0, x.shape[1])"),
+            replace("back = Exchange.apply(done, recv, send)",
+                    "back = Exchange.apply(done, recv, send) if sum(recv) else x.new_zeros(len(token), x.shape[1])")),
+           ("every exchange", "receives no token")),
+    Mutant("a rank that receives nothing makes its expert outputs from zeros (no backward exchange)",
+           replace("        done = done.index_add(0, rows, module(arrived[rows]))",
+                   "        if len(rows):\n            done = done.index_add(0, rows, module(arrived[rows]))"),
+           ("every exchange", "backward")),
+], variants=[
+    Variant("torch.distributed.nn.functional.all_to_all_single, Python lists per expert, outputs cut per "
+            "(source, expert)", '''
+def moe_layer(x, router_weight, experts, top_k, capacity):
+    from torch.distributed.nn.functional import all_to_all_single as exchange
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    E, per = router_weight.shape[0], len(experts)
+    p = (x @ router_weight.T).softmax(-1)
+    top = p.topk(top_k, -1).indices.tolist()
+    lists = [[] for _ in range(E)]
+    for t, picks in enumerate(top):
+        for e in picks:
+            if len(lists[e]) < capacity:
+                lists[e].append(t)
+    tokens = [t for e in range(E) for t in lists[e]]
+    counts = torch.tensor([len(l) for l in lists])
+    incoming = torch.zeros_like(counts)
+    dist.all_to_all_single(incoming, counts)
+    send = [sum(len(lists[e]) for e in range(d * per, (d + 1) * per)) for d in range(world)]
+    recv = incoming.view(world, per).sum(1).tolist()
+    rows = exchange(x.new_empty(sum(recv), x.shape[1]), x[tokens], recv, send)
+    pieces, at = [], 0
+    for s in range(world):
+        for j in range(per):
+            n = int(incoming[s * per + j])
+            pieces.append(experts[j](rows[at:at + n]))
+            at += n
+    done = torch.cat(pieces) if pieces else rows
+    back = exchange(x.new_empty(len(tokens), x.shape[1]), done, send, recv)
+    gate = torch.cat([p[lists[e], e] for e in range(E)])
+    y = torch.zeros_like(x)
+    return y.index_add(0, torch.tensor(tokens, dtype=torch.long, device=x.device), back * gate[:, None])
+'''),
+    Variant("a custom autograd Function at module level, capacity by a cumulative sum over a token x expert mask, "
+            "masked_scatter", '''
+class Trip(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, out_sizes, in_sizes):
+        ctx.sizes = out_sizes, in_sizes
+        got = torch.empty(sum(in_sizes), *t.shape[1:], dtype=t.dtype, device=t.device)
+        dist.all_to_all_single(got, t.contiguous(), output_split_sizes=in_sizes, input_split_sizes=out_sizes)
+        return got
+
+    @staticmethod
+    def backward(ctx, g):
+        out_sizes, in_sizes = ctx.sizes
+        return Trip.apply(g, in_sizes, out_sizes), None, None
+
+
+def moe_layer(x, router_weight, experts, top_k, capacity):
+    world = dist.get_world_size()
+    E, per, T = router_weight.shape[0], len(experts), x.shape[0]
+    probs = torch.softmax(x @ router_weight.t(), dim=1)
+    chosen = probs.topk(top_k, dim=1).indices
+    hit = torch.zeros(T, E, dtype=torch.bool, device=x.device).scatter(1, chosen, True)
+    hit &= hit.long().cumsum(0) <= capacity          # earliest `capacity` tokens per expert
+    pairs = hit.t().nonzero()                          # (expert, token), expert-major, tokens ascending
+    e_of, t_of = pairs[:, 0], pairs[:, 1]
+    mine = hit.sum(0)
+    theirs = torch.empty_like(mine)
+    dist.all_to_all_single(theirs, mine)
+    out_sizes = mine.view(world, per).sum(1).tolist()
+    in_sizes = theirs.view(world, per).sum(1).tolist()
+    arrived = Trip.apply(x[t_of], out_sizes, in_sizes)
+    which = torch.arange(per, device=x.device).repeat(world).repeat_interleave(theirs)
+    result = torch.zeros_like(arrived)
+    for j in range(per):
+        sel = which == j
+        result = result.masked_scatter(sel[:, None].expand_as(result), experts[j](arrived[sel]))
+    returned = Trip.apply(result, in_sizes, out_sizes)
+    return torch.zeros_like(x).index_add(0, t_of, returned * probs[t_of, e_of].unsqueeze(1))
+'''),
+])
+SPECS = [RING, MOE]
 
 # Every mutant and variant is judged by the real checker, through one warm launch per round of calls.
 test_mutant_fails_naming_its_bug, test_correct_variant_passes, test_every_exercise_has_five_mutants_and_two_variants = \

@@ -1,5 +1,6 @@
-"""Lesson 14's checker against a stub, an answer that does nothing, one that calls a reference, and
-all-gather CP written by hand; and its judges' masks and block counts on small cases worked out by hand
+"""Lesson 14's checkers against a stub, an answer that does nothing, one that calls a reference, and
+all-gather CP written by hand (ring_attention); the same for moe_layer, with every rank's tokens gathered by
+hand and a rank stuck in a collective; and the judges on small cases worked out by hand
 (tests/mutants/test_mutants_14.py has the named mutants and the correct variants)."""
 from __future__ import annotations
 
@@ -48,8 +49,8 @@ def gathered(q, k, v, causal, layout):
 }
 
 
-def test_lesson_14_registers_ring_attention_with_one_point_per_case():
-    assert {e.id: e.points for e in exercises("14")} == {"14.ring_attention": 8}
+def test_lesson_14_registers_its_two_exercises_with_half_the_points_each():
+    assert {e.id: e.points for e in exercises("14")} == {"14.ring_attention": 8, "14.moe_layer": 8}
 
 
 def test_a_stub_is_not_attempted():
@@ -114,3 +115,96 @@ def test_the_variant_masks_differ_from_the_right_one_where_the_bug_shows():
     for name in ("own block left out", "block positions", "chunks swapped"):
         assert not torch.equal(masks[name], right), name
     assert not masks["own block left out"].diagonal().any()
+
+
+# -- 14.moe_layer ----------------------------------------------------------------------------------------------
+MOE_ANSWERS = {
+    "stub": by_value("def stub(x, router_weight, experts, top_k, capacity):\n    raise NotImplementedError('write this')\n",
+                     "stub"),
+    "zeros": by_value("import torch\ndef zeros(x, router_weight, experts, top_k, capacity):\n"
+                      "    return torch.zeros_like(x)\n", "zeros"),
+    "reference": by_value("""
+def reference(x, router_weight, experts, top_k, capacity):
+    from mgpu_lab.course.checks.l14.judges import reference_moe_layer
+    return reference_moe_layer([x], [router_weight], list(experts), top_k, capacity)[0]
+""", "reference"),
+    # every rank's tokens gathered to every rank, the experts' outputs summed back: right numbers and gradients,
+    # W times the bytes and no all-to-all
+    "gathered": by_value("""
+import torch
+import torch.distributed as dist
+from torch.distributed.nn.functional import all_gather, all_reduce
+
+def gathered(x, router_weight, experts, top_k, capacity):
+    rank, world, per, n = dist.get_rank(), dist.get_world_size(), len(experts), x.shape[0]
+    total = torch.zeros(world * n, x.shape[1], dtype=x.dtype)
+    for s, xx in enumerate(all_gather(x)):
+        probs = torch.softmax(xx @ router_weight.t(), -1)
+        chosen = probs.topk(top_k, -1).indices
+        for j, expert in enumerate(experts):
+            e = rank * per + j
+            rows = (chosen == e).any(-1).nonzero().flatten()[:capacity]
+            total = total + torch.zeros_like(total).index_add(0, rows + s * n, probs[rows, e:e + 1] * expert(xx[rows]))
+    return all_reduce(total)[rank * n:(rank + 1) * n]
+""", "gathered"),
+    # rank 0 never joins the all-to-all in time: the other ranks wait in it
+    "stuck": by_value("""
+import time
+import torch
+import torch.distributed as dist
+
+def stuck(x, router_weight, experts, top_k, capacity):
+    if dist.get_rank() == 0:
+        time.sleep(30)
+    dist.all_to_all_single(torch.empty(dist.get_world_size()), torch.ones(dist.get_world_size()))
+    return x
+""", "stuck"),
+}
+
+
+def test_a_moe_stub_is_not_attempted():
+    assert check("14.moe_layer", MOE_ANSWERS["stub"]).status == "not attempted"
+
+
+@functools.cache
+def moe_verdicts() -> dict:
+    """The answers below judged through shared launches, as verdicts() above."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "mutants"))
+    from batching import judge_many
+
+    names = ("zeros", "reference", "gathered")  # not "stuck": a launch that dies makes every answer in it rerun alone
+    return dict(zip(names, judge_many("14.moe_layer", [(MOE_ANSWERS[n],) for n in names])))
+
+
+def test_a_moe_answer_that_does_nothing_passes_no_case():
+    result = moe_verdicts()["zeros"]
+    assert result.points == 0 and "not judged" in str(result), str(result)
+
+
+def test_a_moe_answer_that_calls_the_checks_reference_passes_no_case():
+    result = moe_verdicts()["reference"]
+    assert result.points == 0 and "reference" in str(result).lower(), str(result)
+
+
+def test_gathering_every_ranks_tokens_gets_the_outputs_and_fails_the_traffic():
+    """Its outputs are right; every rank routes every rank's tokens, so its router's gradient is the sum over all
+    ranks' tokens instead of its own; it calls all_gather and all_reduce, no all-to-all."""
+    result = moe_verdicts()["gathered"]
+    assert [c.passed for c in result.cases] == [True, True, True, False, False, False], str(result)
+    assert "all_gather" in result.cases[4].hint and "all-to-alls" in result.cases[4].hint, str(result)
+
+
+def test_a_rank_stuck_in_a_collective_is_reported_within_seconds():
+    result = check("14.moe_layer", MOE_ANSWERS["stuck"])
+    assert result.points == 0 and "waited for ever" in str(result), str(result)
+
+
+def test_the_moe_reference_keeps_capacity_per_source_rank_in_token_order():
+    chosen = [torch.tensor([[0], [0], [0]]), torch.tensor([[0], [1], [0]])]
+    assert [r.tolist() for r in judges._kept(chosen, 0, 2, True)] == [[0, 1], [0, 2]]
+    assert [r.tolist() for r in judges._kept(chosen, 0, 2, False)] == [[0, 1], []]
+    plan = judges.routed(5, 2)  # the "elsewhere" router: rank 0's experts get nothing, rank 0 sends all away
+    assert plan["got"][0] == 0 and plan["remote_out"][0] == plan["sent"][0] > 0

@@ -1,4 +1,4 @@
-"""Checks of lesson 14 (long sequences: context parallelism): 14.ring_attention.
+"""Checks of lesson 14 (long sequences and many experts): 14.ring_attention and 14.moe_layer.
 
 Every lesson's checks have the same three modules: ``checkers`` (the exercises,
 registered with their cases and hints), ``ranks`` (what runs in the check's fresh

@@ -1,4 +1,4 @@
-"""Checks of lesson 14 (long sequences: context parallelism): ring_attention.
+"""Checks of lesson 14 (long sequences and many experts): ring_attention and moe_layer.
 
 One launch of 2 ranks and one of 4 run every scenario of :data:`.ranks.SCENARIOS`
 (contiguous and zig-zag layouts, causal or not, float32 and float64, several shapes,
@@ -6,14 +6,21 @@ logits that overflow a naive softmax, a call with torch's default device set to 
 each call recorded: every send and receive, the attention FLOPs torch's FLOP counter
 sees, and the most rows of K or V any one tensor held. The judges recompute the whole
 attention in float64.
+
+``moe_layer`` is judged the same way: one launch of 2 ranks and one of 4 run every scenario of
+:data:`.ranks.MOE_SCENARIOS` (uniform and skewed routers, top-1 and top-2, capacities that drop
+tokens and ones that do not, a rank whose tokens all go elsewhere and that receives none), each
+call's forward and backward recorded apart; the judges recompute outputs and gradients with
+:func:`.judges.reference_moe_layer` and the bytes of the routed tokens.
 """
 from __future__ import annotations
 
 from .._core import exercise
-from .judges import (judge_balance, judge_flops, judge_held, judge_ring, judge_rows, judge_stable, judged,
+from .judges import (judge_balance, judge_flops, judge_held, judge_moe_all_take_part, judge_moe_grads,
+                     judge_moe_out, judge_moe_traffic, judge_ring, judge_rows, judge_stable, judged, moe_judged,
                      DEVICE_WHY)
 from ..sim.scenarios import launch_scenarios
-from .ranks import entries, LARGE, META, ring_probe, SCENARIOS
+from .ranks import entries, LARGE, META, moe_entries, moe_probe, MOE_SCENARIOS, ring_probe, SCENARIOS
 
 WORLDS = (2, 4)
 PLAIN = range(6)  # the scenarios of ordinary logits on the input's device
@@ -74,14 +81,59 @@ def _ring_attention(t, ring_attention):
         _on_every_world(t, runs, [META], judge_rows)
 
 
-def _launch(t, world: int, ring_attention) -> list:
+def _launch(t, world: int, answer, moe: bool = False) -> list:
     """Every scenario in one launch of ``world`` ranks; per rank, an entry per scenario it got to."""
-    evidence = launch_scenarios(t, ring_probe, world, ring_attention, tuple(range(len(SCENARIOS))),
-                                timeout=RING_TIMEOUT)
-    got = entries(evidence.per_rank)
+    probe, scenarios, read = (moe_probe, MOE_SCENARIOS, moe_entries) if moe else (ring_probe, SCENARIOS, entries)
+    evidence = launch_scenarios(t, probe, world, answer, tuple(range(len(scenarios))),
+                                timeout=MOE_TIMEOUT if moe else RING_TIMEOUT)
+    got = read(evidence.per_rank)
     if evidence.error is not None and not any(e and e[-1]["error"] for e in got):
         raise evidence.error  # nothing saved says why (not attempted, a hang, a crash): the launch's own words
     return got
+
+
+MOE_TIMEOUT = 60.0  # seconds for one launch's six calls (well under one); a rank stuck in a collective ends it in 6
+NO_DROP, DROPS, ELSEWHERE = (0, 1), (2, 3, 4), (5,)
+MOE_REFERENCES = ("mgpu_lab.course.checks.l14.judges:reference_moe_layer",)
+MOE_HINT = ("a token's output is the sum, over the experts that kept it, of each expert's output weighted by the "
+            "token's router probability (softmax over all E logits, not renormalised over the top-k)")
+
+
+@exercise("14.moe_layer", points=8, references=MOE_REFERENCES,
+          description="moe_layer(x, router_weight, experts, top_k, capacity): top-k routing, experts on their "
+          "ranks, tokens there and back through all-to-alls (counts first), capacity per source rank, "
+          "differentiable; judged on 2 and 4 ranks")
+def _moe_layer(t, moe_layer):
+    """Two launches (2 and 4 ranks), every MoE scenario in each, forward and backward recorded apart.
+
+    Catches: counts not exchanged before the tokens; capacity counted globally instead of per source rank;
+    probabilities renormalised over the top-k; outputs in received order instead of the tokens'; gradients
+    that stop at a plain all-to-all; a rank that receives nothing skipping an all-to-all (stuck, reported
+    within seconds); an all-gather of the tokens; dropped tokens sent anyway.
+    """
+    runs = {}
+    for world in WORLDS:
+        with t.case(f"{world} ranks: every rank's output equals the single-process reference (uniform router, "
+                    "top-1 and top-2, no token dropped)", hint=MOE_HINT):
+            runs[world] = _launch(t, world, moe_layer, moe=True)
+            judge_moe_out(t, runs[world], world, NO_DROP)
+    with t.case("capacity: with a skewed router and small capacities, each expert keeps at most `capacity` tokens "
+                "from each source rank, the earliest in token order, and the outputs equal the reference's "
+                "(2 and 4 ranks)", hint="an expert's capacity is counted per source rank, not across all of them"):
+        _on_every_world(t, runs, DROPS, judge_moe_out)
+    with t.case("gradients: x, router_weight and every expert's weights get the reference's gradients (every "
+                "scenario, 2 and 4 ranks)", points=2,
+                hint="the router's gradient flows through the kept experts' probabilities; the experts' and the "
+                     "tokens' through the exchanges, both ways"):
+        _on_every_world(t, runs, NO_DROP + DROPS, moe_judged, judge_moe_grads)
+    with t.case("tokens cross ranks only through all-to-alls, counts before tokens, whose bytes per rank match the "
+                "routed tokens after the capacity rule, forward and backward (recorded; no all-gather)", points=2,
+                hint="a rank learns how many rows it will receive only from the senders"):
+        _on_every_world(t, runs, NO_DROP + DROPS, moe_judged, judge_moe_traffic)
+    with t.case("a rank whose tokens all go elsewhere and that receives none: right outputs and gradients, and it "
+                "takes part in every all-to-all forward and backward (2 and 4 ranks)",
+                hint="every rank joins every collective, with empty splits where it has nothing"):
+        _on_every_world(t, runs, ELSEWHERE, judge_moe_all_take_part, judge_moe_out, judge_moe_grads)
 
 
 def _on_every_world(t, runs: dict, scenarios, *judges) -> None:

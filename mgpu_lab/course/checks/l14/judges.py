@@ -12,12 +12,14 @@ Example:
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from mgpu_lab.long_context.flops import block_flops
 from mgpu_lab.long_context.layout import chunks_of, shard
 
-from .ranks import full_inputs, SCENARIOS
+from .ranks import D, full_inputs, moe_inputs, MOE_SCENARIOS, SCENARIOS
 
 TOL = {"float32": 5e-5, "float64": 1e-9}  # absolute, on values of order 1
 
@@ -303,3 +305,250 @@ def judge_stable(t, per_rank: list, world: int, scenarios) -> None:
                    "softmax itself is the same whatever constant a row's scores are shifted by",
                    f"{describe(k)}: finite rows", "inf or NaN")
         judge_rows(t, per_rank, world, [k])
+
+
+# -- 14.moe_layer ----------------------------------------------------------------------------------------------
+def _kept(chosen_by_rank: list, expert: int, capacity: int, per_source: bool) -> list:
+    """Per source rank: the tokens (in token order) that ``expert`` keeps, of those whose top-k chose it."""
+    wanting = [(c == expert).any(dim=-1).nonzero().flatten() for c in chosen_by_rank]
+    if per_source:
+        return [w[:capacity] for w in wanting]
+    out, left = [], capacity  # one capacity for the expert, filled rank after rank
+    for w in wanting:
+        out.append(w[:max(left, 0)])
+        left -= len(out[-1])
+    return out
+
+
+def reference_moe_layer(xs, routers, experts, top_k: int, capacity: int, renormalise=False, per_source=True):
+    """Every rank's output of a mixture-of-experts layer, in one process, differentiable.
+
+    ``xs`` and ``routers`` hold one tensor per source rank (the router's weight once per rank, so each rank's
+    gradient is its own); ``experts`` holds all E. Each token goes to its ``top_k`` experts by softmax
+    probability over the E logits (not renormalised over the kept ones, unless ``renormalise``); an expert
+    keeps at most ``capacity`` tokens of each source rank in token order (``per_source=False``: at most
+    ``capacity`` in all, filled rank after rank); a token's output is the sum of its kept experts' outputs,
+    each weighted by its probability.
+    """
+    probs = [torch.softmax(x @ w.t(), dim=-1) for x, w in zip(xs, routers)]
+    chosen = [p.topk(top_k, dim=-1).indices for p in probs]
+    weights = [p / p.gather(-1, c).sum(-1, keepdim=True) if renormalise else p for p, c in zip(probs, chosen)]
+    outs = [torch.zeros_like(x) for x in xs]
+    for e, expert in enumerate(experts):
+        for r, rows in enumerate(_kept(chosen, e, capacity, per_source)):
+            if len(rows):
+                outs[r] = outs[r].index_add(0, rows, weights[r][rows, e:e + 1] * expert(xs[r][rows]))
+    return outs
+
+
+def moe_expected(k: int, world: int, renormalise: bool = False, per_source: bool = True) -> dict:
+    """Scenario ``k``'s outputs and gradients (output's gradient: the scenario's ``grads``) by the reference
+    (computed once per process: the judges ask for them again and again)."""
+    return _moe_expected(k, world, renormalise, per_source)
+
+
+@functools.cache
+def _moe_expected(k: int, world: int, renormalise: bool, per_source: bool) -> dict:
+    variant = {"renormalise": renormalise, "per_source": per_source}
+    made, s = moe_inputs(k, world), MOE_SCENARIOS[k]
+    xs = [x.clone().requires_grad_(True) for x in made["xs"]]
+    routers = [made["router"].clone().requires_grad_(True) for _ in range(world)]
+    outs = reference_moe_layer(xs, routers, made["experts"], s["top_k"], s["capacity"], **variant)
+    sum((o * g).sum() for o, g in zip(outs, made["grads"])).backward()
+    per = s["experts"] // world
+    grads = [[p.grad if p.grad is not None else torch.zeros_like(p) for p in e.parameters()] for e in made["experts"]]
+    return {"out": [o.detach() for o in outs], "x": [x.grad for x in xs], "router": [w.grad for w in routers],
+            "experts": [grads[r * per:(r + 1) * per] for r in range(world)]}
+
+
+@functools.cache
+def routed(k: int, world: int) -> dict:
+    """Per rank: the (token, expert) pairs it sends that their experts keep, and the pairs its experts keep."""
+    made, s = moe_inputs(k, world), MOE_SCENARIOS[k]
+    chosen = [torch.softmax(x @ made["router"].t(), -1).topk(s["top_k"], -1).indices for x in made["xs"]]
+    per, sent, got = s["experts"] // world, [0] * world, [0] * world
+    remote_out, remote_in = [set() for _ in range(world)], [set() for _ in range(world)]
+    for e in range(s["experts"]):
+        for r, rows in enumerate(_kept(chosen, e, s["capacity"], True)):
+            sent[r] += len(rows)
+            got[e // per] += len(rows)
+            if e // per != r:
+                remote_out[r].update((int(t), e // per) for t in rows)
+                remote_in[e // per].update((r, int(t)) for t in rows)
+    return {"sent": sent, "got": got, "remote_out": [len(x) for x in remote_out],
+            "remote_in": [len(x) for x in remote_in]}
+
+
+def _moe_close(got, want, dtype: str) -> bool:
+    tol = TOL[dtype] * (20 if dtype == "float32" else 1)
+    return isinstance(got, torch.Tensor) and got.shape == want.shape and bool(torch.isfinite(got).all()) and \
+        bool(((got.double() - want.double()).abs() <= tol * (1 + want.double().abs())).all())
+
+
+def describe_moe(k: int) -> str:
+    s = MOE_SCENARIOS[k]
+    return (f"{s['router']} router, {s['tokens']} tokens per rank, E = {s['experts']}, top_k = {s['top_k']}, "
+            f"capacity {s['capacity']}, {s['dtype']}")
+
+
+MOE_WHY = {
+    "renormalised": ("the output weights each kept expert by its probability renormalised over the top-k (they sum "
+                     "to 1); here a token's weights are the softmax over all E logits, not renormalised: with "
+                     "top_k < E they sum to less than 1", {"renormalise": True}),
+    "global": ("each expert kept at most `capacity` tokens in all, counted globally across the source ranks, not "
+               "`capacity` per source rank (from each rank, its earliest in token order): tokens of later ranks "
+               "were dropped that their own rank's share would keep", {"per_source": False}),
+}
+
+
+def _diagnose_moe(k: int, outs: list, world: int) -> str:
+    s = MOE_SCENARIOS[k]
+    for why, variant in MOE_WHY.values():
+        want = moe_expected(k, world, **variant)["out"]
+        if any(not torch.equal(a, b) for a, b in zip(want, moe_expected(k, world)["out"])) and \
+                all(_moe_close(o, w, s["dtype"]) for o, w in zip(outs, want)):
+            return why
+    want = moe_expected(k, world)["out"]
+    if all(isinstance(o, torch.Tensor) and o.shape == w.shape for o, w in zip(outs, want)) and all(
+            torch.allclose(o.double().sum(0), w.double().sum(0), atol=1e-4) for o, w in zip(outs, want)):
+        return ("the right rows came back, in the wrong places: each rank's outputs sum to the right total but the "
+                "rows are not at their tokens' positions (returned in the order they were received, grouped by "
+                "expert, instead of the tokens' order)")
+    return ("a token's output is the sum, over the experts that kept it, of the expert's output weighted by the "
+            "token's router probability (softmax over all E logits); an expert keeps at most `capacity` tokens of "
+            "each source rank, the earliest in token order")
+
+
+def judge_moe_ran(t, per_rank: list, world: int, k: int) -> None:
+    """Fail the case when a rank did not finish MoE scenario ``k``: say how (stuck, an error)."""
+    failed = [(r, e[k]) for r, e in enumerate(per_rank) if k < len(e) and e[k]["error"]]
+    if failed:
+        r, entry = failed[0]
+        if any(e.get("stuck") for _, e in failed):
+            t.fail("ranks waited for ever in a collective: every rank must take part in every all-to-all, in the "
+                   "same order, forward and backward, even a rank that sends or receives no token (it sends and "
+                   "receives empty splits); a rank that skips one leaves the others waiting",
+                   f"{describe_moe(k)}: every rank returns", f"rank {r}: {entry['error']}")
+        if any("SkippedExchange" in e["error"] or "by peer" in e["error"] for _, e in failed):
+            t.fail("the ranks did not all take part in the same all-to-alls: every rank must take part in every "
+                   "exchange, forward and backward, in the same order, even one that receives no token (with "
+                   "empty splits); in backward, a rank makes the exchanges only if its output depends on them "
+                   "through autograd", f"{describe_moe(k)}: every rank in every all-to-all",
+                   f"rank {r}: {entry['error'][:200]}")
+        if any("SplitMismatch" in e["error"] for _, e in failed):
+            t.fail("a rank sized what it receives without the senders' counts: how many rows arrive from each rank "
+                   "depends on that rank's router, so a receiver must learn the counts from the senders before "
+                   "the tokens travel (the check compared every rank's send and receive sizes of each all-to-all)",
+                   f"{describe_moe(k)}: receive sizes equal to what the other ranks send", entry["error"][:300])
+        if "ReferenceCalled" in entry["error"]:
+            t.fail("your code calls a reference implementation; route and exchange the tokens yourself", "",
+                   f"rank {r}: {entry['error']}")
+        t.fail(f"your code raised on rank {r} ({describe_moe(k)})", "every rank returns", entry["error"])
+    if any(k >= len(e) for e in per_rank):
+        t.fail(f"not run on {world} ranks: an earlier scenario failed (see the cases above)", got="skipped")
+
+
+def judge_moe_out(t, per_rank: list, world: int, scenarios) -> None:
+    """Fail the case unless every rank's output equals the reference's, naming a known wrong design."""
+    for k in scenarios:
+        judge_moe_ran(t, per_rank, world, k)
+        outs, want = [e[k]["out"] for e in per_rank], moe_expected(k, world)["out"]
+        bad = [r for r, (o, w) in enumerate(zip(outs, want)) if not _moe_close(o, w, MOE_SCENARIOS[k]["dtype"])]
+        if bad:
+            got = outs[bad[0]]
+            t.fail(_diagnose_moe(k, outs, world) + f" ({describe_moe(k)}, {world} ranks)",
+                   f"rank {bad[0]}'s output as the reference", f"wrong on ranks {bad}" + (
+                       f"; rank {bad[0]}'s largest error {float((got.double() - want[bad[0]]).abs().max()):.3g}"
+                       if isinstance(got, torch.Tensor) and got.shape == want[bad[0]].shape else f": {str(got)[:80]}"))
+
+
+def moe_judged(t, per_rank: list, world: int, scenarios) -> None:
+    """Fail the case as not judged unless every rank's output of every one of ``scenarios`` is right."""
+    for k in scenarios:
+        want = moe_expected(k, world)["out"]
+        if any(k >= len(e) or e[k]["error"] or not _moe_close(e[k]["out"], want[r], MOE_SCENARIOS[k]["dtype"])
+               for r, e in enumerate(per_rank)):
+            t.fail(f"not judged: on {world} ranks the outputs of the scenario {describe_moe(k)} are not the "
+                   "reference's (see the cases above); gradients and traffic count only for an answer that works")
+
+
+def _grad_of(grads, name: str, r: int, want):
+    got = None if grads is None else grads[name]
+    return got if got is not None else torch.zeros_like(want)
+
+
+def judge_moe_grads(t, per_rank: list, world: int, scenarios) -> None:
+    """Fail the case unless the gradients of x, the router's weight and every expert's weights are the reference's."""
+    for k in scenarios:
+        want, dtype = moe_expected(k, world), MOE_SCENARIOS[k]["dtype"]
+        for r, e in enumerate(per_rank):
+            grads = e[k]["grads"]
+            experts = [[g if g is not None else torch.zeros_like(w) for g, w in zip(gs, ws)]
+                       for gs, ws in zip(grads["experts"] if grads else [[None] * len(ws) for ws in
+                                                                        want["experts"][r]], want["experts"][r])]
+            if any(bool(w.abs().max() > 0) for ws in want["experts"][r] for w in ws) and \
+                    all(not bool(g.abs().max() > 0) for gs in experts for g in gs):
+                t.fail(f"rank {r}'s experts got no gradient at all ({describe_moe(k)}): the gradient did not flow "
+                       "back through the all-to-alls: torch.distributed's collectives are not differentiable (their "
+                       "output has no grad_fn), so backward must send the outputs' gradients back to the experts "
+                       "and the inputs' gradients back to the tokens' ranks",
+                       "the reference's gradients", "zero gradients on every expert")
+            checks = [("x", _grad_of(grads, "x", r, want["x"][r]), want["x"][r]),
+                      ("router_weight", _grad_of(grads, "router", r, want["router"][r]), want["router"][r])]
+            checks += [(f"expert {i}'s weights", g, w) for i, (gs, ws) in enumerate(zip(experts, want["experts"][r]))
+                       for g, w in zip(gs, ws)]
+            for name, g, w in checks:
+                if not _moe_close(g, w, dtype):
+                    t.fail(f"rank {r}: the gradient of {name} is not the reference's ({describe_moe(k)}, {world} "
+                           "ranks): every path of the forward (the router's probabilities of the kept experts, the "
+                           "experts, the exchanges both ways) must carry its gradient back",
+                           "the reference's gradient", f"largest error {float((g.double() - w.double()).abs().max()):.3g}"
+                           if g.shape == w.shape else f"shape {tuple(g.shape)}")
+
+
+def _token_bytes(events: list, dtype: str) -> tuple:
+    """(the bytes of the all-to-alls of ``dtype`` tensors, whether one of another dtype came before the first)."""
+    tokens = [e for e in events if e[0] == "all_to_all" and e[2] == f"torch.{dtype}"]
+    first = next((i for i, e in enumerate(events) if e[0] == "all_to_all" and e[2] == f"torch.{dtype}"), None)
+    counted_first = first is not None and any(e[0] == "all_to_all" for e in events[:first])
+    return sum(e[1] for e in tokens), counted_first
+
+
+def judge_moe_traffic(t, per_rank: list, world: int, scenarios) -> None:
+    """Fail the case unless tokens crossed ranks only through all-to-alls whose bytes match the routed tokens."""
+    for k in scenarios:
+        s, plan = MOE_SCENARIOS[k], routed(k, world)
+        row = D * getattr(torch, s["dtype"]).itemsize
+        for r, e in enumerate(per_rank):
+            for phase in ("forward", "backward"):
+                others = sorted({ev[3] for ev in e[k][phase] if ev[0] != "all_to_all"})
+                if others:
+                    t.fail(f"rank {r} called {', '.join(others)} in {phase} ({describe_moe(k)}): tokens cross ranks "
+                           "only through all-to-alls; an all-gather sends every rank's tokens to every rank, "
+                           "W times the bytes, whatever the router chose", "all-to-alls only", others)
+                most = (plan["sent"][r] + plan["got"][r]) * row
+                least = (plan["remote_out"][r] + plan["remote_in"][r]) * row
+                sent, counted = _token_bytes(e[k][phase], s["dtype"])
+                if not least <= sent <= most:
+                    t.fail(f"rank {r}'s all-to-alls of tokens moved {sent} bytes in {phase} ({describe_moe(k)}): "
+                           f"the routed tokens after the capacity rule are {plan['sent'][r]} rows out and "
+                           f"{plan['got'][r]} in, {row} bytes each; more means tokens an expert drops (or padding, "
+                           "or every token to every rank) travelled, fewer that some routed tokens never did",
+                           f"{least} to {most} bytes", sent)
+                if phase == "forward" and not counted:
+                    t.fail(f"rank {r} sent tokens before any count was exchanged ({describe_moe(k)}): how many rows "
+                           "a rank receives from each other rank depends on the other ranks' routers, and a receiver "
+                           "must know those sizes before it can allocate its buffer and split what arrives",
+                           "an all-to-all of counts before the first of tokens", [ev[3] for ev in e[k][phase]])
+
+
+def judge_moe_all_take_part(t, per_rank: list, world: int, scenarios) -> None:
+    """Fail the case unless every rank made as many all-to-alls as every other, forward and backward."""
+    for k in scenarios:
+        judge_moe_ran(t, per_rank, world, k)
+        for phase in ("forward", "backward"):
+            calls = [sum(ev[0] == "all_to_all" for ev in e[k][phase]) for e in per_rank]
+            if len(set(calls)) > 1:
+                t.fail(f"the ranks made {calls} all-to-alls in {phase} ({describe_moe(k)}): rank 0 sends all its "
+                       "tokens elsewhere and receives none, yet it takes part in every exchange, with empty splits",
+                       "the same number on every rank", calls)
