@@ -7,6 +7,8 @@ import pytest
 import torch
 from torch import nn
 
+from toy_training import all_close as _close, full_batch_grads as _full_batch_grads, toy_data as _data
+
 from mgpu_lab import launch
 from mgpu_lab.parallel.model_parallel import (TwoStageNet, ddp_replica_rank, ideal_timeline, mlp, replica_devices, split,
                                               stage_devices)
@@ -14,22 +16,6 @@ from mgpu_lab.parallel.timeline import Timeline
 
 pytestmark = pytest.mark.timeout(300)
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def _data(batch=12, features=8, classes=3, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(batch, features, generator=g), torch.randint(0, classes, (batch,), generator=g)
-
-
-def _full_batch_grads(model, x, y, loss_fn=nn.CrossEntropyLoss()):
-    model = copy.deepcopy(model)
-    loss = loss_fn(model(x), y)
-    loss.backward()
-    return float(loss.detach()), [p.grad for p in model.parameters()]
-
-
-def _close(a, b):
-    return len(a) == len(b) and all(torch.allclose(g, r, atol=1e-6, rtol=1e-4) for g, r in zip(a, b))
 
 
 # -- GPipe's ideal schedule -----------------------------------------------------------

@@ -86,8 +86,9 @@ def ring_probe(ring_attention, scenarios, log_dir) -> list:
     return run_scenarios(log_dir, functools.partial(_one, ring_attention), scenarios)
 
 
-def entries(per_rank: list) -> list:
-    """What :func:`ring_probe` saved, per rank, as entries: a raised outcome becomes ``{"error": ..., "stuck": ...}``."""
+def _entries(per_rank: list, blank: dict, stuck: str) -> list:
+    """Per rank, the saved outcomes as entries: a raised one becomes ``blank`` with its ``error`` and whether the
+    rank was ``stuck`` (the recorder's ``stuck`` exception, or a timeout)."""
     out = []
     for outcomes in per_rank:
         mine = []
@@ -96,10 +97,14 @@ def entries(per_rank: list) -> list:
                 mine.append(o[1])
             else:
                 text = f"{o[1]}: " + (str(o[2]).strip().splitlines() or [""])[0][:300]
-                mine.append({"out": None, "error": text, "events": [], "flops": 0, "rows": 0,
-                             "stuck": o[1] == "Deadlock" or "imed out" in str(o[2])})
+                mine.append({**blank, "error": text, "stuck": o[1] == stuck or "imed out" in str(o[2])})
         out.append(mine)
     return out
+
+
+def entries(per_rank: list) -> list:
+    """What :func:`ring_probe` saved, per rank, as entries: a raised outcome becomes ``{"error": ..., "stuck": ...}``."""
+    return _entries(per_rank, {"out": None, "events": [], "flops": 0, "rows": 0}, "Deadlock")
 
 
 # -- 14.moe_layer ----------------------------------------------------------------------------------------------
@@ -261,16 +266,5 @@ def moe_probe(moe_layer, scenarios, log_dir) -> list:
 
 
 def moe_entries(per_rank: list) -> list:
-    """What :func:`moe_probe` saved, per rank, as entries: a raised outcome becomes ``{"error": ...}``."""
-    out = []
-    for outcomes in per_rank:
-        mine = []
-        for o in outcomes:
-            if o[0] == "ok":
-                mine.append(o[1])
-            else:
-                text = f"{o[1]}: " + (str(o[2]).strip().splitlines() or [""])[0][:300]
-                mine.append({"out": None, "error": text, "forward": [], "backward": [], "grads": None,
-                             "stuck": o[1] == "Stuck" or "imed out" in str(o[2])})
-        out.append(mine)
-    return out
+    """What :func:`moe_probe` saved, per rank, as entries: a raised outcome becomes ``{"error": ..., "stuck": ...}``."""
+    return _entries(per_rank, {"out": None, "forward": [], "backward": [], "grads": None}, "Stuck")
