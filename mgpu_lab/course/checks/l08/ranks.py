@@ -635,10 +635,28 @@ def _mini_sizes(world: int) -> dict:
             "total": sum(p.numel() for p in net.parameters()), "count": len(list(net.parameters()))}
 
 
+_MINI_REFERENCES: dict = {}  # (world, scenario) -> (one process's weights, fully_shard's distance from them or None)
+
+
+def _mini_references(world: int) -> dict:
+    """Every scenario's reference for this world size, made once per rank process, before any answer's code runs
+    in it (so every rank makes them in step): one process's weights, and fully_shard's distance from them where a
+    tolerance is measured. A launch that judges many answers in turn (the mutant tests') reuses them."""
+    for name, opt_name, dtype, _device in MINI_SCENARIOS[world]:
+        if (world, name) not in _MINI_REFERENCES:
+            low = getattr(torch, dtype) if dtype else None
+            want = _one_process_mini(opt_name, low)
+            fsdp_diff = (max(_diff(_fully_sharded_mini(opt_name, low), want).values())
+                         if dtype or opt_name == "AdamW" else None)
+            _MINI_REFERENCES[(world, name)] = (want, fsdp_diff)
+    return {name: _MINI_REFERENCES[(world, name)] for name, *_ in MINI_SCENARIOS[world]}
+
+
 def run_minifsdp(MiniFSDP) -> dict:
     """Probe (2 or 3 ranks): every scenario of :data:`MINI_SCENARIOS` for this world size, beside one process
     (and fully_shard's distance from it where a tolerance is measured), then the storage each rank holds."""
     world = tdist.get_world_size()
+    references = _mini_references(world)
     out = {"sizes": _mini_sizes(world), "scenarios": {}}
     for name, opt_name, dtype, device in MINI_SCENARIOS[world]:
         try:
@@ -648,12 +666,11 @@ def run_minifsdp(MiniFSDP) -> dict:
         except Exception as exc:  # noqa: BLE001 - judged as evidence
             out["scenarios"][name] = {"error": _said(exc)}
             continue
-        low = getattr(torch, dtype) if dtype else None
-        want = _one_process_mini(opt_name, low)
+        want, fsdp_diff = references[name]
         got["diff"] = _diff(got.pop("full"), want)
         got["start"] = _diff({k: v.detach() for k, v in mini_net().named_parameters()}, want)
-        if dtype or opt_name == "AdamW":
-            got["fsdp"] = max(_diff(_fully_sharded_mini(opt_name, low), want).values())
+        if fsdp_diff is not None:
+            got["fsdp"] = fsdp_diff
         out["scenarios"][name] = got
     try:
         out["memory"] = _mini_memory(MiniFSDP)
