@@ -5,6 +5,7 @@ import math
 import os
 import shutil
 import tempfile
+import threading
 
 from mgpu_lab.failures import resume
 from .._core import CaseFailed
@@ -28,6 +29,7 @@ RUN_TIMEOUT = 90.0
 
 
 _reference: dict = {}
+_reference_lock = threading.Lock()  # checks judged in threads at once (the mutant tests') make it once
 
 
 # -- atomic_save -----------------------------------------------------------------------
@@ -142,16 +144,17 @@ def reference() -> dict:
 
     Its final weights and each rank's per-step log.
     """
-    if not _reference:
-        from mgpu_lab.launcher.launch import run
+    with _reference_lock:
+        if not _reference:
+            from mgpu_lab.launcher.launch import run
 
-        work = tempfile.mkdtemp(prefix="mgpu-lab-10-ref-")
-        try:
-            res = run(run_resumable, WORLD, (resume.train, CFG, os.path.join(work, "s.pt"), work, 0,
-                                             None), quiet=True, echo=False, timeout=RUN_TIMEOUT)
-            _reference.update(state=res[0]["state"], trace=[_steps(read_log(work, 0, r)) for r in range(WORLD)])
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
+            work = tempfile.mkdtemp(prefix="mgpu-lab-10-ref-")
+            try:
+                res = run(run_resumable, WORLD, (resume.train, CFG, os.path.join(work, "s.pt"), work, 0,
+                                                 None), quiet=True, echo=False, timeout=RUN_TIMEOUT)
+                _reference.update(state=res[0]["state"], trace=[_steps(read_log(work, 0, r)) for r in range(WORLD)])
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
     return _reference
 
 
