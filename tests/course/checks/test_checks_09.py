@@ -275,3 +275,26 @@ def test_a_float32_hook_passes_only_what_it_does():
     result = check("09.error_feedback_hook", ANSWERS["hook_fp32"])
     assert [c.passed for c in result.cases] == [True, False, True, True, False, False], result
     assert "torch.float32" in case_starting(result, "the tensors it all-reduces").got
+
+
+# -- the judges, on hand-made evidence ---------------------------------------------------------
+ECHO = "RuntimeError: [pair.cc:561] Connection closed by peer [127.0.0.1]:36754. This is typically caused by a remote worker crashing."
+CAUSE = "RuntimeError: a recv of a tensor on meta, not on the input's device cpu"
+
+
+@pytest.mark.parametrize("errors", [(ECHO, CAUSE), (CAUSE, ECHO), (None, CAUSE)])
+def test_a_rank_s_own_error_is_named_not_its_peer_s_echo_of_it(errors):
+    # A rank whose peer raised first fails in its next send or receive ("Connection closed by peer"), whichever
+    # rank number it has (CI, 2026-11-29: rank 0's echo was named, and the mutant's words were not said).
+    from mgpu_lab.course.checks._core import Exercise, Tester
+    from mgpu_lab.course.checks.l09 import judges
+
+    def trial(error):
+        entry = {"shape": [7], "dtype": "float32", "meta": True, "expected": [0.0] * 7, "events": [{"op": "send"}]}
+        return {**entry, "error": error} if error else {
+            **entry, "result": {"type": "Tensor", "device": "cpu", "values": [0.0] * 7}}  # a rank that got it right
+
+    t = Tester(Exercise("09.x", 1, "", None))
+    judges.ring_device(t, {2: [[trial(e)] for e in errors]})
+    (case,) = t.cases
+    assert not case.passed and case.got == f"rank {errors.index(CAUSE)}: {CAUSE}", case

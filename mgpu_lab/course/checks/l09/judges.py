@@ -5,12 +5,20 @@ import math
 import torch
 
 from mgpu_lab.comm.bucketing import torch_bucket_assignment
+from mgpu_lab.launcher.errors import is_consequence
+
+
+def _own_first(per_rank: list, error_of) -> list:
+    """``(rank, item)`` pairs, the ranks whose error is their own first: a rank that raised makes its peer's
+    collective fail too ("Connection closed by peer"), and the case names the cause, not that echo of it
+    (the launcher orders a failed launch's ranks the same way)."""
+    return sorted(enumerate(per_rank), key=lambda ri: is_consequence(("error", {"message": error_of(ri[1]) or ""})))
 
 
 def ring_result(t, runs, world, picks, hint, said: set | None = None, fresh: bool = False):
     """The sums of trials ``picks`` at ``world`` ranks; ``fresh``: the input tensor was also left as it was."""
     for k in picks:
-        for rank, trials in enumerate(runs[world]):
+        for rank, trials in _own_first(runs[world], lambda trials: trials[k].get("error") if k < len(trials) else None):
             if k >= len(trials):
                 t.fail("the ranks stopped before this tensor: an earlier one failed", "a result", "none")
             trial = trials[k]
@@ -111,7 +119,7 @@ def ring_device(t, done: dict) -> None:
                      "every tensor the ring sends or receives must be on the input's device"):
         if 2 not in done:
             t.fail("the 2-rank run did not finish")
-        for rank, trials in enumerate(done[2]):
+        for rank, trials in _own_first(done[2], lambda trials: trials[-1].get("error")):
             last = trials[-1]
             if not last["meta"]:
                 t.fail("an earlier 2-rank tensor failed, so this one did not run", "a result", "none")
@@ -137,7 +145,7 @@ def mini_ran(t, runs, scenario: str = "plain") -> list:
                        "complete: DDP leaves such parameters out of its buckets",
              "small_cap": "a parameter larger than the cap is no error: the bucket it falls in is full once it is "
                           "added, as DDP does"}
-    for rank, run in enumerate(r[scenario] for r in runs):
+    for rank, run in _own_first([r[scenario] for r in runs], lambda run: run["error"]):
         if run["error"]:
             t.fail(hints.get(scenario, ""), "MiniDDP trains", f"rank {rank}: {run['error']}")
     return [r[scenario] for r in runs]
