@@ -10,6 +10,7 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
+from leftovers import open_fds, opened_since
 
 from mgpu_lab import launch
 from mgpu_lab.launcher.launch import LaunchError, LaunchTimeout, banner
@@ -275,10 +276,24 @@ def test_unpicklable_return_value_names_the_rank_and_the_type():
 
 
 # -- nothing left behind -------------------------------------------------------
+def test_the_fd_comparison_sees_a_leaked_pipe_and_not_one_closed_meanwhile():
+    earlier = os.pipe()
+    fds = open_fds()
+    os.close(earlier[0])  # closed meanwhile by something else: no leak of this test's
+    os.close(earlier[1])
+    leaked = os.pipe()
+    try:
+        assert set(opened_since(fds)) == set(leaked)
+    finally:
+        os.close(leaked[0])
+        os.close(leaked[1])
+    assert opened_since(fds) == {}
+
+
 def test_no_process_or_fd_left_behind_after_success_and_failures():
     listening_before = _listening()  # another test's socket is not this test's business
     launch(_returns_rank, 2)  # the forkserver is running from here on
-    procs, fds = _descendants(), len(os.listdir("/proc/self/fd"))
+    procs, fds = _descendants(), open_fds()
     for _ in range(5):
         assert launch(_returns_rank, 2) == [0, 1]
         with pytest.raises(LaunchError):
@@ -288,7 +303,7 @@ def test_no_process_or_fd_left_behind_after_success_and_failures():
     with pytest.raises(LaunchTimeout):
         launch(_mismatched_collectives, 2, timeout=2)
     assert _descendants() == procs
-    assert len(os.listdir("/proc/self/fd")) == fds
+    assert opened_since(fds) == {}, "a launch left a file descriptor open"
     assert _listening() == listening_before, "a launch left a socket listening (the rendezvous store?)"
 
 

@@ -20,6 +20,7 @@ import time
 import psutil
 import pytest
 import torch.distributed as dist
+from leftovers import open_fds, opened_since
 
 from mgpu_lab import launch
 from mgpu_lab.launcher.launch import LaunchError
@@ -243,7 +244,7 @@ def test_ctrl_c_at_any_point_of_start_up_stops_every_started_rank_and_says_so(mo
         return proc
 
     monkeypatch.setattr(procs, "start", recording_start)
-    before, fds = _descendants(), len(os.listdir("/proc/self/fd"))
+    before, fds = _descendants(), open_fds()
     capsys.readouterr()
     leftovers, lies, wrong = {}, {}, {}
     for point in sorted({1, 2, 3, *range(1, total + 1, max(1, total // 40)), total}):
@@ -266,4 +267,4 @@ def test_ctrl_c_at_any_point_of_start_up_stops_every_started_rank_and_says_so(mo
     assert not wrong, f"SIGINT at line N of {total} of start-up -> not a KeyboardInterrupt: {wrong}"
     assert not leftovers, f"SIGINT at line N of {total} of start-up -> ranks left running: {leftovers}"
     assert not lies, lies
-    assert len(os.listdir("/proc/self/fd")) == fds
+    assert opened_since(fds) == {}, "a launch left a file descriptor open"
