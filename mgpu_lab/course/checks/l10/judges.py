@@ -25,7 +25,9 @@ PER_EPOCH = CFG["n"] // WORLD // CFG["batch_size"]
 STEPS = PER_EPOCH * CFG["epochs"]
 
 
-RUN_TIMEOUT = 90.0
+# seconds one attempt of the 2-rank resumable run may take: a few idle; CI at a load of 10 (four answers judged
+# at once beside other workers) once took over 90 for an answer that does finish (2026-11-29)
+RUN_TIMEOUT = 180.0
 
 
 _reference: dict = {}
