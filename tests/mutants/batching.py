@@ -75,28 +75,38 @@ def _replay(outcomes: list, world: int):
     return lambda: [got[1] for got in outcomes]
 
 
-def _alone(call, run):
-    """A thunk with the outcome of ``call`` made on its own, as ``check()`` makes it."""
+def _alone(call, run, raised: set | None = None, i=None):
+    """A thunk with the outcome of ``call`` made on its own, as ``check()`` makes it; an answer whose own launch
+    raised is added to ``raised``."""
     fn, nprocs, args, kwargs, options = call
     try:
         got = run(fn, nprocs, args, kwargs, quiet=True, echo=False, **options)
     except LaunchError as exc:
+        if raised is not None:
+            raised.add(i)
+
         def fail(error=exc):
             raise error
         return fail
     return lambda: got
 
 
-def _launch(calls: dict, run) -> dict:
+def _launch(calls: dict, run, raised: set | None = None) -> dict:
     """``{answer: thunk}`` for ``calls = {answer: (fn, nprocs, args, kwargs, options)}``: one launch per kind.
 
     The calls up to the first one that raised on some rank keep the shared launch's results; that call is
     made again on its own (its error may be another rank's echo), and the ones after it share a new launch.
+    An answer in ``raised`` (its own launch raised in an earlier round: a deadlock, a device mix-up) is made on
+    its own at once, as it would be after raising in the shared launch, which would then start again for the
+    answers after it; an answer whose own launch raises now is added to ``raised``.
     """
+    raised = set() if raised is None else raised
+    out = {i: _alone(calls[i], run, raised, i) for i in calls if i in raised}
     kinds: dict = {}
     for i, (fn, nprocs, args, kwargs, options) in calls.items():
-        kinds.setdefault((nprocs, tuple(sorted((k, v) for k, v in options.items() if k != "timeout"))), []).append(i)
-    out = {}
+        if i not in out:
+            kinds.setdefault((nprocs, tuple(sorted((k, v) for k, v in options.items() if k != "timeout"))),
+                             []).append(i)
     for (nprocs, options), answers in kinds.items():
         while answers:
             items = [calls[i][0:1] + calls[i][2:4] for i in answers]
@@ -104,14 +114,14 @@ def _launch(calls: dict, run) -> dict:
             try:
                 per_rank = run(_many, nprocs, (items,), {}, quiet=True, echo=False, timeout=timeout, **dict(options))
             except LaunchError:  # the shared launch failed as a whole (a hang, a dead rank): each on its own
-                out.update({i: _alone(calls[i], run) for i in answers})
+                out.update({i: _alone(calls[i], run, raised, i) for i in answers})
                 break
             done = min(len(r) for r in per_rank)
             clean = next((j for j in range(done) if any(r[j][0] != "ok" for r in per_rank)), done)
             for j in range(clean):
                 out[answers[j]] = _replay([r[j] for r in per_rank], nprocs)
             if clean < len(answers):
-                out[answers[clean]] = _alone(calls[answers[clean]], run)
+                out[answers[clean]] = _alone(calls[answers[clean]], run, raised, answers[clean])
             answers = answers[clean + 1:]
     return out
 
@@ -125,15 +135,16 @@ def judge_many(exercise_id: str, answer_sets: list[tuple]) -> list:
     dirs: list[list] = [[] for _ in answer_sets]
     results: list = [None] * len(answer_sets)
     try:
-        _rounds(ex, answer_sets, known, dirs, results, run)
+        _rounds(ex, answer_sets, known, dirs, results, run, set())
     finally:
         for path in (p for answer in dirs for p in answer):
             shutil.rmtree(path, ignore_errors=True)
     return results
 
 
-def _rounds(ex, answer_sets, known, dirs, results, run) -> None:
-    """Run the checkers round after round until each has a verdict (in ``results``)."""
+def _rounds(ex, answer_sets, known, dirs, results, run, raised: set) -> None:
+    """Run the checkers round after round until each has a verdict (in ``results``); ``raised``: the answers
+    whose own launch raised in a round so far (see :func:`_launch`)."""
     while any(r is None for r in results):
         calls = {}
         for i, answers in enumerate(answer_sets):
@@ -152,7 +163,7 @@ def _rounds(ex, answer_sets, known, dirs, results, run) -> None:
                 calls[i] = asked[0]
             else:
                 results[i] = result
-        for i, thunk in _launch(calls, run).items():
+        for i, thunk in _launch(calls, run, raised).items():
             known[i].append(thunk)
 
 
