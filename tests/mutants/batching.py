@@ -75,15 +75,14 @@ def _replay(outcomes: list, world: int):
     return lambda: [got[1] for got in outcomes]
 
 
-def _alone(call, run, raised: set | None = None, i=None):
+def _alone(call, run, raised: set, i):
     """A thunk with the outcome of ``call`` made on its own, as ``check()`` makes it; an answer whose own launch
-    raised is added to ``raised``."""
+    raised is added to ``raised`` (as ``i``)."""
     fn, nprocs, args, kwargs, options = call
     try:
         got = run(fn, nprocs, args, kwargs, quiet=True, echo=False, **options)
     except LaunchError as exc:
-        if raised is not None:
-            raised.add(i)
+        raised.add(i)
 
         def fail(error=exc):
             raise error
@@ -91,7 +90,7 @@ def _alone(call, run, raised: set | None = None, i=None):
     return lambda: got
 
 
-def _launch(calls: dict, run, raised: set | None = None) -> dict:
+def _launch(calls: dict, run, raised: set) -> dict:
     """``{answer: thunk}`` for ``calls = {answer: (fn, nprocs, args, kwargs, options)}``: one launch per kind.
 
     The calls up to the first one that raised on some rank keep the shared launch's results; that call is
@@ -100,7 +99,6 @@ def _launch(calls: dict, run, raised: set | None = None) -> dict:
     its own at once, as it would be after raising in the shared launch, which would then start again for the
     answers after it; an answer whose own launch raises now is added to ``raised``.
     """
-    raised = set() if raised is None else raised
     out = {i: _alone(calls[i], run, raised, i) for i in calls if i in raised}
     kinds: dict = {}
     for i, (fn, nprocs, args, kwargs, options) in calls.items():
