@@ -234,7 +234,7 @@ def judge_variant(spec: ExerciseMutants, variant: Variant, namespace: dict):
     result = check(spec.exercise, *define(variant.source, spec.names, namespace, f"<variant {variant.name}>"))
     unpaid = spec.unpaid_here() if spec.unpaid_here else ""
     lost = [c for c in result.cases if not c.passed and not (unpaid and unpaid in c.hint)]
-    excused = sum(not c.passed for c in result.cases) - len(lost)
+    excused = sum(c.points for c in result.cases if not c.passed) - sum(c.points for c in lost)  # points, not cases
     assert not lost and result.points == result.max_points - excused, \
         f"correct variant {variant.name!r} of {spec.exercise} lost points:\n{result}"
     return result

@@ -1,6 +1,8 @@
 """tests/mutants/batching.py's launches, with a stand-in for the launcher: which calls share a launch."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from batching import _launch, _many
 
@@ -59,3 +61,67 @@ def test_an_answer_that_raised_only_beside_others_is_shared_again():
     got = _launch(_calls(["a", "b", "c"]), flaky, raised)
     assert log == [("shared", ["a", "b", "c"]), ("alone", "b"), ("shared", ["c"])] and raised == set()
     assert got[1]() == ["b", "b"]
+
+
+# -- shared_mutant_tests' own assertions, with a stand-in for judge_many ------------------------------------------
+def _case(name, passed, hint=""):
+    return SimpleNamespace(name=name, passed=passed, hint=hint, got="", expected="", points=2)
+
+
+def _result(*cases, max_points=4):
+    points = 2 * sum(c.passed for c in cases)
+    return SimpleNamespace(status="passed" if all(c.passed for c in cases) else "failed", note="", cases=list(cases),
+                           points=points, max_points=max_points)
+
+
+@pytest.fixture
+def shared(monkeypatch):
+    """shared_mutant_tests over one stand-in exercise of lesson 01 whose verdicts are ``verdicts[name]``."""
+    import batching
+    import mutation
+
+    verdicts = {}
+    monkeypatch.setattr(mutation, "cell_of", lambda spec: "def pick_device(index=None):\n    return 'cpu'\n")
+    monkeypatch.setattr(batching, "judge_many", lambda exercise, answers: [
+        verdicts.get(a[0], _result(_case("the other answer's", True))) for a in answers])
+    # define() -> (the answer's name,) so the stand-in judge_many can find its verdict
+    monkeypatch.setattr(mutation, "define", lambda src, names, ns, where: (where.split(" ", 1)[1][:-1],))
+
+    def make(after=None, unpaid=None):
+        spec = mutation.ExerciseMutants("01.pick_device", "01_devices.ipynb", ("pick_device",),
+                                        mutants=[mutation.Mutant("bug", lambda s: s + "#", "the bug's words")],
+                                        variants=[mutation.Variant("other", "def pick_device(index=None): ...")],
+                                        unpaid_here=unpaid)
+        tests = batching.shared_mutant_tests([spec], "01", {}, after=after)
+        return spec, tests
+    return verdicts, make
+
+
+def test_after_adds_its_assertions_to_a_caught_mutant(shared):
+    verdicts, make = shared
+    verdicts["bug"] = _result(_case("a case", False, "the bug's words"), _case("the right one", True))
+    seen = []
+    spec, (mutant_test, _, _) = make(after=lambda m, r: seen.append((m.name, r.status)))
+    mutant_test(spec, spec.mutants[0])
+    assert seen == [("bug", "failed")]
+
+    def right_case_passes(m, r):
+        assert r.cases[0].passed, "the right case should pass"
+    spec, (mutant_test, _, _) = make(after=right_case_passes)
+    with pytest.raises(AssertionError, match="the right case should pass"):
+        mutant_test(spec, spec.mutants[0])
+
+
+def test_a_variant_may_lose_only_the_cases_this_machine_cannot_pay(shared):
+    verdicts, make = shared
+    verdicts["other"] = _result(_case("paid", True), _case("across nodes", False, "needs namespaces: not here"))
+    spec, (_, variant_test, _) = make(unpaid=lambda: "needs namespaces")
+    variant_test(spec, spec.variants[0])  # excused: the case says why this machine cannot pay it
+    verdicts["other"] = _result(_case("paid", False, "wrong"), _case("across nodes", True))
+    spec, (_, variant_test, _) = make(unpaid=lambda: "needs namespaces")
+    with pytest.raises(AssertionError, match="lost points"):
+        variant_test(spec, spec.variants[0])
+    verdicts["other"] = _result(_case("paid", True), _case("across nodes", False, "needs namespaces: not here"))
+    spec, (_, variant_test, _) = make()  # no excuse named: the lost case counts
+    with pytest.raises(AssertionError, match="lost points"):
+        variant_test(spec, spec.variants[0])

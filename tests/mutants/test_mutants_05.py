@@ -17,7 +17,8 @@ import torch.nn.functional as F
 import torch.distributed as tdist
 from torch.utils.data import DataLoader, Sampler
 
-from mutation import ExerciseMutants, Mutant, Variant, drop_statement, mutant_tests, replace
+from batching import shared_mutant_tests
+from mutation import ExerciseMutants, Mutant, Variant, drop_statement, replace
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -206,4 +207,4 @@ SPECS = [
 
 
 test_mutant_fails_naming_its_bug, test_correct_variant_passes, test_every_exercise_has_five_mutants_and_two_variants = \
-    mutant_tests(SPECS, "05", NAMESPACE)
+    shared_mutant_tests(SPECS, "05", NAMESPACE)
