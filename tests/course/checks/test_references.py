@@ -136,6 +136,7 @@ def test_a_reference_must_be_named_module_colon_function():
 
 # -- no answer in sight: a lesson's imports reach none of its exercises' references --------------------------
 import json as _json  # noqa: E402
+import os  # noqa: E402
 import subprocess  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -163,8 +164,11 @@ def reach_server(tmp_path_factory):
     Its errors go to a file (a pipe nobody reads while it runs could fill and stop it); ``.errors`` reads it."""
     errors = tmp_path_factory.mktemp("reach") / "stderr.txt"
     with errors.open("w") as err:
+        # MGPU_LAB_PREWARM=0: a notebook's `import mgpu_lab.launcher...` would start a forkserver that imports torch
+        # afresh in every child (about 8 s of CPU each, 14 notebooks), and nothing here launches ranks
         proc = subprocess.Popen([sys.executable, str(Path(reach.__file__)), "--serve"], cwd=ROOT, text=True,
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err)
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                                env={**os.environ, "MGPU_LAB_PREWARM": "0"})
     proc.errors = lambda: errors.read_text()[-2000:]
     yield proc
     proc.stdin.close()
