@@ -232,12 +232,18 @@ def judge_variant(spec: ExerciseMutants, variant: Variant, namespace: dict):
     from mgpu_lab.course.checks import check
 
     result = check(spec.exercise, *define(variant.source, spec.names, namespace, f"<variant {variant.name}>"))
+    assert_full_marks(spec, variant, result)
+    return result
+
+
+def assert_full_marks(spec: ExerciseMutants, variant: Variant, result) -> None:
+    """A correct variant's result has every point, but those of the cases the spec's ``unpaid_here()`` names
+    (a case this machine cannot pay, failing saying so): their points, not one per case, are excused."""
     unpaid = spec.unpaid_here() if spec.unpaid_here else ""
     lost = [c for c in result.cases if not c.passed and not (unpaid and unpaid in c.hint)]
-    excused = sum(c.points for c in result.cases if not c.passed) - sum(c.points for c in lost)  # points, not cases
+    excused = sum(c.points for c in result.cases if not c.passed) - sum(c.points for c in lost)
     assert not lost and result.points == result.max_points - excused, \
         f"correct variant {variant.name!r} of {spec.exercise} lost points:\n{result}"
-    return result
 
 
 def mutant_tests(specs: list[ExerciseMutants], lesson: str, namespace: dict | Callable[[], dict], *,

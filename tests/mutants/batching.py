@@ -178,7 +178,7 @@ def shared_mutant_tests(specs: list, lesson: str, namespace, *, after=None) -> t
     import functools
 
     import pytest
-    from mutation import cell_of, define, failure_text, mutant_tests, params
+    from mutation import assert_full_marks, cell_of, define, failure_text, mutant_tests, params
 
     _, _, counts = mutant_tests(specs, lesson, namespace)
 
@@ -203,12 +203,7 @@ def shared_mutant_tests(specs: list, lesson: str, namespace, *, after=None) -> t
 
     @pytest.mark.parametrize("spec, variant", params(specs, "variants"))
     def test_correct_variant_passes(spec, variant):
-        result = verdicts(spec.exercise)[("variant", variant.name)]
-        unpaid = spec.unpaid_here() if spec.unpaid_here else ""
-        lost = [c for c in result.cases if not c.passed and not (unpaid and unpaid in c.hint)]
-        excused = sum(c.points for c in result.cases if not c.passed) - sum(c.points for c in lost)
-        assert not lost and result.points == result.max_points - excused, \
-            f"correct variant {variant.name!r} lost points:\n{result}"
+        assert_full_marks(spec, variant, verdicts(spec.exercise)[("variant", variant.name)])
 
     test_mutant_fails_naming_its_bug.verdicts = verdicts
     return test_mutant_fails_naming_its_bug, test_correct_variant_passes, counts
