@@ -220,11 +220,15 @@ def judge_mutant(spec: ExerciseMutants, mutant: Mutant, namespace: dict):
 
     source = mutant.apply(cell_of(spec))
     result = check(spec.exercise, *define(source, spec.names, namespace, f"<mutant {mutant.name}>"))
-    assert result.status == "failed", f"mutant {mutant.name!r} of {spec.exercise} was not caught:\n{result}"
-    text = failure_text(result)
-    missing = [w for w in mutant.words if w.lower() not in text]
-    assert not missing, f"mutant {mutant.name!r}: the failure does not say {missing}:\n{result}"
+    assert_caught(spec, mutant, result)
     return result
+
+
+def assert_caught(spec: ExerciseMutants, mutant: Mutant, result) -> None:
+    """A mutant's result failed, and its failed cases say every word of the mutant's ``expect``."""
+    assert result.status == "failed", f"mutant {mutant.name!r} of {spec.exercise} was not caught:\n{result}"
+    missing = [w for w in mutant.words if w.lower() not in failure_text(result)]
+    assert not missing, f"mutant {mutant.name!r}: the failure does not say {missing}:\n{result}"
 
 
 def judge_variant(spec: ExerciseMutants, variant: Variant, namespace: dict):

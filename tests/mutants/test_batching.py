@@ -125,3 +125,15 @@ def test_a_variant_may_lose_only_the_cases_this_machine_cannot_pay(shared):
     spec, (_, variant_test, _) = make()  # no excuse named: the lost case counts
     with pytest.raises(AssertionError, match="lost points"):
         variant_test(spec, spec.variants[0])
+
+
+def test_a_mutant_must_fail_and_say_its_words(shared):
+    verdicts, make = shared
+    spec, (mutant_test, _, _) = make()
+    verdicts["bug"] = _result(_case("a case", True))
+    with pytest.raises(AssertionError, match="was not caught"):
+        mutant_test(spec, spec.mutants[0])
+    verdicts["bug"] = _result(_case("a case", False, "something else"))
+    spec, (mutant_test, _, _) = make()  # the verdicts are judged once per set of tests: a new set for a new one
+    with pytest.raises(AssertionError, match="does not say"):
+        mutant_test(spec, spec.mutants[0])
