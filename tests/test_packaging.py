@@ -338,6 +338,16 @@ def test_the_wheel_check_names_an_answer_a_test_and_a_missing_or_stale_notebook(
         assert expected in found, found
 
 
+def test_the_wheel_check_passes_over_the_bytecode_python_left_beside_the_scripts(wheel, tmp_path):
+    # a test that ran a script with bytecode writing on (no PYTHONDONTWRITEBYTECODE) leaves scripts/__pycache__
+    clone = tmp_path / "clone"
+    for folder in ("notebooks", "scripts", "solutions"):
+        shutil.copytree(ROOT / folder, clone / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    (clone / "scripts" / "__pycache__").mkdir()
+    (clone / "scripts" / "__pycache__" / "ddp_train.cpython-311.pyc").write_bytes(b"\0")
+    assert _wheel_check().problems(wheel, clone) == []
+
+
 def test_the_sdist_keeps_the_answers_out_and_the_course_s_files_in():
     manifest = (ROOT / "MANIFEST.in").read_text().split()
     assert {"prune", "solutions", "tests", "graft", "notebooks", "scripts"} <= set(manifest)
