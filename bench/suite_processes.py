@@ -1,7 +1,7 @@
 """Benchmark: where a command's CPU goes, process by process: fresh Pythons against the ranks forked from them.
 
 The suite is CPU-bound on a 2-core machine, and most of its processes are Pythons that
-import torch (about 4 core-seconds each here, a third of it at exit) to do a few seconds
+import torch (about 4 core-seconds each here, a quarter of it at exit) to do a few seconds
 of work: Jupyter kernels, their fork servers, the grader's judges, torchrun's agents and
 ranks. This runs a command (by default the README's ``make test``) under the kernel's
 process accounting (``accton``, Debian's ``acct``: every process that ends, its CPU time,
@@ -87,7 +87,8 @@ def parse_acct(text: str) -> list[dict]:
 
 def inventory(rows: list[dict], seen: dict[int, list[tuple[float, str]]]) -> dict[str, dict]:
     """Per kind: fresh processes and their core-seconds, forked ones (counted under their nearest fresh
-    ancestor) and theirs. ``seen[pid]`` is ``[(time first seen, command line), ...]`` (pids are reused).
+    ancestor) and theirs. ``seen[pid]`` is ``[(time seen, command line), ...]``, one entry per change (an exec, a
+    reused pid).
 
     Example:
         >>> rows = [dict(comm="python", cpu=4.0, pid=10, ppid=1, forked=False, start=100.0, end=130.0),
@@ -101,7 +102,7 @@ def inventory(rows: list[dict], seen: dict[int, list[tuple[float, str]]]) -> dic
         by_pid[r["pid"]].append(r)
 
     def cmdline(r):  # the last one seen while it ran: after an exec, what it became
-        during = [(t, c) for t, c in seen.get(r["pid"], []) if r["start"] - 1.5 <= t <= r.get("end", t) + 1]
+        during = [(t, c) for t, c in seen.get(r["pid"], []) if r["start"] - 1.5 <= t <= r["end"] + 1]
         return max(during)[1] if during else ""
 
     def parent(r):
