@@ -200,12 +200,34 @@ def test_the_reference_reads_hand_made_traces_as_worked_out():
     # the 50 us inside the c10d:: call count as waiting too: the thread is in a communication call, not computing
     assert rows[0]["wait"] == pytest.approx(59.05) and rows[1]["wait"] == pytest.approx(0.05)
     assert rows[0]["compute"] == pytest.approx(29.95) and rows[1]["load"] == pytest.approx(70)
+    # backward's time outside the training thread's operators: the same wait, read another way
+    assert rows[0]["idle"] == pytest.approx(59) and rows[1]["idle"] == pytest.approx(0)
     reading = judges.straggler_reading(rows)
     assert (reading["rank"], reading["cause"]) == (1, "data") and reading["share"] == pytest.approx(0.59, abs=0.01)
     assert judges.straggler_reading(rows, wrong="waits longest")["rank"] == 0
     assert judges.straggler_reading(rows, wrong="longest step")["rank"] is None
     even = judges.rank_rows([_rank(100, 10, 30, 5), _rank(100, 10, 33, 2)])
     assert judges.straggler_reading(even)["rank"] is None
+
+
+def test_a_recording_two_right_readings_part_on_is_not_evidence():
+    from mgpu_lab.course.checks.l13.ranks import shows_design
+
+    even = judges.rank_rows([_rank(100, 10, 30, 5), _rank(100, 10, 33, 2)])
+    balanced = {"kind": "balanced", "rank": None, "ranks": {}}
+    assert shows_design(judges.straggler_reading(even), balanced, even)
+    # as a busy machine leaves it: rank 0's training thread was off its core between operators in backward (no
+    # communication in flight), so reading the waiting as time outside operators finds rank 1 doing 40 ms more
+    parted = [dict(even[0], idle=even[0]["idle"] + 40), even[1]]
+    assert judges.straggler_reading(parted)["share"] <= 0.2  # the reference alone still reads it balanced
+    assert judges.straggler_reading(parted, waiting="idle")["candidate"] == 1
+    assert not shows_design(judges.straggler_reading(parted), balanced, parted)
+    slow = judges.rank_rows([_rank(100, 10, 30, 59), _rank(100, 70, 29, 0)])
+    loader = {"kind": "loader", "rank": 1, "ranks": {1: {"delay": 0.25}}}
+    assert shows_design(judges.straggler_reading(slow), loader, slow)
+    hidden = [slow[0], dict(slow[1], idle=slow[1]["idle"] + 80)]  # rank 1's own work, read the other way, vanishes
+    assert shows_design(judges.straggler_reading(hidden), loader)
+    assert not shows_design(judges.straggler_reading(hidden), loader, hidden)
 
 
 def _evidence(kind, clear=True, answers=None):

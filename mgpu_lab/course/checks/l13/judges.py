@@ -292,8 +292,9 @@ def _median(values) -> float:
 
 def step_times(trace: dict) -> list[dict]:
     """Per kept step of one rank's trace, in ms: the step, the loader's fetches, forward and backward without
-    the waiting in them, the waiting (communication that the training thread's operators do not hide), and the
-    training thread's ``c10d::`` calls."""
+    the waiting in them, the waiting (communication that the training thread's operators do not hide), the
+    time in backward outside the training thread's operators (``idle``: the waiting as a right answer may read it
+    instead), and the training thread's ``c10d::`` calls."""
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
     steps = sorted((e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")), key=lambda e: e["ts"])
     if not steps:
@@ -307,8 +308,12 @@ def step_times(trace: dict) -> list[dict]:
 
         wait = reference_exposed_comm({"traceEvents": inside}, main)
         labels = on_main(lambda n: n in ("forward", "backward"))
+        backward = [(e["ts"], e["ts"] + e["dur"]) for e in inside if e["tid"] == main and e.get("name") == "backward"]
+        ops = [(e["ts"], e["ts"] + e["dur"]) for e in inside if e["tid"] == main and e.get("cat") == "cpu_op"
+               and any(a <= e["ts"] < b for a, b in backward)]
+        idle = (sum(b - a for a, b in backward) - _length(ops)) / 1e3
         out.append({"step": step["dur"] / 1e3, "load": on_main(lambda n: n.startswith(LOADER)),
-                    "compute": labels - wait, "labels": labels, "wait": wait,
+                    "compute": labels - wait, "labels": labels, "wait": wait, "idle": idle,
                     "calls": on_main(lambda n: n.startswith("c10d::"))})
     return out
 
@@ -326,11 +331,12 @@ def _excess(values: list, rank: int) -> float:
     return values[rank] - _median(v for r, v in enumerate(values) if r != rank)
 
 
-def straggler_reading(rows: list[dict], wrong: str | None = None) -> dict:
+def straggler_reading(rows: list[dict], wrong: str | None = None, waiting: str = "wait") -> dict:
     """The reference reading of per-rank rows (:func:`rank_rows`): the rank whose own work (its step without
     its waiting) exceeds the others' median by at least :data:`SLOWS` of the typical step, and whether its
     loading or its forward/backward exceeds theirs more. ``wrong`` names one of :data:`WRONG_STRAGGLER`'s readings
-    instead. Also returns the share of the step lost (``share``) and the excesses in ms."""
+    instead; ``waiting="idle"`` reads the waiting as backward's time outside operators (a right reading too).
+    Also returns the share of the step lost (``share``) and the excesses in ms."""
     measure = {"longest step": "step", "waits longest": "wait", "loader only": "load",
                "labels with waits": "labels"}.get(wrong)
     if measure is not None:
@@ -338,12 +344,12 @@ def straggler_reading(rows: list[dict], wrong: str | None = None) -> dict:
     elif wrong == "c10d calls only":
         values = [r["step"] - r["calls"] for r in rows]
     else:
-        values = [r["step"] - r["wait"] for r in rows]
+        values = [r["step"] - r[waiting] for r in rows]
     rank = max(range(len(rows)), key=values.__getitem__)
     step = _median(r["step"] for r in rows)
     share = _excess(values, rank) / step if step > 0 else 0.0
     data = _excess([r["load"] for r in rows], rank)
-    compute = _excess([r["compute"] for r in rows], rank)
+    compute = _excess([r["labels"] - r[waiting] for r in rows], rank)
     cause = "data" if data > compute else "compute"
     if wrong == "cause reversed":
         cause = "compute" if cause == "data" else "data"

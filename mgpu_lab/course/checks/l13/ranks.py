@@ -35,7 +35,7 @@ from torch import nn
 from mgpu_lab.profiling.blocks import Block, BlockStack, tokens
 from .. import _references
 from ..sim.outcome import one_thread, outcome
-from .judges import KINDS
+from .judges import KINDS, straggler_reading
 
 
 # -- references -----------------------------------------------------------------------------
@@ -335,8 +335,13 @@ def straggler_plan(world: int, seed=None) -> list[dict]:
     return plan
 
 
-def shows_design(reading: dict, scenario: dict) -> bool:
-    """Whether the reference's ``reading`` of a recording shows the ``scenario`` it was made for, with a margin."""
+def shows_design(reading: dict, scenario: dict, rows: list[dict] | None = None) -> bool:
+    """Whether the reference's ``reading`` of a recording shows the ``scenario`` it was made for, with a margin;
+    given the recording's ``rows``, the reading with the waiting read as backward's time outside operators (a
+    right answer's way too) must show it as well: on a busy machine the two can part, and a recording that one
+    right reading finds balanced and another does not is no evidence for either."""
+    if rows is not None and not shows_design(straggler_reading(rows, waiting="idle"), scenario):
+        return False
     if scenario["rank"] is None:
         return reading["share"] <= CLEAR_BALANCED
     mine, other = ((reading["data_ms"], reading["compute_ms"]) if KINDS[scenario["kind"]] == "data"
@@ -349,7 +354,7 @@ def _record_one(scenario: dict, folder: str, index: int, tries: int = 5) -> dict
     from mgpu_lab.profiling.traces import load_trace
     from mgpu_lab.profiling.uneven import uneven_ddp_trace
 
-    from .judges import rank_rows, straggler_reading
+    from .judges import rank_rows
 
     world, out = torch.distributed.get_world_size(), {}
     for attempt in range(tries):
@@ -362,9 +367,9 @@ def _record_one(scenario: dict, folder: str, index: int, tries: int = 5) -> dict
             with _references.allowed():
                 rows = rank_rows([load_trace(p) for p in paths])
                 reading = straggler_reading(rows)
+                clear[0] = int(shows_design(reading, scenario, rows))
             out = {"kind": scenario["kind"], "rank": scenario["rank"], "paths": paths, "rows": rows,
                    "reading": reading, "tries": attempt + 1}
-            clear[0] = int(shows_design(reading, scenario))
         torch.distributed.broadcast(clear, 0)
         if clear.item():
             break
