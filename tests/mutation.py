@@ -196,6 +196,14 @@ def failure_text(result) -> str:
     return " ".join(parts).lower()
 
 
+def caught_saying(cases: list, words) -> bool:
+    """Whether some of ``cases`` failed and the failed ones say every one of ``words`` (what
+    :func:`assert_caught` asks of a mutant's result, on these cases alone)."""
+    failed = [c for c in cases if not c.passed]
+    text = " ".join(part for c in failed for part in (c.name, c.hint, c.got, c.expected)).lower()
+    return bool(failed) and all(w.lower() in text for w in words)
+
+
 def cell_of(spec: ExerciseMutants) -> str:
     marker = spec.cell_marker or spec.names[0]
     for prefix in ("def ", "class "):

@@ -21,6 +21,7 @@ Example:
 """
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import sys
 import tempfile
@@ -124,8 +125,18 @@ def _launch(calls: dict, run, raised: set) -> dict:
     return out
 
 
-def judge_many(exercise_id: str, answer_sets: list[tuple]) -> list:
-    """The ``CheckResult`` of ``check(exercise_id, *answers)`` for every tuple of answers, launches shared."""
+#: The note of a result whose checker was stopped by ``settled`` (see :func:`judge_many`).
+SETTLED = "settled: the cases judged so far decide this test (a mutant caught naming its bug); the check's later " \
+          "cases were not run"
+
+
+def judge_many(exercise_id: str, answer_sets: list[tuple], settled=None) -> list:
+    """The ``CheckResult`` of ``check(exercise_id, *answers)`` for every tuple of answers, launches shared.
+
+    ``settled(i, cases)``, when given, is asked after each round whether answer ``i``'s cases judged so far
+    decide what the caller wants to know (a mutant's failure naming its bug cannot be undone by a later case);
+    when it says so, that checker stops before its next launch, and its result holds those cases, the rest
+    ``(not reached)``, with the note :data:`SETTLED`."""
     from mgpu_lab.launcher.launch import run
 
     ex = get(exercise_id)
@@ -133,16 +144,16 @@ def judge_many(exercise_id: str, answer_sets: list[tuple]) -> list:
     dirs: list[list] = [[] for _ in answer_sets]
     results: list = [None] * len(answer_sets)
     try:
-        _rounds(ex, answer_sets, known, dirs, results, run, set())
+        _rounds(ex, answer_sets, known, dirs, results, run, set(), settled)
     finally:
         for path in (p for answer in dirs for p in answer):
             shutil.rmtree(path, ignore_errors=True)
     return results
 
 
-def _rounds(ex, answer_sets, known, dirs, results, run, raised: set) -> None:
+def _rounds(ex, answer_sets, known, dirs, results, run, raised: set, settled=None) -> None:
     """Run the checkers round after round until each has a verdict (in ``results``); ``raised``: the answers
-    whose own launch raised in a round so far (see :func:`_launch`)."""
+    whose own launch raised in a round so far (see :func:`_launch`); ``settled``: see :func:`judge_many`."""
     while any(r is None for r in results):
         calls = {}
         for i, answers in enumerate(answer_sets):
@@ -156,8 +167,11 @@ def _rounds(ex, answer_sets, known, dirs, results, run, raised: set) -> None:
                 asked.append((fn, nprocs, args, kwargs, options))
                 raise _Pending()
 
-            result = run_checker(ex, _Tester(ex, runner, dirs[i]), answers)
-            if asked:
+            tester = _Tester(ex, runner, dirs[i])
+            result = run_checker(ex, tester, answers)
+            if asked and settled is not None and settled(i, list(tester.cases)):
+                results[i] = dataclasses.replace(result, note=SETTLED)  # tester.cases: judged before the pending call
+            elif asked:
                 calls[i] = asked[0]
             else:
                 results[i] = result
@@ -174,11 +188,16 @@ def shared_mutant_tests(specs: list, lesson: str, namespace, *, after=None) -> t
 
     As there, ``after(mutant, result)`` adds assertions on a mutant's failed result, and a variant may lose only
     the cases its spec's ``unpaid_here()`` names (a case this machine cannot pay, failing saying so).
+
+    A mutant's checker stops at the first launch after its failed cases already say every word of its ``expect``
+    (:func:`judge_many`'s ``settled``): the test's verdict cannot change, and the later launches (a third rank,
+    another world size) are the costly ones. Not with ``after``, whose assertions may read any case; variants
+    are always judged whole.
     """
     import functools
 
     import pytest
-    from mutation import assert_caught, assert_full_marks, cell_of, define, mutant_tests, params
+    from mutation import assert_caught, assert_full_marks, caught_saying, cell_of, define, mutant_tests, params
 
     _, _, counts = mutant_tests(specs, lesson, namespace)
 
@@ -190,7 +209,12 @@ def shared_mutant_tests(specs: list, lesson: str, namespace, *, after=None) -> t
                    for m in spec.mutants}
         answers.update({("variant", v.name): define(v.source, spec.names, ns, f"<variant {v.name}>")
                         for v in spec.variants})
-        return dict(zip(answers, judge_many(exercise, [tuple(a) for a in answers.values()])))
+        keys, words = list(answers), {m.name: m.words for m in spec.mutants}
+
+        def settled(i: int, cases: list) -> bool:
+            kind, name = keys[i]
+            return kind == "mutant" and after is None and caught_saying(cases, words[name])
+        return dict(zip(answers, judge_many(exercise, [tuple(a) for a in answers.values()], settled=settled)))
 
     @pytest.mark.parametrize("spec, mutant", params(specs, "mutants"))
     def test_mutant_fails_naming_its_bug(spec, mutant):

@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 from batching import _launch, _many
+from mutation import caught_saying
 
 from mgpu_lab.launcher.errors import LaunchError
 
@@ -63,6 +64,52 @@ def test_an_answer_that_raised_only_beside_others_is_shared_again():
     assert got[1]() == ["b", "b"]
 
 
+def _two_launches():
+    """A stand-in exercise of two cases, each judged on its own launch (2 ranks, then 3): the answer returns the
+    words its case fails with, or "" to pass."""
+    from mgpu_lab.course.checks._core import CaseFailed
+
+    def checker(t, answer):
+        for world in (2, 3):
+            with t.case(f"{world} ranks"):
+                said = t.ranks(answer, world, world)[0]
+                if said:
+                    raise CaseFailed(hint=said)
+    return SimpleNamespace(id="00.two_launches", points=2, checker=checker, references=())
+
+
+def test_a_mutant_caught_saying_its_words_is_settled_before_its_next_launch():
+    import batching
+
+    log = []
+
+    def run(fn, nprocs, args, kwargs, **options):
+        if fn is _many:
+            log.append((nprocs, [item[1] for item in args[0]]))
+            return [[("ok", item[0](*item[1])) for item in args[0]]] * nprocs
+        log.append((nprocs, "alone"))
+        return [fn(*args)] * nprocs
+
+    early = lambda *a: "the early bug"  # noqa: E731 - fails both cases with its words
+    late = lambda world: "the late bug" if world == 3 else "another thing"  # noqa: E731 - its words at 3 ranks only
+    right = lambda world: ""  # noqa: E731
+    answers = [(early,), (late,), (right,)]
+    words = {0: ("early bug",), 1: ("late bug",)}
+    results = [None] * 3
+    batching._rounds(_two_launches(), answers, [[] for _ in answers], [[] for _ in answers], results, run, set(),
+                     lambda i, cases: i in words and caught_saying(cases, words[i]))
+    # round 1: all three on 2 ranks; round 2: only the mutant not yet caught saying its words, and the right answer
+    assert [(n, len(items)) for n, items in log] == [(2, 3), (3, 2)]
+    assert results[0].note == batching.SETTLED and [c.name for c in results[0].cases] == ["2 ranks", "(not reached)"]
+    assert results[0].status == "failed" and "early bug" in results[0].cases[0].hint
+    assert results[1].note != batching.SETTLED and "late bug" in results[1].cases[1].hint
+    assert results[2].status == "passed"
+    log.clear()
+    results = [None] * 3  # without settled: every answer judged whole
+    batching._rounds(_two_launches(), answers, [[] for _ in answers], [[] for _ in answers], results, run, set())
+    assert [(n, len(items)) for n, items in log] == [(2, 3), (3, 3)]
+
+
 # -- shared_mutant_tests' own assertions, with a stand-in for judge_many ------------------------------------------
 def _case(name, passed, hint=""):
     return SimpleNamespace(name=name, passed=passed, hint=hint, got="", expected="", points=2)
@@ -82,7 +129,7 @@ def shared(monkeypatch):
 
     verdicts = {}
     monkeypatch.setattr(mutation, "cell_of", lambda spec: "def pick_device(index=None):\n    return 'cpu'\n")
-    monkeypatch.setattr(batching, "judge_many", lambda exercise, answers: [
+    monkeypatch.setattr(batching, "judge_many", lambda exercise, answers, settled=None: [
         verdicts.get(a[0], _result(_case("the other answer's", True))) for a in answers])
     # define() -> (the answer's name,) so the stand-in judge_many can find its verdict
     monkeypatch.setattr(mutation, "define", lambda src, names, ns, where: (where.split(" ", 1)[1][:-1],))
