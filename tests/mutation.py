@@ -189,19 +189,18 @@ def define(source: str, names: tuple[str, ...], namespace: dict, filename: str =
 
 def failure_text(result) -> str:
     """Everything a learner reads about the failed cases of a result, lower-cased."""
-    parts = [result.note]
-    for c in result.cases:
-        if not c.passed:
-            parts += [c.name, c.hint, c.got, c.expected]
-    return " ".join(parts).lower()
+    return " ".join([result.note.lower(), _failed_text(result.cases)])
+
+
+def _failed_text(cases: list) -> str:
+    return " ".join(part for c in cases if not c.passed for part in (c.name, c.hint, c.got, c.expected)).lower()
 
 
 def caught_saying(cases: list, words) -> bool:
     """Whether some of ``cases`` failed and the failed ones say every one of ``words`` (what
     :func:`assert_caught` asks of a mutant's result, on these cases alone)."""
-    failed = [c for c in cases if not c.passed]
-    text = " ".join(part for c in failed for part in (c.name, c.hint, c.got, c.expected)).lower()
-    return bool(failed) and all(w.lower() in text for w in words)
+    text = _failed_text(cases)
+    return any(not c.passed for c in cases) and all(w.lower() in text for w in words)
 
 
 def cell_of(spec: ExerciseMutants) -> str:

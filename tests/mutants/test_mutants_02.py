@@ -155,7 +155,6 @@ SPECS = [LOADER, SEED, BEST]
 # calls (tests/mutants/batching.py) instead of one launch per answer: the same verdicts.
 test_mutant_fails_naming_its_bug, test_correct_variant_passes, test_every_exercise_has_five_mutants_and_two_variants = \
     shared_mutant_tests(SPECS, "02", NAMESPACE)
-verdicts = test_mutant_fails_naming_its_bug.verdicts
 
 
 @pytest.mark.parametrize("spec", [LOADER, SEED], ids=lambda s: s.exercise)  # best_num_workers: its sleeps
