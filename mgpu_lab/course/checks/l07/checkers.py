@@ -81,7 +81,7 @@ def _hierarchical_allreduce(t, hierarchical_allreduce):
 # Seconds for the 4 ranks' three calls (about 1 s alone); a collective that waits in vain gives up after
 # GROUP_TIMEOUT, so this bound is only for an answer stuck outside a collective. Lesson 07's mutant tests judge 4
 # answers at once (16 ranks on 2 cores): there the launches took 0.9-14.6 s, and a right answer ran past the
-# 20 s this was in 2 of 9 idle runs (2026-11-29).
+# 20 s this was in 1 of 10 logged idle runs (2026-11-29).
 HIER_TIMEOUT = 60.0
 # after ranks.GROUP_TIMEOUT and is reported at once: this bounds only what no collective waits on (an endless loop)
 
