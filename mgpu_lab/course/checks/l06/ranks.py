@@ -14,6 +14,7 @@ of the learner's code in one configuration is evidence too, not the end.
 from __future__ import annotations
 
 import copy
+import threading
 import time
 import torch
 import traceback
@@ -61,9 +62,19 @@ PIPE_SCENARIOS = [("mlp", 8, 4, 3, 1), ("regression", 10, 4, 3, 2), ("work", 8, 
 WORK_S = 0.03
 
 
+# The global RNG is seeded and drawn from under this lock: checks judged at once in threads of one process (the
+# mutant tests' at_once) would otherwise draw from each other's seed, and a one-process reference would differ.
+_SEEDED = threading.Lock()
+
+
 def stage_setup(kind: str, batch: int, steps: int, seed: int, n_micro: int = 1):
     """The two stages, loss, optimizer factory, batches and activation shape of one scenario (with ``n_micro``
     micro-batches: of the first micro-batch, the largest of ``torch.chunk``)."""
+    with _SEEDED:
+        return _stage_setup(kind, batch, steps, seed, n_micro)
+
+
+def _stage_setup(kind: str, batch: int, steps: int, seed: int, n_micro: int):
     torch.manual_seed(seed)
     if kind.startswith("mlp"):
         stages = [nn.Sequential(nn.Linear(6, 16), nn.Tanh()), nn.Sequential(nn.Linear(16, 16), nn.ReLU(),
