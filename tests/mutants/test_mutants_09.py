@@ -313,4 +313,4 @@ def namespace() -> dict:
 
 
 test_mutant_fails_naming_its_bug, test_correct_variant_passes, test_every_exercise_has_five_mutants_and_two_variants = \
-    mutant_tests(SPECS, "09", namespace)
+    mutant_tests(SPECS, "09", namespace, at_once=4)
