@@ -254,9 +254,27 @@ def _waits_for_a_message_never_sent(fn):
     return wrapper
 
 
-def test_download_once_that_hangs_fails_in_bounded_time(monkeypatch):
-    monkeypatch.setattr(checkers, "DOWNLOAD_TIMEOUT", 8.0)
-    result = check("04.download_once", _waits_for_a_message_never_sent)
+@pytest.fixture(scope="module")
+def hanging():
+    """The two answers below that hang, each judged by ``check()`` under a short launch bound, both at once in two
+    threads (their waits, the bounds, overlap; neither checker draws from the other's global RNG):
+    ``{exercise: (result, seconds it took)}``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def timed(exercise, answer):
+        start = time.monotonic()
+        return check(exercise, answer), time.monotonic() - start
+
+    with pytest.MonkeyPatch.context() as patch, ThreadPoolExecutor(2, thread_name_prefix="hang-04") as pool:
+        patch.setattr(checkers, "DOWNLOAD_TIMEOUT", 8.0)
+        patch.setattr(checkers, "EXACT_TIMEOUT", 10.0)
+        futures = {"04.download_once": pool.submit(timed, "04.download_once", _waits_for_a_message_never_sent),
+                   "04.train_exact": pool.submit(timed, "04.train_exact", _skips_when_empty)}
+        return {exercise: future.result() for exercise, future in futures.items()}
+
+
+def test_download_once_that_hangs_fails_in_bounded_time(hanging):
+    result, _ = hanging["04.download_once"]
     assert result.points == 0 and "no answer within 8 s" in result.cases[0].got, result
     assert all("did not finish" in c.hint for c in result.cases[1:]), result
 
@@ -310,11 +328,9 @@ def _skips_when_empty(model_fn, dataset, global_batch, epochs, lr):
     return {k: v.cpu() for k, v in model.state_dict().items()}
 
 
-def test_train_exact_a_rank_that_skips_its_empty_step_fails_in_bounded_time_naming_it(monkeypatch):
-    monkeypatch.setattr(checkers, "EXACT_TIMEOUT", 10.0)
-    start = time.monotonic()
-    result = check("04.train_exact", _skips_when_empty)
-    assert time.monotonic() - start < 120, result
+def test_train_exact_a_rank_that_skips_its_empty_step_fails_in_bounded_time_naming_it(hanging):
+    result, seconds = hanging["04.train_exact"]
+    assert seconds < 120, result
     passed = [c.passed for c in result.cases]
     assert passed[:4] == [True] * 4 and not any(passed[4:]), result  # the scenarios before it are judged
     hang = result.cases[4]
