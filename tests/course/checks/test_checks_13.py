@@ -171,6 +171,19 @@ def test_a_hint_is_given_once_later_cases_with_the_same_reading_point_back_to_it
     assert "same reading as in a failed case above" in hints[1] and judges.WRONG["sum"] not in hints[1]
 
 
+def test_a_helper_trace_is_evidence_only_where_some_communication_is_exposed_and_the_thread_named_matters():
+    # HAND: thread 1 trains, thread 4 computes beside it; communication is exposed whichever is named, by different
+    # amounts (0.031 and 0.033 ms)
+    assert judges.helper_evidence(HAND, 1, 4) == [1, 1, 1, 1]
+    assert judges.helper_evidence(HAND, 1, None) == [1, 0, 0, 0]  # no helper recorded: nothing about threads
+    hidden = {"traceEvents": [_x("aten::mm", 1, 0, 50), _x("gloo:all_reduce", 2, 5, 10, "user_annotation"),
+                              _x("aten::mm", 4, 0, 50)]}  # both threads compute through the whole all-reduce
+    assert judges.helper_evidence(hidden, 1, 4) == [0, 0, 0, 0]
+    same = {"traceEvents": [_x("aten::mm", 1, 0, 5), _x("gloo:all_reduce", 2, 10, 10, "user_annotation"),
+                            _x("aten::mm", 4, 0, 5)]}  # exposed, but the same whichever thread is named
+    assert judges.helper_evidence(same, 1, 4) == [1, 1, 1, 0]
+
+
 # -- find_straggler: the reading of a hand-made trace, and no case without its evidence --------------------------
 def _rank(step_ms, load_ms, fb_ms, wait_ms, tid=1, steps=3):
     """A trace of ``steps`` steps: loading, then forward and backward (whose last ``wait_ms`` the training thread

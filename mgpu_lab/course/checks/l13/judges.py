@@ -160,6 +160,18 @@ def exposed_case(t, evidence, names, thread_kind=None, said: set | None = None) 
                "check", "a trace with exposed communication", f"{len(wants)} readings of 0 ms")
 
 
+def helper_evidence(trace: dict, training, helper) -> list[int]:
+    """What one rank's helper trace gives the helper case as evidence (:func:`exposed_case`,
+    :func:`threads_matter`), 1 or 0 for each of: communication exposed as read with no thread named, with the
+    training thread named, with the helper named; the two threads' readings apart. Summed over the ranks, the
+    case has its evidence when every entry is at least 1 (``helper``: the helper's thread id, None when the
+    profiler recorded none of its operators)."""
+    if helper is None:
+        return [int(reference_exposed_comm(trace) > 0), 0, 0, 0]
+    unnamed, mine, its = (reference_exposed_comm(trace, thread) for thread in (None, training, helper))
+    return [int(unnamed > 0), int(mine > 0), int(its > 0), int(abs(mine - its) > 1e-6)]
+
+
 def threads_matter(t, evidence) -> None:
     """Fail unless naming the training thread or the helper gives different readings on some rank: else the
     case could not tell an answer that ignores ``rank_thread``."""

@@ -35,7 +35,7 @@ from torch import nn
 from mgpu_lab.profiling.blocks import Block, BlockStack, tokens
 from .. import _references
 from ..sim.outcome import one_thread, outcome
-from .judges import KINDS, straggler_reading
+from .judges import helper_evidence, KINDS, straggler_reading
 
 
 # -- references -----------------------------------------------------------------------------
@@ -137,14 +137,22 @@ def record_traces(folder: str) -> dict:
     traces = {name: record(name) for name in SCENARIOS}
     traces["no collective"] = load_trace(_local_step(folder))
     training = threading.get_native_id()
-    for _ in range(3):  # the profiler now and then misses every operator of the helper thread: record it again
-        others = {e["tid"] for e in complete_events(traces["helper"]) if e.get("cat") == "cpu_op"} - {training}
-        missed = torch.tensor([0 if others else 1])
-        torch.distributed.all_reduce(missed)  # DDP is collective: every rank records again, or none
-        if not missed.item():
+
+    def helper_of(trace):
+        others = {e["tid"] for e in complete_events(trace) if e.get("cat") == "cpu_op"} - {training}
+        return min(others) if others else None
+
+    # The helper trace is recorded again (up to 3 times) while it cannot judge an answer: the profiler now and then
+    # misses every operator of the helper thread, and on a loaded machine no rank's trace may show exposed
+    # communication, or none whose reading depends on the thread named (judges.helper_evidence)
+    for tries in range(4):
+        helper = helper_of(traces["helper"])
+        shown = torch.tensor([int(helper is None)] + helper_evidence(traces["helper"], training, helper))
+        torch.distributed.all_reduce(shown)  # DDP is collective: every rank records again, or none
+        if tries == 3 or (shown[0].item() == 0 and bool((shown[1:] >= 1).all())):
             break
         traces["helper"] = record("helper")
-    return {"traces": traces, "training": training, "helper": min(others) if others else None}
+    return {"traces": traces, "training": training, "helper": helper}
 
 
 #: A folder where the ranks keep their recorded traces and reuse them (tests that judge many answers set it).
