@@ -171,6 +171,11 @@ def test_a_hint_is_given_once_later_cases_with_the_same_reading_point_back_to_it
     assert "same reading as in a failed case above" in hints[1] and judges.WRONG["sum"] not in hints[1]
 
 
+#: Communication exposed, but by the same amount whichever of threads 1 and 4 is named.
+SAME = {"traceEvents": [_x("aten::mm", 1, 0, 5), _x("gloo:all_reduce", 2, 10, 10, "user_annotation"),
+                        _x("aten::mm", 4, 0, 5)]}
+
+
 def test_a_helper_trace_is_evidence_only_where_some_communication_is_exposed_and_the_thread_named_matters():
     # HAND: thread 1 trains, thread 4 computes beside it; communication is exposed whichever is named, by different
     # amounts (0.031 and 0.033 ms)
@@ -179,9 +184,15 @@ def test_a_helper_trace_is_evidence_only_where_some_communication_is_exposed_and
     hidden = {"traceEvents": [_x("aten::mm", 1, 0, 50), _x("gloo:all_reduce", 2, 5, 10, "user_annotation"),
                               _x("aten::mm", 4, 0, 50)]}  # both threads compute through the whole all-reduce
     assert judges.helper_evidence(hidden, 1, 4) == [0, 0, 0, 0]
-    same = {"traceEvents": [_x("aten::mm", 1, 0, 5), _x("gloo:all_reduce", 2, 10, 10, "user_annotation"),
-                            _x("aten::mm", 4, 0, 5)]}  # exposed, but the same whichever thread is named
-    assert judges.helper_evidence(same, 1, 4) == [1, 1, 1, 0]
+    assert judges.helper_evidence(SAME, 1, 4) == [1, 1, 1, 0]
+
+
+def test_the_helper_case_has_evidence_only_on_a_run_where_the_thread_named_changes_the_reading():
+    runs = [{"traces": {"helper": trace}, "training": 1, "helper": helper} for trace, helper in
+            ((SAME, 4), (HAND, None))]
+    with pytest.raises(_Failed, match="hid the same communication"):
+        judges.threads_matter(_Case(), runs)
+    judges.threads_matter(_Case(), runs + [{"traces": {"helper": HAND}, "training": 1, "helper": 4}])  # no failure
 
 
 # -- find_straggler: the reading of a hand-made trace, and no case without its evidence --------------------------
