@@ -21,10 +21,14 @@ class Notebook:
     def __init__(self, page, url: str, token: str, path: str):
         self.page, self.path = page, path
         self._panel = _PANEL.format(path=json.dumps(path))
-        page.goto(f"{url}/lab/tree/{path}?token={token}")
+        # ?reset: a workspace holding this notebook alone (JupyterLab restores every tab the workspace held)
+        page.goto(f"{url}/lab/tree/{path}?token={token}&reset")
         page.wait_for_function(f"() => window.jupyterapp && (({self._panel}) || {{}}).context?.isReady",
                                timeout=90_000)
         page.wait_for_selector(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell", timeout=90_000)
+        opened = page.evaluate("() => [...window.jupyterapp.shell.widgets('main')]"
+                               ".filter(w => w.context).map(w => w.context.path)")
+        assert opened == [path], f"the reset workspace holds {opened}, not {path} alone"
         time.sleep(1)
         dialog = page.locator(".jp-Dialog button.jp-mod-accept")
         if dialog.count():  # a notebook without kernelspec metadata asks which kernel
