@@ -183,12 +183,50 @@ def _note(op: str, call: str, api: str, peer, whole, times: int = 1, source=None
 
 
 # -- deadlocks ---------------------------------------------------------------------------------
+def _peer_key(kind: str, peer, tag) -> str:
+    """The key under which a rank counts its posted sends or receives of one kind, peer and tag."""
+    return f"{kind}/{'any' if peer is None else peer}/{tag}"
+
+
+def _can_complete(states: list[dict], r: int, wait: list) -> bool:
+    """Whether rank ``r``'s blocked send or receive can be matched by another rank's call.
+
+    Where the ranks published how many calls they posted (``"posted"``), that count decides: the k-th
+    receive from q with a tag is matched by q's k-th send to r with that tag (messages between two ranks
+    are matched in order), so it can complete once q has posted k of them, whether or not q has waited for
+    them. gloo reports a posted send as completed only once it is waited for, so the pending list alone
+    would count a send that an earlier receive already took. A receive from any rank, and states without
+    counts, fall back to the calls other ranks wait in or have posted and not waited for.
+    """
+    kind, peer, *rest = wait
+    ordinal, tag = (rest + [None, 0])[:2]
+    other = "recv" if kind == "send" else "send"
+    if peer is not None and ordinal is not None and 0 <= peer < len(states) and peer != r \
+            and "posted" in (states[peer] or {}):
+        posted = states[peer]["posted"]
+        offered = posted.get(_peer_key(other, r, tag), 0)
+        if other == "recv":  # a receive from any rank may take this send too
+            offered += posted.get(_peer_key("recv", None, tag), 0)
+        return offered >= ordinal
+    candidates = range(len(states)) if peer is None else [peer]
+    for q in candidates:
+        if q == r or not 0 <= q < len(states) or states[q]["done"]:
+            continue
+        offers = ([states[q]["blocked"]] if states[q]["blocked"] else []) + states[q]["pending"]
+        if any(o[0] == other and o[1] in (r, None) for o in offers):
+            return True
+    return False
+
+
 def find_deadlock(states: list[dict | None]) -> str | None:
     """Whether the ranks' published states are a deadlock; if so, the waits, in words.
 
     Args:
-        states: per rank ``{"blocked": [kind, peer] or None, "pending": [[kind, peer], ...],
-            "done": bool}``; ``None`` for a rank whose state is unknown.
+        states: per rank ``{"blocked": [kind, peer, ordinal, tag] or None, "pending": [[kind, peer], ...],
+            "posted": {"send/1/0": n, ...}, "done": bool}``; ``None`` for a rank whose state is unknown.
+            ``ordinal`` counts the rank's calls of that kind, peer and tag (1 for the first); ``posted``
+            counts every send and receive the rank has posted, waited for or not (both may be left out:
+            then a call posted and not waited for is taken as unmatched).
 
     Returns:
         ``"rank 0 waits in send to 1, ..."`` when every rank waits (or has finished)
@@ -199,23 +237,25 @@ def find_deadlock(states: list[dict | None]) -> str | None:
         >>> ring = [{"blocked": ["send", (r + 1) % 3], "pending": [], "done": False} for r in range(3)]
         >>> find_deadlock(ring)
         'rank 0 waits in send to 1, rank 1 waits in send to 2, rank 2 waits in send to 0'
+
+        Rank 0 posted 3 sends to rank 1 and waits for rank 1's gradient; rank 1 waits for a 4th activation.
+        gloo still lists the 3 sends as pending (none was waited for), yet all were received:
+
+        >>> states = [{"blocked": ["recv", 1, 1, 0], "pending": [["send", 1]] * 3, "done": False,
+        ...            "posted": {"send/1/0": 3, "recv/1/0": 1}},
+        ...           {"blocked": ["recv", 0, 4, 0], "pending": [], "done": False, "posted": {"recv/0/0": 4}}]
+        >>> find_deadlock(states)
+        'rank 0 waits in recv from 1, rank 1 waits in recv from 0'
     """
     if any(s is None or (s["blocked"] is None and not s["done"]) for s in states):
         return None
     waits = [(r, s["blocked"]) for r, s in enumerate(states) if s["blocked"] is not None]
     if not waits:
         return None
-    for r, (kind, peer) in waits:
-        other = "recv" if kind == "send" else "send"
-        candidates = range(len(states)) if peer is None else [peer]
-        for q in candidates:
-            if q == r or not 0 <= q < len(states) or states[q]["done"]:
-                continue
-            offers = ([states[q]["blocked"]] if states[q]["blocked"] else []) + states[q]["pending"]
-            if any(k == other and p in (r, None) for k, p in offers):
-                return None  # this call can complete: progress is possible
-    return ", ".join(f"rank {r} waits in {kind} {'to' if kind == 'send' else 'from'} "
-                     f"{'any rank' if peer is None else peer}" for r, (kind, peer) in waits)
+    if any(_can_complete(states, r, wait) for r, wait in waits):
+        return None  # a call can complete: progress is possible
+    return ", ".join(f"rank {r} waits in {wait[0]} {'to' if wait[0] == 'send' else 'from'} "
+                     f"{'any rank' if wait[1] is None else wait[1]}" for r, wait in waits)
 
 
 class Recording:
@@ -241,6 +281,7 @@ class Recording:
         self._sid = next(_SESSIONS)
         self._store = c10d._get_default_store()
         self._pending: list = []  # [kind, peer, work] posted without waiting yet
+        self._posted: dict[str, int] = {}  # _peer_key(kind, peer, tag) -> how many were posted
         self._seq = 0
 
     def __iter__(self):
@@ -260,7 +301,7 @@ class Recording:
         self._pending = [p for p in self._pending if not p[2].is_completed()]
         self._seq += 1
         state = {"seq": self._seq, "blocked": blocked, "done": done,
-                 "pending": [[k, p] for k, p, _ in self._pending]}
+                 "pending": [[k, p] for k, p, _ in self._pending], "posted": self._posted}
         self._store.set(self._key(self.rank), json.dumps(state))
 
     def _open(self) -> None:
@@ -286,7 +327,14 @@ class Recording:
                 out.append(None)
         return out
 
-    def _wait(self, work, kind: str, peer) -> None:
+    def _post(self, kind: str, peer, tag) -> int:
+        """Count a send or receive posted now, in every open recording; its ordinal in this one."""
+        key = _peer_key(kind, peer, tag)
+        for rec in _ACTIVE:
+            rec._posted[key] = rec._posted.get(key, 0) + 1
+        return self._posted[key]
+
+    def _wait(self, work, kind: str, peer, ordinal: int | None = None, tag=0) -> None:
         """Wait for a send's or receive's ``work``; raise :class:`Deadlock` when no rank can make progress.
 
         gloo's works report completion only from ``wait()`` (and ``wait(timeout)``
@@ -305,7 +353,7 @@ class Recording:
         threading.Thread(target=waiter, daemon=True, name="record-wait").start()
         published, seen = False, None
         if not done.wait(PUBLISH_AFTER):
-            self._publish([kind, peer])
+            self._publish([kind, peer, ordinal, tag])
             published = True
             while not done.wait(CHECK_EVERY):
                 states = self._states()
@@ -328,11 +376,12 @@ class Recording:
 class _Work:
     """A send's or receive's Work whose ``wait()`` watches for deadlocks; everything else is the Work's."""
 
-    def __init__(self, work, rec: Recording, kind: str, peer):
+    def __init__(self, work, rec: Recording, kind: str, peer, ordinal: int, tag):
         self._work, self._rec, self._kind, self._peer = work, rec, kind, peer
+        self._ordinal, self._tag = ordinal, tag
 
     def wait(self, timeout=None):
-        self._rec._wait(self._work, self._kind, self._peer)
+        self._rec._wait(self._work, self._kind, self._peer, self._ordinal, self._tag)
         self._rec._pending = [p for p in self._rec._pending if p[2] is not self._work]
         return True
 
@@ -341,6 +390,20 @@ class _Work:
 
 
 # -- the stand-ins for torch.distributed's functions ---------------------------------------------
+def _match_tag(arguments: dict) -> str:
+    """What a send and a receive must share to be matched, besides their two ranks: the process group and,
+    on gloo, the tag (NCCL matches a pair's messages in order whatever their tags)."""
+    group = arguments.get("group")
+    if group is None or group is c10d._get_default_group():
+        name = ""
+    else:  # every member names it the same way
+        name = ",".join(map(str, tdist.get_process_group_ranks(group)))
+    tensor = arguments.get("tensor")
+    if isinstance(tensor, torch.Tensor) and tensor.is_cuda and "nccl" in str(tdist.get_backend(group)):
+        return f"{name}:*"
+    return f"{name}:{arguments.get('tag') or 0}"
+
+
 def _p2p(name: str, original, nonblocking):
     """The recording stand-in for ``send``/``recv``/``isend``/``irecv``."""
     signature = inspect.signature(original)
@@ -358,12 +421,14 @@ def _p2p(name: str, original, nonblocking):
         _note(kind, name, "c10d", peer, a.get("tensor"), source=a.get("tensor") if kind == "send" else None,
               group=a.get("group"))
         rec = _ACTIVE[-1]  # the innermost recording watches for deadlocks
+        tag = _match_tag(a)
         with _inside():
             work = nonblocking(a["tensor"], **{k: v for k, v in a.items() if k != "tensor"})
+            ordinal = rec._post(kind, peer, tag)
             if name.startswith("i"):
                 rec._pending.append([kind, peer, work])
-                return _Work(work, rec, kind, peer)
-            rec._wait(work, kind, peer)
+                return _Work(work, rec, kind, peer, ordinal, tag)
+            rec._wait(work, kind, peer, ordinal, tag)
         if kind == "recv":
             return peer if peer is not None else work._source_rank()
         return None

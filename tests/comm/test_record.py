@@ -46,6 +46,34 @@ def test_unknown_or_running_ranks_are_never_called_deadlocked():
     assert find_deadlock([_state(["send", 1]), _state(done=True)]) == "rank 0 waits in send to 1"
 
 
+def _counted(blocked=None, posted=None, pending=(), done=False):
+    return {**_state(blocked, pending, done), "posted": dict(posted or {})}
+
+
+def test_posted_counts_decide_whether_a_wait_can_be_matched_whatever_gloo_lists_as_pending():
+    # rank 0 posted 3 sends to rank 1 (never waited for: gloo still lists them) and waits for a gradient;
+    # rank 1 waits for a 4th activation: the 3 sends were taken by its first 3 receives
+    stale = [_counted(["recv", 1, 1, 0], {"send/1/0": 3, "recv/1/0": 1}, pending=[("send", 1)] * 3),
+             _counted(["recv", 0, 4, 0], {"recv/0/0": 4})]
+    assert find_deadlock(stale) == "rank 0 waits in recv from 1, rank 1 waits in recv from 0"
+    # the same with rank 0's 4th send posted: rank 1's receive is matched, however rank 0 waits
+    stale[0]["posted"]["send/1/0"] = 4
+    assert find_deadlock(stale) is None
+    # a send waits for the 2nd receive: rank 1 has posted one receive from 0 (used), then a 2nd one (not yet)
+    send = ["send", 1, 2, 0]
+    assert find_deadlock([_counted(send, {"send/1/0": 2}), _counted(["recv", 0, 1, 1], {"recv/0/0": 1})]) \
+        == "rank 0 waits in send to 1, rank 1 waits in recv from 0"
+    assert find_deadlock([_counted(send, {"send/1/0": 2}), _counted(["send", 0, 1, 0], {"recv/0/0": 2})]) is None
+    # a receive from any rank may take the send
+    assert find_deadlock([_counted(send, {"send/1/0": 2}), _counted(["send", 0, 1, 0], {"recv/0/0": 1,
+                                                                                       "recv/any/0": 1})]) is None
+    # tags: a receive with tag 7 is not matched by sends with tag 0
+    tagged = [_counted(["recv", 1, 1, 0], {"send/1/0": 1}), _counted(["recv", 0, 1, 7], {"recv/0/7": 1})]
+    assert find_deadlock(tagged) == "rank 0 waits in recv from 1, rank 1 waits in recv from 0"
+    tagged[0]["posted"]["send/1/7"] = 1
+    assert find_deadlock(tagged) is None
+
+
 def test_summarize_counts_calls_or_elements_or_bytes_per_op_and_refuses_other_measures():
     log = [{"op": "all_gather", "numel": 8, "bytes": 32}, {"op": "all_gather", "numel": 8, "bytes": 32},
            {"op": "wait", "numel": 8, "bytes": 32}]
@@ -247,6 +275,42 @@ def test_every_rank_sending_first_raises_a_deadlock_error_at_once_instead_of_han
     assert info.value.exc_type == "Deadlock"
     assert "rank 0 waits in send to 1, rank 1 waits in send to 2, rank 2 waits in send to 0" in text
     assert "irecv" in text
+
+
+def _one_receive_too_many(extra: int, tag_sends: bool):
+    """Rank 0 posts 3 activations with isend (waited for only at the end), then waits for a gradient; rank 1
+    receives 3 + ``extra`` activations, then sends the gradient. With tags, rank 1 takes them in reverse."""
+    rank = dist.get_rank()
+    with record():
+        if rank == 0:
+            tags = [10 + m if tag_sends else 0 for m in range(3)]
+            sends = [dist.isend(torch.full((2,), float(m)), 1, tag=tag) for m, tag in enumerate(tags)]
+            grad = torch.empty(2)
+            dist.recv(grad, 1)
+            for work in sends:
+                work.wait()
+            return grad.tolist()
+        got = []
+        for m in reversed(range(3 + extra)) if tag_sends else range(3 + extra):
+            h = torch.empty(2)
+            dist.recv(h, 0, tag=10 + m if tag_sends else 0)
+            got.append(h[0].item())
+        dist.send(torch.full((2,), sum(got)), 0)
+        return got
+
+
+def test_a_receive_no_rank_will_send_is_a_deadlock_at_once_though_gloo_lists_the_sends_taken_as_pending():
+    # gloo reports an isend as completed only once it is waited for: the 3 sends rank 1 took stay "pending"
+    # in rank 0's list, and a finder that trusted that list waited for the launch's timeout
+    start = time.perf_counter()
+    with pytest.raises(LaunchError) as info:
+        launch(_one_receive_too_many, 2, 1, False, timeout=60)
+    assert info.value.exc_type == "Deadlock", str(info.value)
+    assert time.perf_counter() - start < 30
+    assert "rank 0 waits in recv from 1, rank 1 waits in recv from 0" in str(info.value)
+    # the same exchange with every activation received: no deadlock, also with tags taken out of order
+    assert launch(_one_receive_too_many, 2, 0, False, timeout=60) == [[3.0, 3.0], [0.0, 1.0, 2.0]]
+    assert launch(_one_receive_too_many, 2, 0, True, timeout=60) == [[3.0, 3.0], [2.0, 1.0, 0.0]]
 
 
 # -- which group a collective used ------------------------------------------------------------

@@ -159,7 +159,7 @@ R1_LOOP = """        h = torch.empty((len(ys), *act_shape[1:]), device=device)
 """
 
 PIPELINE = ExerciseMutants("06.pipeline_step", NOTEBOOK, ("pipeline_step",), mutants=[
-    # first: the pool of at_once judges starts it first, so its wait (the check's bound) overlaps the others
+    # a hang the recorder reports at once (before 2026-11-30 only at the check's bound, 30 s: see comm.record)
     Mutant("rank 1 cuts n_micro pieces of act_shape[0] rows (torch.chunk may make fewer): a hang",
            replace("pieces = torch.chunk(target, n_micro)",
                    "pieces = [target[i * act_shape[0]:(i + 1) * act_shape[0]] for i in range(n_micro)]"),
