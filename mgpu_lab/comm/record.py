@@ -202,7 +202,7 @@ def _can_complete(states: list[dict], r: int, wait: list) -> bool:
     ordinal, tag = (rest + [None, 0])[:2]
     other = "recv" if kind == "send" else "send"
     if peer is not None and ordinal is not None and 0 <= peer < len(states) and peer != r \
-            and "posted" in (states[peer] or {}):
+            and "posted" in states[peer]:
         posted = states[peer]["posted"]
         offered = posted.get(_peer_key(other, r, tag), 0)
         if other == "recv":  # a receive from any rank may take this send too
@@ -334,7 +334,7 @@ class Recording:
             rec._posted[key] = rec._posted.get(key, 0) + 1
         return self._posted[key]
 
-    def _wait(self, work, kind: str, peer, ordinal: int | None = None, tag=0) -> None:
+    def _wait(self, work, kind: str, peer, ordinal: int, tag: str) -> None:
         """Wait for a send's or receive's ``work``; raise :class:`Deadlock` when no rank can make progress.
 
         gloo's works report completion only from ``wait()`` (and ``wait(timeout)``
